@@ -1,0 +1,327 @@
+"""ppo.py against closed forms, plain reference loops and exact expectations."""
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+
+import ppo
+from ppo import (aggregate, clipped_policy_loss, entropy_from_logits, gae, kl_estimate, masked_mean,
+                 token_logprobs, value_loss)
+
+
+# ------------------------------------------------------------------------------------------------- reductions
+
+def test_masked_mean_example_dim_and_empty():
+    assert masked_mean(torch.tensor([1., 2., 3.]), torch.tensor([1, 1, 0])).item() == pytest.approx(1.5)
+    x = torch.tensor([[1., 2., 3.], [4., 5., 6.]])
+    m = torch.tensor([[1, 0, 1], [0, 0, 0]])
+    assert masked_mean(x, m, dim=-1).tolist() == [2.0, 0.0]   # empty row -> 0, not NaN
+    assert masked_mean(x, torch.zeros_like(m)).item() == 0.0
+
+
+def test_aggregate_hand_computed():
+    loss = torch.tensor([[1., 2., 3.], [4., 0., 0.]])
+    mask = torch.tensor([[1, 1, 1], [1, 0, 0]])
+    assert aggregate(loss, mask, "token-mean").item() == pytest.approx(10 / 4)
+    assert aggregate(loss, mask, "seq-mean-token-mean").item() == pytest.approx((6 / 3 + 4 / 1) / 2)
+    assert aggregate(loss, mask, "seq-mean-token-sum").item() == pytest.approx((6 + 4) / 2)
+
+
+def test_aggregate_ignores_masked_values_and_empty_rows():
+    loss = torch.tensor([[1., 99., 3.], [-7., -7., -7.]])
+    mask = torch.tensor([[1, 0, 1], [0, 0, 0]])
+    for mode, want in [("token-mean", 2.0), ("seq-mean-token-mean", 2.0), ("seq-mean-token-sum", 4.0)]:
+        assert aggregate(loss, mask, mode).item() == pytest.approx(want)
+
+
+def test_aggregate_bad_mode():
+    with pytest.raises(ValueError, match="token-mean"):
+        aggregate(torch.zeros(1, 1), torch.ones(1, 1), "mean")
+
+
+# ------------------------------------------------------------------------------------------ policy quantities
+
+def test_token_logprobs_example_and_reference():
+    lp = token_logprobs(torch.tensor([[[0.0, math.log(3.0)]]]), torch.tensor([[1]]))
+    assert lp.item() == pytest.approx(math.log(0.75), abs=1e-6)
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(3, 5, 7, generator=g)
+    tokens = torch.randint(0, 7, (3, 5), generator=g)
+    want = torch.log(torch.softmax(logits, -1)).gather(-1, tokens[..., None])[..., 0]
+    torch.testing.assert_close(token_logprobs(logits, tokens), want)
+
+
+def test_token_logprobs_stable_at_large_scale():
+    logits = torch.tensor([[[1e4, 0.0, -1e4]]])
+    lp = token_logprobs(logits, torch.tensor([[1]]))
+    assert lp.item() == pytest.approx(-1e4)   # log softmax = 0 - 1e4 exactly; naive softmax would give -inf
+
+
+def test_token_logprobs_misaligned_raises():
+    with pytest.raises(ValueError, match="aligned"):
+        token_logprobs(torch.zeros(1, 4, 5), torch.zeros(1, 3, dtype=torch.long))
+
+
+def test_entropy_closed_form():
+    assert entropy_from_logits(torch.zeros(1, 1, 4)).item() == pytest.approx(math.log(4))
+    g = torch.Generator().manual_seed(1)
+    p = torch.rand(2, 3, 6, generator=g, dtype=torch.float64) + 0.01
+    p = p / p.sum(-1, keepdim=True)
+    logits = torch.log(p) + 5.0                   # any shift gives the same softmax
+    want = -(p * torch.log(p)).sum(-1)
+    torch.testing.assert_close(entropy_from_logits(logits).double(), want, atol=1e-5, rtol=1e-5)
+    # peaked distributions stay finite and accurate (exact value from the float64 probabilities)
+    for z in (20.0, 100.0):
+        q = torch.softmax(torch.tensor([z, 0.0, 0.0], dtype=torch.float64), -1)
+        exact = -(q * torch.log(q)).sum().item()
+        h = entropy_from_logits(torch.tensor([[[z, 0.0, 0.0]]])).item()
+        assert math.isfinite(h) and h == pytest.approx(exact, abs=1e-6)
+
+
+# ------------------------------------------------------------------------------------------------ KL estimators
+
+def test_kl_estimate_example():
+    d = torch.tensor(math.log(2.0))
+    got = [kl_estimate(d, torch.tensor(0.0), k).item() for k in ppo.KL_KINDS]
+    assert got == pytest.approx([math.log(2), math.log(2) ** 2 / 2, 0.5 + math.log(2) - 1], abs=1e-6)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.floats(-30, 30), st.floats(-30, 30))
+def test_k3_nonnegative_zero_iff_equal(a, b):
+    k3 = kl_estimate(torch.tensor(a, dtype=torch.float64), torch.tensor(b, dtype=torch.float64), "k3").item()
+    assert math.isfinite(k3) and k3 >= 0.0
+    if a == b:
+        assert k3 == 0.0
+    elif abs(a - b) > 1e-6:                                         # below ~1e-8, d^2 / 2 is lost in rounding d
+        assert k3 > 0.0
+
+
+def test_k3_is_clamped_for_wild_tokens():
+    k3 = kl_estimate(torch.tensor([-1000.0, 1000.0]), torch.zeros(2), "k3")
+    assert torch.isfinite(k3).all() and k3.max().item() <= 10.0
+
+
+def test_kl_estimate_bad_kind():
+    with pytest.raises(ValueError, match="k3"):
+        kl_estimate(torch.zeros(1), torch.zeros(1), "k4")
+
+
+@pytest.mark.parametrize("kind", ["k1", "k3"])
+def test_kl_estimators_unbiased_under_pi(kind):
+    g = torch.Generator().manual_seed(2)
+    logp = torch.log_softmax(torch.randn(5, generator=g, dtype=torch.float64), -1)
+    ref_logp = torch.log_softmax(torch.randn(5, generator=g, dtype=torch.float64), -1)
+    exact = (logp.exp() * (logp - ref_logp)).sum().item()           # KL(pi || ref)
+    x = torch.multinomial(logp.exp(), 40_000, replacement=True, generator=g)
+    k = kl_estimate(logp[x], ref_logp[x], kind)
+    se = k.std().item() / math.sqrt(len(k))
+    assert abs(k.mean().item() - exact) < 4 * se, (k.mean().item(), exact, se)
+
+
+# ---------------------------------------------------------------------------------------------------- the actor
+
+def test_ratio_one_gives_minus_mean_advantage():
+    z = torch.zeros(1, 3)
+    loss, stats = clipped_policy_loss(z, z, torch.tensor([[1., -1., 2.]]), torch.ones(1, 3))
+    assert loss.item() == pytest.approx(-2 / 3)
+    assert stats == {"clip_frac": 0.0, "approx_kl": 0.0}
+    g = torch.Generator().manual_seed(3)
+    logp = torch.randn(4, 6, generator=g)
+    adv = torch.randn(4, 6, generator=g)
+    mask = (torch.rand(4, 6, generator=g) > 0.3).float()
+    loss, _ = clipped_policy_loss(logp, logp.clone(), adv, mask)
+    assert loss.item() == pytest.approx(masked_mean(-adv, mask).item(), abs=1e-6)
+
+
+def test_clip_higher_example():
+    # r = 1.5 with A = 1 is clipped at 1 + 0.28; r = 0.5 with A = -1 at 1 - 0.2
+    logp = torch.log(torch.tensor([[1.5, 0.5]]))
+    loss, stats = clipped_policy_loss(logp, torch.zeros(1, 2), torch.tensor([[1., -1.]]), torch.ones(1, 2))
+    assert loss.item() == pytest.approx((-1.28 + 0.8) / 2)
+    assert stats["clip_frac"] == 1.0
+    assert stats["approx_kl"] == pytest.approx(((0.5 - math.log(1.5)) + (-0.5 - math.log(0.5))) / 2, abs=1e-6)
+
+
+def test_clipped_gradient_zero_exactly_where_clipped():
+    g = torch.Generator().manual_seed(4)
+    old = torch.randn(5, 8, generator=g, dtype=torch.float64)
+    logp = (old + 0.5 * torch.randn(5, 8, generator=g, dtype=torch.float64)).requires_grad_()
+    adv = torch.randn(5, 8, generator=g, dtype=torch.float64)
+    mask = (torch.rand(5, 8, generator=g) > 0.25).double()
+    loss, stats = clipped_policy_loss(logp, old, adv, mask, clip_low=0.2, clip_high=0.28)
+    (grad,) = torch.autograd.grad(loss, logp)
+
+    r = torch.exp(logp.detach() - old)
+    clipped = ((adv > 0) & (r > 1.28)) | ((adv < 0) & (r < 0.8))
+    on = mask.bool()
+    assert (clipped & on).any() and (~clipped & on).any()           # both branches exercised
+    logp2 = logp.detach().clone().requires_grad_()
+    unclipped_loss = masked_mean(-adv * torch.exp(logp2 - old), mask)
+    (want,) = torch.autograd.grad(unclipped_loss, logp2)
+    assert (grad[clipped] == 0).all()
+    torch.testing.assert_close(grad[~clipped], want[~clipped])
+    assert (grad[~on] == 0).all()
+    assert stats["clip_frac"] == pytest.approx((clipped & on).sum().item() / on.sum().item())
+
+
+# --------------------------------------------------------------------------------------------------------- GAE
+
+def reference_gae(rewards, values, mask, gamma, lam):
+    """Plain per-sequence loop: drop the masked positions, run textbook GAE, scatter back."""
+    B, T = rewards.shape
+    adv = torch.zeros(B, T, dtype=torch.float64)
+    for b in range(B):
+        idx = [t for t in range(T) if mask[b, t]]
+        a = 0.0
+        for k in reversed(range(len(idx))):
+            next_v = values[b, idx[k + 1]].item() if k + 1 < len(idx) else 0.0
+            a = rewards[b, idx[k]].item() + gamma * next_v - values[b, idx[k]].item() + gamma * lam * a
+            adv[b, idx[k]] = a
+    return adv
+
+
+def random_episode(seed, B=4, T=12, p_on=0.6):
+    g = torch.Generator().manual_seed(seed)
+    mask = (torch.rand(B, T, generator=g) < p_on).long()
+    rewards = torch.randn(B, T, generator=g) * mask
+    values = torch.randn(B, T, generator=g)
+    return rewards, values, mask
+
+
+def test_gae_example():
+    adv, ret = gae(torch.tensor([[0., 0., 1.]]), torch.tensor([[0.2, 9., 0.6]]), torch.tensor([[1, 0, 1]]))
+    torch.testing.assert_close(adv, torch.tensor([[0.8, 0.0, 0.4]]))
+    torch.testing.assert_close(ret, torch.tensor([[1.0, 0.0, 1.0]]))
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_gae_lambda_one_is_return_to_go_minus_value(seed):
+    rewards, values, mask = random_episode(seed)
+    adv, ret = gae(rewards, values, mask, gamma=1.0, lam=1.0)
+    to_go = rewards.flip(-1).cumsum(-1).flip(-1)                    # sum of rewards at t' >= t (0 off-policy)
+    torch.testing.assert_close(adv, (to_go - values) * mask)
+    torch.testing.assert_close(ret, to_go * mask)
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_gae_lambda_zero_is_one_step_td(seed):
+    rewards, values, mask = random_episode(seed)
+    gamma = 0.9
+    adv, _ = gae(rewards, values, mask, gamma=gamma, lam=0.0)
+    B, T = mask.shape
+    for b in range(B):
+        for t in range(T):
+            if not mask[b, t]:
+                assert adv[b, t] == 0
+                continue
+            later = [u for u in range(t + 1, T) if mask[b, u]]
+            next_v = values[b, later[0]] if later else 0.0
+            assert adv[b, t].item() == pytest.approx((rewards[b, t] + gamma * next_v - values[b, t]).item(), abs=1e-5)
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.integers(0, 10_000), st.floats(0.0, 1.0), st.floats(0.0, 1.0), st.floats(0.05, 0.95))
+def test_gae_equals_reference_loop(seed, gamma, lam, p_on):
+    rewards, values, mask = random_episode(seed, p_on=p_on)
+    adv, ret = gae(rewards, values, mask, gamma, lam)
+    want = reference_gae(rewards, values, mask, gamma, lam)
+    torch.testing.assert_close(adv.double(), want, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(ret, (adv + values) * mask)
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.integers(0, 10_000), st.lists(st.integers(0, 12), min_size=1, max_size=6))
+def test_gae_inserting_masked_positions_changes_nothing(seed, where):
+    rewards, values, mask = random_episode(seed, B=3, T=12)
+    adv, ret = gae(rewards, values, mask, 0.95, 0.9)
+    r2, v2, m2, keep = rewards, values, mask, torch.arange(12)
+    for w in sorted(where, reverse=True):                           # insert an observation token before column w
+        junk_v = torch.full((3, 1), 123.0)
+        r2 = torch.cat([r2[:, :w], torch.zeros(3, 1), r2[:, w:]], 1)
+        v2 = torch.cat([v2[:, :w], junk_v, v2[:, w:]], 1)
+        m2 = torch.cat([m2[:, :w], torch.zeros(3, 1, dtype=m2.dtype), m2[:, w:]], 1)
+        keep = torch.where(keep >= w, keep + 1, keep)
+    adv2, ret2 = gae(r2, v2, m2, 0.95, 0.9)
+    torch.testing.assert_close(adv2[:, keep], adv)
+    torch.testing.assert_close(ret2[:, keep], ret)
+    assert (adv2[m2 == 0] == 0).all()
+
+
+def test_gae_reward_on_masked_position_raises():
+    with pytest.raises(ValueError, match="mask-0"):
+        gae(torch.tensor([[1.0, 0.0]]), torch.zeros(1, 2), torch.tensor([[0, 1]]))
+
+
+# ------------------------------------------------------------------------------------------------- the critic
+
+def test_value_loss_example_and_unclipped_case():
+    one = torch.ones(1, 1)
+    assert value_loss(1.5 * one, 1.0 * one, 2.0 * one, one).item() == pytest.approx(0.5 * 0.8 ** 2)
+    v, old, ret = torch.tensor([[1.1, 0.5]]), torch.tensor([[1.0, 0.6]]), torch.tensor([[2.0, 0.0]])
+    want = 0.5 * ((v - ret) ** 2).mean()                           # inside the clip: plain half-MSE
+    assert value_loss(v, old, ret, torch.ones(1, 2)).item() == pytest.approx(want.item())
+
+
+def tiny_qwen():
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+    torch.manual_seed(0)
+    return Qwen2ForCausalLM(Qwen2Config(vocab_size=32, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                        num_attention_heads=4, num_key_value_heads=2))
+
+
+def test_critic_separate_causal_and_trainable():
+    policy = tiny_qwen()
+    critic = ppo.make_critic(policy)
+    policy_ptrs = {p.data_ptr() for p in policy.parameters()}
+    assert not any(p.data_ptr() in policy_ptrs for p in critic.parameters())   # own weights
+    ids = torch.randint(0, 32, (2, 6))
+    am = torch.ones(2, 6, dtype=torch.long)
+    v = ppo.critic_values(critic, ids, am)
+    assert v.shape == (2, 6) and (v == 0).all()                     # zero-initialised head
+
+    opt = torch.optim.Adam(critic.parameters(), lr=1e-2)
+    for _ in range(20):                                             # fit returns of 1 (initial loss 0.5)
+        loss = value_loss(ppo.critic_values(critic, ids, am), torch.zeros(2, 6), torch.ones(2, 6), am, clip=10.0)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    v = ppo.critic_values(critic, ids, am)
+    assert ((v - 1) ** 2).mean().item() < 0.05
+
+    later = ids.clone()
+    later[:, 4:] = (later[:, 4:] + 1) % 32                           # values before t=4 cannot see it
+    v2 = ppo.critic_values(critic, later, am)
+    torch.testing.assert_close(v2[:, :4], v[:, :4])
+    assert not torch.allclose(v2[:, 4:], v[:, 4:])
+    padded = ppo.critic_values(critic, torch.cat([ids, torch.zeros(2, 2, dtype=ids.dtype)], 1),
+                               torch.cat([am, torch.zeros(2, 2, dtype=am.dtype)], 1))
+    torch.testing.assert_close(padded[:, :6], v, atol=1e-5, rtol=1e-5)   # right padding changes nothing
+
+
+# ------------------------------------------------------------------------- exact policy gradient on a bandit
+
+def test_softmax_bandit_gradient_exact_enumeration():
+    """E_a[-grad loss_a] with A = R_a - E[R] equals sum_a pi_a (R_a - Rbar)(e_a - pi) = grad E_pi[R]."""
+    g = torch.Generator().manual_seed(5)
+    theta = torch.randn(4, generator=g, dtype=torch.float64)
+    R = torch.tensor([0.1, 1.0, -0.5, 0.3], dtype=torch.float64)
+    pi = torch.softmax(theta, -1)
+    rbar = (pi * R).sum()
+
+    grad = torch.zeros(4, dtype=torch.float64)
+    for a in range(4):                                              # one single-token episode per arm
+        th = theta.clone().requires_grad_()
+        logp = token_logprobs(th.view(1, 1, 4), torch.tensor([[a]]))
+        loss, _ = clipped_policy_loss(logp, logp.detach(), (R[a] - rbar).view(1, 1), torch.ones(1, 1),
+                                      agg="seq-mean-token-mean")
+        (d,) = torch.autograd.grad(loss, th)
+        grad += pi[a] * -d
+
+    eye = torch.eye(4, dtype=torch.float64)
+    analytic = sum(pi[a] * (R[a] - rbar) * (eye[a] - pi) for a in range(4))
+    th = theta.clone().requires_grad_()
+    (true,) = torch.autograd.grad((torch.softmax(th, -1) * R).sum(), th)
+    torch.testing.assert_close(grad, analytic)
+    torch.testing.assert_close(grad, true)
