@@ -1,0 +1,275 @@
+"""SNR-aware filtering: reward spread bounds the task gradient, so update only on the prompt groups that have it.
+
+The mechanism (RAGEN-2, Sec. 3.1-3.2, Fig. 4). For a prompt x, a sampled reasoning-and-answer z with total reward R and
+the baseline b = E[R | x], the task gradient is
+
+    g_task(x) = E_z[(R - b) grad log pi(z|x)]
+    ||g_task(x)|| <= sqrt(Var(R|x)) * sqrt(E_z ||grad log pi(z|x)||^2)            (Cauchy-Schwarz)
+
+so a prompt whose rollouts all earn the same reward gives no task signal, while the KL and entropy terms of the loss
+push with a force that does not depend on rewards at all. On low-spread prompts the regulariser drives the update
+(low signal-to-noise ratio) towards input-agnostic templates.
+
+The remedy (Sec. 3.3, Fig. 5). Score each prompt group by the spread of its K rollouts' total rewards (format
+penalties included) and update only on the best groups; dropped groups never reach the advantage computation:
+
+    Top-P linear:  sort groups by score (descending), keep the smallest prefix whose summed score reaches p*total - 0.01
+    Top-P softmax: the same prefix rule on softmax(scores), the prefix's probability mass reaching p
+    Top-K:         keep the max(1, int(k * G)) best groups
+
+Worked example (Fig. 5): A = 9, B = 1, C = 5, p = 0.9: target 0.9 * 15 - 0.01 = 13.49, A + C = 14 >= 13.49, so A and
+C are kept and B is dropped. Paper recommendation: p = 0.9; [0.8, 0.98] works best; <= 0.6 is too aggressive.
+
+Shapes: G prompt groups, K rollouts per group, B = G * K sequences stored group-major (rows g*K .. g*K + K - 1 belong
+to group g), T tokens, D parameters. Inputs may be numpy arrays, lists or torch tensors; outputs are torch tensors.
+"""
+import math
+import numbers
+
+import torch
+
+from grpo import group_advantages
+from ppo import aggregate, clipped_policy_loss, entropy_from_logits, kl_estimate, token_logprobs
+
+SCORE_KINDS = ("std", "var")
+MODES = ("none", "topp", "topk")
+PROB_MODES = ("linear", "softmax")
+
+
+def _as_float64(x, name):
+    x = torch.as_tensor(x, dtype=torch.float64)
+    if not torch.isfinite(x).all():
+        raise ValueError(f"{name} must be finite (no NaN / inf)")
+    return x
+
+
+# ------------------------------------------------------------------------------------------------ reward spread
+
+def group_scores(rewards, kind="std"):
+    """Spread of each group's total rewards [G, K] -> [G] float64: the unbiased std (`kind="std"`, the reference's
+    score) or the unbiased variance (`kind="var"`). A group whose rewards are all equal -- including K = 1 -- scores
+    exactly 0 (never NaN, never float round-off), so "zero-variance group" is an exact test.
+
+    >>> group_scores([[0., 1.], [1., 1.]])                # std of (0, 1) = sqrt(1/2)
+    tensor([0.7071, 0.0000], dtype=torch.float64)
+    >>> group_scores([[0., 1.], [1., 1.]], kind="var")
+    tensor([0.5000, 0.0000], dtype=torch.float64)
+    """
+    if kind not in SCORE_KINDS:
+        raise ValueError(f"unknown score kind {kind!r}; choose one of {SCORE_KINDS}")
+    r = _as_float64(rewards, "rewards")                                        # [G, K]
+    if r.dim() != 2 or r.shape[1] == 0:
+        raise ValueError(f"rewards must be [G, K] with K >= 1; got shape {tuple(r.shape)}")
+    constant = (r.max(1).values == r.min(1).values)                            # [G] no spread at all
+    if r.shape[1] == 1:
+        var = torch.zeros(r.shape[0], dtype=torch.float64, device=r.device)     # [G]
+    else:
+        var = r.var(dim=1, correction=1)                                       # [G]
+    var = torch.where(constant, torch.zeros_like(var), var)
+    return var.sqrt() if kind == "std" else var
+
+
+# ----------------------------------------------------------------------------------------------- the sqrt(RV) bound
+
+def task_gradient_bound(rewards, score_grads):
+    """For one group of K samples with rewards [K] and score-function gradients grad log pi(z_k) [K, D], returns
+    (norm, bound) as floats:
+
+        norm  = || 1/K sum_k (r_k - rbar) grad log pi(z_k) ||         (group-mean-baseline policy gradient)
+        bound = sqrt(RV) * sqrt(1/K sum_k ||grad log pi(z_k)||^2),    RV = 1/K sum_k (r_k - rbar)^2
+
+    RV is the population variance (divide by K), which makes norm <= bound exactly Cauchy-Schwarz on the finite sums,
+    with equality when every grad log pi(z_k) = c (r_k - rbar) u for one vector u. Equal rewards give (0, 0).
+
+    >>> task_gradient_bound([0., 2.], [[-1., 0.], [1., 0.]])   # tight: grads proportional to r - rbar = (-1, 1)
+    (1.0, 1.0)
+    """
+    r = _as_float64(rewards, "rewards")                                        # [K]
+    s = _as_float64(score_grads, "score_grads")                                # [K, D]
+    if r.dim() != 1 or s.dim() != 2 or s.shape[0] != r.shape[0] or r.numel() == 0:
+        raise ValueError(f"need rewards [K] and score_grads [K, D]; got {tuple(r.shape)} and {tuple(s.shape)}")
+    centred = r - r.mean()                                                     # [K]
+    grad = (centred[:, None] * s).mean(0)                                      # [D]
+    rv = (centred ** 2).mean()                                                 # population variance
+    bound = rv.sqrt() * (s ** 2).sum(1).mean().sqrt()
+    return grad.norm().item(), bound.item()
+
+
+# ------------------------------------------------------------------------------------- buckets and decomposition
+
+def rv_buckets(scores, n_buckets=6):
+    """Split groups into `n_buckets` equal-count buckets by score, lowest first (Fig. 4's Q1..Q6) -> list of index
+    tensors. Sorting is stable (ties keep index order); sizes differ by at most one, the earlier buckets taking the
+    extra groups; with fewer groups than buckets the last buckets are empty.
+
+    >>> [b.tolist() for b in rv_buckets([3., 0., 2., 0., 1.], n_buckets=3)]
+    [[1, 3], [4, 2], [0]]
+    """
+    s = _as_float64(scores, "scores")                                          # [G]
+    if s.dim() != 1:
+        raise ValueError(f"scores must be [G]; got shape {tuple(s.shape)}")
+    if not isinstance(n_buckets, int) or n_buckets < 1:
+        raise ValueError(f"n_buckets must be a positive int; got {n_buckets!r}")
+    order = torch.sort(s, stable=True).indices                                 # [G] ascending
+    return list(torch.tensor_split(order, n_buckets))
+
+
+def _grad_norm_and_grads(loss, params):
+    """One backward pass of `loss` into fresh gradient tensors (the parameters' .grad stays untouched)."""
+    grads = torch.autograd.grad(loss, params, retain_graph=True, allow_unused=True)
+    grads = [torch.zeros_like(p) if g is None else g for p, g in zip(params, grads)]
+    return math.sqrt(sum(g.double().pow(2).sum() for g in grads).item()), grads
+
+
+def gradient_decomposition(model, input_ids, attention_mask, policy_mask, rewards, *, old_logp=None,
+                           ref_model=None, ref_logp=None, n_buckets=6, normalize_std=False, eps=1e-6,
+                           kl_kind="k3", kl_coef=1.0, entropy_coef=1.0, clip_low=0.2, clip_high=0.28,
+                           agg="token-mean"):
+    """Norms of the task, KL and entropy gradients per reward-spread bucket -- the data of Fig. 4.
+
+    Inputs: a Hugging Face causal LM; input_ids, attention_mask, policy_mask [B, T] (policy_mask marks the policy's own
+    tokens); rewards [G, K] total reward per trajectory with B = G * K in group-major order; optional old_logp and
+    ref_logp [B, T - 1], aligned with ids[:, 1:] (old_logp defaults to the current log-probs, i.e. the first PPO epoch).
+
+    Per bucket of groups (rv_buckets on the std of rewards) one forward pass, then three separate backward passes
+    (torch.autograd.grad; no optimiser step, the parameters and their .grad are left as they were):
+      task     clipped_policy_loss with the group-mean baseline A = r - mean_g(r) (grpo.group_advantages) on every
+               policy token of the trajectory. No std division by default, so the sqrt(RV) scaling shows;
+               normalize_std=True gives GRPO's A = (r - mean) / (std + eps), which removes that scaling for every
+               group with spread.
+      kl       kl_coef * aggregate(kl_estimate(logp, ref_logp, kl_kind)). The reference is `ref_logp`, else
+               `ref_model`, else the policy itself at this moment -- then the KL term sits at its minimum and its
+               gradient is exactly 0 (as at step 1 of training, before the policy has moved from its reference).
+      entropy  -entropy_coef * aggregate(token entropy) (the entropy bonus enters the loss with a minus sign).
+    Returns one dict per non-empty bucket (lowest spread first): bucket, groups, n_groups, mean_std, mean_var,
+    task_grad_norm, kl_grad_norm, entropy_grad_norm, reg_grad_norm (norm of the KL + entropy gradient).
+    """
+    r = _as_float64(rewards, "rewards")                                        # [G, K]
+    if r.dim() != 2:
+        raise ValueError(f"rewards must be [G, K]; got shape {tuple(r.shape)}")
+    G, K = r.shape
+    B, T = input_ids.shape
+    if B != G * K or attention_mask.shape != (B, T) or policy_mask.shape != (B, T):
+        raise ValueError(f"need input_ids, attention_mask, policy_mask [B, T] with B = G * K = {G * K}; got "
+                         f"{tuple(input_ids.shape)}, {tuple(attention_mask.shape)}, {tuple(policy_mask.shape)}")
+    std = group_scores(r, "std")                                               # [G]
+    adv = group_advantages(r, normalize_std=normalize_std, eps=eps)           # [G, K] group-mean baseline
+    adv = adv.reshape(B).float().to(input_ids.device)                          # [B] one advantage per sequence
+    mask = (policy_mask[:, 1:].bool() & attention_mask[:, 1:].bool()).float()  # [B, T-1] trained tokens
+    params = [p for p in model.parameters() if p.requires_grad]
+
+    results = []
+    for i, groups in enumerate(rv_buckets(std, n_buckets)):
+        if len(groups) == 0:
+            continue
+        rows = (groups[:, None] * K + torch.arange(K, device=groups.device)).reshape(-1)  # [b] bucket's sequences
+        rows = rows.to(input_ids.device)
+        ids, m = input_ids[rows], mask[rows]                                   # [b, T], [b, T-1]
+        logits = model(input_ids=ids, attention_mask=attention_mask[rows]).logits[:, :-1]  # [b, T-1, V]
+        logp = token_logprobs(logits, ids[:, 1:])                              # [b, T-1]
+        old = logp.detach() if old_logp is None else old_logp[rows]            # [b, T-1]
+        if ref_logp is not None:
+            ref = ref_logp[rows]                                               # [b, T-1]
+        elif ref_model is not None:
+            with torch.no_grad():
+                ref_logits = ref_model(input_ids=ids, attention_mask=attention_mask[rows]).logits[:, :-1]
+                ref = token_logprobs(ref_logits, ids[:, 1:])                   # [b, T-1]
+        else:
+            ref = logp.detach()                                                # [b, T-1]
+
+        task_loss, _ = clipped_policy_loss(logp, old, adv[rows][:, None].expand_as(logp), m,
+                                           clip_low=clip_low, clip_high=clip_high, agg=agg)
+        kl_loss = kl_coef * aggregate(kl_estimate(logp, ref, kl_kind), m, agg)
+        entropy_loss = -entropy_coef * aggregate(entropy_from_logits(logits), m, agg)
+
+        task_norm, _ = _grad_norm_and_grads(task_loss, params)
+        kl_norm, kl_grads = _grad_norm_and_grads(kl_loss, params)
+        entropy_norm, entropy_grads = _grad_norm_and_grads(entropy_loss, params)
+        reg_sq = sum((a.double() + b.double()).pow(2).sum() for a, b in zip(kl_grads, entropy_grads))
+        reg_norm = math.sqrt(reg_sq.item())
+        results.append({
+            "bucket": i, "groups": groups.tolist(), "n_groups": len(groups),
+            "mean_std": std[groups].mean().item(), "mean_var": (std[groups] ** 2).mean().item(),
+            "task_grad_norm": task_norm, "kl_grad_norm": kl_norm, "entropy_grad_norm": entropy_norm,
+            "reg_grad_norm": reg_norm,
+        })
+    return results
+
+
+# ------------------------------------------------------------------------------------------------------ the filter
+
+def select_groups(scores, mode, value=None, include_zero=False, prob_mode="linear"):
+    """Which groups to train on -> bool mask [G]. Groups are ranked by score, descending; ties keep index order (lower
+    index first), so the result is deterministic. The mode picks a prefix of that ranking:
+
+      "none"     every group (`value` ignored)
+      "topp"     prob_mode "linear":  smallest non-empty prefix whose summed score reaches value * total - 0.01
+                 prob_mode "softmax": smallest non-empty prefix whose softmax(scores) mass reaches value
+      "topk"     the max(1, int(value * G)) best groups
+
+    value must lie in (0, 1] for "topp" and "topk". Zero-score groups (no task gradient) are then removed from the
+    prefix unless include_zero=True, so an all-zero batch keeps nothing: an all-False mask means the caller skips the
+    update. With include_zero=True zero-score groups stay where the prefix reaches them: in "linear" mode only when
+    every score is 0 (they add nothing to the sum), in "softmax" mode when their mass is needed (exp(0) / Z each), in
+    "topk" mode when fewer non-zero groups than the count exist. The 0.01 slack only absorbs round-off: the best
+    group is always in the prefix, however small the total.
+
+    >>> select_groups([9., 1., 5.], "topp", 0.9)           # Fig. 5: target 13.49, A + C = 14 reaches it
+    tensor([ True, False,  True])
+    >>> select_groups([0., 0., 3., 1.], "topk", 0.75)      # int(0.75 * 4) = 3 best, the zero-score one dropped
+    tensor([False, False,  True,  True])
+    """
+    if mode not in MODES:
+        raise ValueError(f"unknown filter mode {mode!r}; choose one of {MODES}")
+    if prob_mode not in PROB_MODES:
+        raise ValueError(f"unknown prob_mode {prob_mode!r}; choose one of {PROB_MODES}")
+    s = _as_float64(scores, "scores")                                          # [G]
+    if s.dim() != 1 or (s < 0).any():
+        raise ValueError(f"scores must be a [G] vector of non-negative spreads; got shape {tuple(s.shape)}")
+    G = s.shape[0]
+    if mode == "none":
+        return torch.ones(G, dtype=torch.bool, device=s.device)
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not 0.0 < value <= 1.0:
+        raise ValueError(f"{mode} value must be a number in (0, 1]; got {value!r}")
+
+    order = torch.sort(s, descending=True, stable=True).indices                # [G] best first
+    ranked = s[order]                                                          # [G]
+    if mode == "topk":
+        n_keep = min(G, max(1, int(value * G)))
+    elif prob_mode == "linear":
+        reached = ranked.cumsum(0) >= value * ranked.sum() - 0.01            # [G]; the full prefix always reaches
+        n_keep = int(reached.nonzero()[0]) + 1
+    else:
+        mass = torch.softmax(ranked, 0).cumsum(0)                              # [G]
+        reached = (mass >= value - 1e-12).nonzero()                            # tolerance: mass 1.0 may round below
+        n_keep = int(reached[0]) + 1 if len(reached) else G
+
+    keep = torch.zeros(G, dtype=torch.bool, device=s.device)                   # [G]
+    keep[order[:n_keep]] = True
+    if not include_zero:
+        keep &= s > 0
+    return keep
+
+
+def filter_stats(scores, mask):
+    """Statistics of one filtering step, as Python numbers for logging (Fig. 11's kept ratio and zero-variance count):
+    kept_ratio, num_kept, num_zero_var, zero_var_frac, mean_score_kept, mean_score_dropped. An empty side has mean
+    0.0 (never NaN).
+
+    >>> filter_stats([9., 1., 5., 0.], [True, False, True, False])["mean_score_dropped"]   # (1 + 0) / 2
+    0.5
+    """
+    s = _as_float64(scores, "scores")                                          # [G]
+    keep = torch.as_tensor(mask, dtype=torch.bool, device=s.device)            # [G]
+    if s.dim() != 1 or keep.shape != s.shape:
+        raise ValueError(f"scores and mask must both be [G]; got {tuple(s.shape)} and {tuple(keep.shape)}")
+    G = max(s.shape[0], 1)
+    zero = int((s == 0).sum())
+    return {
+        "kept_ratio": int(keep.sum()) / G,
+        "num_kept": int(keep.sum()),
+        "num_zero_var": zero,
+        "zero_var_frac": zero / G,
+        "mean_score_kept": s[keep].mean().item() if keep.any() else 0.0,
+        "mean_score_dropped": s[~keep].mean().item() if (~keep).any() else 0.0,
+    }
