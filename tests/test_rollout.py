@@ -1,0 +1,299 @@
+"""Tests of rollout.py: exact transcripts, masks and rewards with scripted policies; sampling-time log-probs equal a
+recomputed forward pass; the from_pretrained path; malformed model output never crashes."""
+import pytest
+import torch
+from tokenizers import Tokenizer, decoders, models
+from transformers import (AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast, Qwen2Config,
+                          Qwen2ForCausalLM)
+
+import envs
+import rollout
+from rollout import Generation
+
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+CHATML = ("{%- for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}"
+          "{%- endfor %}{%- if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{%- endif %}")
+LAKE = {"desc": ["SFFG"], "max_steps": 6}  # start far left, goal three steps to the right
+SYSTEM = "Reach G."  # a short system prompt keeps the char-level transcripts short
+
+
+def make_tokenizer():
+    """Character-level tokenizer over printable ASCII, newline and the grid symbol √, Qwen's special tokens and a
+    ChatML template; no pad token (the loop must cope)."""
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    chars = ["<unk>"] + [chr(i) for i in range(32, 127)] + ["\n", "√"]
+    tok = Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(specials + chars)}, merges=[], unk_token="<unk>"))
+    tok.decoder = decoders.Fuse()
+    tok.add_special_tokens(specials)
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", unk_token="<unk>")
+    tokenizer.chat_template = CHATML
+    return tokenizer
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Tiny matrices: one thread is much faster than several fighting over two shared cores."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return make_tokenizer()
+
+
+def make_model(tokenizer, seed=0):
+    torch.manual_seed(seed)
+    config = Qwen2Config(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, eos_token_id=tokenizer.eos_token_id)
+    return Qwen2ForCausalLM(config).eval()
+
+
+def scripted(tokenizer, scripts, calls=None):
+    """A stand-in policy: episode i (in order of the first call) answers scripts[i][turn] (a str, or a
+    (token list, cut) pair; the last entry repeats); strings get the end-of-turn token appended, like a model that
+    closes its turn."""
+    owner, turn = {}, {}
+    end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+
+    def policy(prompt_ids, env_list):
+        if calls is not None:
+            calls.append(len(env_list))
+        out = []
+        for env in env_list:
+            i = owner.setdefault(id(env), len(owner))
+            t = turn[i] = turn.get(i, -1) + 1
+            reply = scripts[i][min(t, len(scripts[i]) - 1)]
+            if isinstance(reply, str):
+                out.append(Generation(tokenizer.encode(reply, add_special_tokens=False) + [end], None, False))
+            else:
+                out.append(Generation(list(reply[0]), None, reply[1]))
+        return out
+
+    return policy
+
+
+def chat_ids(tokenizer, episode, system):
+    """Token ids of the chat template's rendering of the episode's conversation (without the final newline)."""
+    env = envs.make_env("frozenlake", **LAKE)
+    obs, _ = env.reset(seed=episode.seed)
+    messages = [{"role": "system", "content": system}, {"role": "user", "content": rollout.user_message(
+        obs, 0.0, env.max_steps, 1)}]
+    steps = iter(episode.actions)
+    for turn, (response, reward) in enumerate(zip(episode.responses, episode.turn_rewards), start=1):
+        messages.append({"role": "assistant", "content": response})
+        _, actions, _ = envs.parse_response(response, env.actions)
+        for _ in actions[:2]:
+            if not env.done:
+                obs = env.step(next(steps))[0]
+        if turn < episode.turns:
+            left = env.max_steps - env.steps
+            messages.append({"role": "user", "content": rollout.user_message(obs, reward, left, turn + 1)})
+    text = tokenizer.apply_chat_template(messages, tokenize=False)
+    assert text.endswith("<|im_end|>\n")
+    return tokenizer.encode(text[:-1], add_special_tokens=False)
+
+
+# ---------------------------------------------------------------- prompts
+def test_prompts_carry_state_reward_budget_and_format():
+    env = envs.make_env("frozenlake", **LAKE)
+    text = rollout.system_prompt(env, max_actions_per_turn=2)
+    assert env.rules in text and env.legend in text and "<answer> Up || Down </answer>" in text
+    assert rollout.user_message("P_O", -0.1, 8, 2) == (
+        "Turn 2. Reward of last turn: -0.10\nState:\nP_O\nYou have 8 actions left. "
+        "Answer as <think> ... </think> <answer> ... </answer>, actions separated by ||.")
+    assert "Reward" not in rollout.user_message("P_O", 0.0, 10, 1)
+    assert rollout._split_reasoning("Q", "<think> a </think> b") == ("Q<think>", " a ")
+    assert rollout._split_reasoning("Q<think>x</think>", "<think> a") == ("Q<think>x</think><think>", " a")
+    assert rollout._split_reasoning("Q", "no tags") == ("Q", "no tags")
+
+
+def test_end_of_turn_and_pad_without_touching_the_tokenizer(tokenizer):
+    end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    assert rollout.end_of_turn_ids(tokenizer) == [end]
+    assert tokenizer.pad_token is None and rollout.pad_token_id(tokenizer) == end and tokenizer.pad_token is None
+    other = make_tokenizer()
+    other.eos_token = "<|endoftext|>"  # a base model: eos differs from the template's end of turn
+    assert rollout.end_of_turn_ids(other) == [end, other.convert_tokens_to_ids("<|endoftext|>")]
+
+
+# ---------------------------------------------------------------- scripted episodes, checked by hand
+def test_group_mates_go_on_after_one_succeeds_on_turn_two(tokenizer):
+    calls = []
+    policy = scripted(tokenizer, [
+        [" go right </think> <answer> Right || Right </answer>", "one more</think><answer>Right</answer>"],
+        [" left </think> <answer> Left || Left || Left </answer>"],  # capped at 2 actions a turn
+        ["I refuse to use the format."]],  # format penalty every turn
+        calls)
+    eps = rollout.play(policy, tokenizer, "frozenlake", seeds=[7], group_size=3, env_kwargs=LAKE, system=SYSTEM)
+    win, lefty, garbage = eps
+    assert calls == [3, 3, 2, 1, 1]  # ended episodes are not generated for
+    assert (win.success, win.turns, win.num_actions, win.total_reward) == (True, 2, 3, 1.0)
+    assert win.actions == ["Right"] * 3 and win.turn_rewards == [0.0, 1.0]
+    # max_steps=6 actions, 2 a turn: the env truncates after turn 3
+    assert (lefty.success, lefty.turns, lefty.num_actions, lefty.total_reward) == (False, 3, 6, 0.0)
+    assert (garbage.turns, garbage.num_actions, garbage.success) == (5, 0, False)
+    assert garbage.turn_rewards == [-0.1] * 5 and garbage.total_reward == pytest.approx(-0.5)
+    assert [e.group for e in eps] == [0, 0, 0] and [e.noise_seed for e in eps] == [7000, 7001, 7002]
+    for e in eps:
+        assert e.input_ids.tolist() == chat_ids(tokenizer, e, SYSTEM)  # exactly the template's rendering
+        sampled = e.input_ids[e.policy_mask == 1].tolist()
+        replies = [tokenizer.encode(r[len("<think>"):], add_special_tokens=False) for r in e.responses]
+        end = tokenizer.eos_token_id
+        assert sampled == [t for reply in replies for t in reply + [end]]  # mask 1 = the policy's tokens only
+        assert e.response_lengths == [len(r) + 1 for r in replies] and not e.cut
+        last = int(e.policy_mask.nonzero()[-1])
+        assert e.token_rewards[last] == pytest.approx(e.total_reward)
+        assert e.token_rewards.abs().sum() == pytest.approx(abs(e.total_reward))
+        assert e.first_prompt.endswith("<|im_start|>assistant\n<think>") and SYSTEM in e.first_prompt
+        assert e.logprobs is None
+    assert win.first_reasoning == " go right " and garbage.first_reasoning == "I refuse to use the format."
+
+
+def test_a_group_shares_its_layout_but_not_its_noise(tokenizer):
+    prompts, same_moves = [], scripted(tokenizer, [["a</think><answer>Up || Left</answer>"]] * 16)
+
+    def policy(prompt_ids, env_list):
+        prompts.append([tuple(p) for p in prompt_ids])
+        return same_moves(prompt_ids, env_list)
+
+    eps = rollout.play(policy, tokenizer, "frozenlake", [0, 1], 8, env_kwargs={"success_rate": 1 / 3},
+                       max_turns=2, system=SYSTEM)
+    first, second = prompts[0][:8], prompts[0][8:]
+    assert len(set(first)) == 1 and len(set(second)) == 1 and first[0] != second[0]  # one layout per group
+    assert len({e.first_prompt for e in eps[:8]}) == 1
+    assert len({p for p, e in zip(prompts[1], [e for e in eps if e.turns == 2]) if e.group == 0}) > 1  # slips differ
+
+
+def test_malformed_output_is_penalised_never_crashes(tokenizer):
+    enc = lambda s: tokenizer.encode(s, add_special_tokens=False)  # noqa: E731
+    start, end = tokenizer.convert_tokens_to_ids(["<|im_start|>", "<|im_end|>"])
+    script = [([], False),  # nothing at all
+              ([end], False),  # only the end-of-turn token
+              (enc("<think> never closed, cut at the limit"), True),
+              (enc("a") + [start] + enc("</think><answer>Right") + [end], False),  # stray special token, unclosed
+              (enc("</answer><answer> Right </answer></think>") + [end], False)]  # tags out of order
+    eps = rollout.play(scripted(tokenizer, [script]), tokenizer, "frozenlake", [3], 1, env_kwargs=LAKE, system=SYSTEM)
+    (e,) = eps
+    assert e.turns == 5 and e.num_actions == 0 and e.turn_rewards == [-0.1] * 5 and not e.cut
+    assert e.response_lengths == [0, 1, len(script[2][0]), len(script[3][0]), len(script[4][0])]
+    assert e.input_ids.tolist() == chat_ids(tokenizer, e, SYSTEM)  # the cut turn got its end token, as mask 0
+    assert e.policy_mask.sum() == sum(e.response_lengths)
+    assert e.first_reasoning == ""  # turn 1 produced nothing after the prefilled "<think>"
+
+
+def test_bad_arguments_raise_value_error(tokenizer):
+    policy = scripted(tokenizer, [["x"]])
+    with pytest.raises(ValueError, match="group_size"):
+        rollout.play(policy, tokenizer, "frozenlake", [0], 0)
+    with pytest.raises(ValueError, match="valid"):
+        rollout.play(policy, tokenizer, "chess", [0], 1)
+    with pytest.raises(ValueError, match="generations"):
+        rollout.play(lambda ids, e: [], tokenizer, "frozenlake", [0], 2, env_kwargs=LAKE)
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        rollout.hf_policy(None, tokenizer, 0)
+    with pytest.raises(ValueError, match="top_p"):
+        rollout.hf_policy(None, tokenizer, 4, top_p=0.0)
+
+
+def test_collate_right_pads(tokenizer):
+    eps = rollout.play(scripted(tokenizer, [["<answer>Left</answer>"], ["x</think><answer>Right</answer>"]]),
+                       tokenizer, "frozenlake", [1], 2, env_kwargs=LAKE, max_turns=2, system=SYSTEM)
+    batch = rollout.collate(eps, pad_id=-5)
+    lengths = [len(e.input_ids) for e in eps]
+    assert batch["input_ids"].shape == (2, max(lengths)) and "logprobs" not in batch
+    for b, (e, n) in enumerate(zip(eps, lengths)):
+        assert batch["input_ids"][b, :n].tolist() == e.input_ids.tolist()
+        assert (batch["input_ids"][b, n:] == -5).all() and batch["attention_mask"][b].sum() == n
+        assert batch["policy_mask"][b, n:].sum() == 0
+        assert batch["token_rewards"][b].sum() == pytest.approx(e.total_reward)
+    assert batch["total_reward"].tolist() == pytest.approx([-0.2, 0.0]) and batch["group"].tolist() == [0, 0]
+    with pytest.raises(ValueError):
+        rollout.collate([], 0)
+
+
+# ---------------------------------------------------------------- a real Hugging Face model
+def forward_logprobs(model, batch, temperature):
+    """log softmax(logits / T) of every token given its prefix, from one forward pass over right-padded ids."""
+    with torch.no_grad():
+        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits.float()
+    logp = torch.log_softmax(logits[:, :-1] / temperature, dim=-1)  # [B, T-1, V]
+    return logp, logp.gather(-1, batch["input_ids"][:, 1:, None]).squeeze(-1)  # [B, T-1]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("temperature, top_p", [(1.0, 1.0), (0.7, 0.5)])
+def test_sampling_logprobs_equal_a_forward_pass(tokenizer, device, temperature, top_p):
+    model = make_model(tokenizer).to(device)
+    policy = rollout.hf_policy(model, tokenizer, max_new_tokens=40, temperature=temperature, top_p=top_p)
+    torch.manual_seed(1)
+    eps = rollout.play(policy, tokenizer, "frozenlake", [0, 1], 2, max_turns=3, system=SYSTEM)
+    assert any(e.cut for e in eps) and any(n < 40 for e in eps for n in e.response_lengths)  # both endings occur
+    batch = {k: v.to(device) for k, v in rollout.collate(eps, rollout.pad_token_id(tokenizer)).items()}
+    table, recomputed = forward_logprobs(model, batch, temperature)
+    mask = batch["policy_mask"][:, 1:] == 1  # [B, T-1]
+    assert batch["policy_mask"][:, 0].sum() == 0
+    torch.testing.assert_close(batch["logprobs"][:, 1:][mask], recomputed[mask], atol=1e-4, rtol=0)
+    # every sampled token lies in the top-p nucleus: less than top_p of the mass is on likelier tokens
+    probs = table.exp()
+    chosen = probs.gather(-1, batch["input_ids"][:, 1:, None])  # [B, T-1, 1]
+    above = (probs * (probs > chosen)).sum(-1)  # [B, T-1]
+    assert (above[mask] < top_p + 1e-5).all()
+    for e in eps:  # every turn but the last ends with the end-of-turn token: sampled (mask 1) or appended (mask 0)
+        ids, m = e.input_ids.tolist(), e.policy_mask.tolist()
+        run_ends = [i for i in range(1, len(m)) if m[i - 1] == 1 and m[i] == 0]
+        assert len(run_ends) == e.turns - 1
+        assert all(tokenizer.eos_token_id in (ids[i - 1], ids[i]) for i in run_ends)
+
+
+def test_greedy_picks_the_argmax(tokenizer):
+    model = make_model(tokenizer)
+    policy = rollout.hf_policy(model, tokenizer, max_new_tokens=10, temperature=0)
+    (e,) = rollout.play(policy, tokenizer, "frozenlake", [2], 1, max_turns=2, system=SYSTEM)
+    table, recomputed = forward_logprobs(model, rollout.collate([e], 0), 1.0)
+    mask = e.policy_mask[1:] == 1
+    assert (table[0].argmax(-1)[mask] == e.input_ids[1:][mask]).all()
+    torch.testing.assert_close(e.logprobs[1:][mask], recomputed[0][mask], atol=1e-4, rtol=0)
+
+
+def test_from_pretrained_round_trip_is_identical(tokenizer, tmp_path):
+    model = make_model(tokenizer, seed=3)
+    model.save_pretrained(tmp_path / "model")
+    # its own folder: next to a qwen2 config.json, AutoTokenizer would build Qwen's byte-level tokenizer instead
+    tokenizer.save_pretrained(tmp_path / "tokenizer")
+    loaded_model = AutoModelForCausalLM.from_pretrained(tmp_path / "model").eval()
+    loaded_tokenizer = AutoTokenizer.from_pretrained(tmp_path / "tokenizer")
+    assert loaded_tokenizer.chat_template == tokenizer.chat_template
+    runs = []
+    for m, t in ((model, tokenizer), (loaded_model, loaded_tokenizer)):
+        torch.manual_seed(0)
+        policy = rollout.hf_policy(m, t, max_new_tokens=16, temperature=0.9, top_p=0.95)
+        runs.append(rollout.play(policy, t, "sokoban", [5, 6], 2, max_turns=2, system=SYSTEM))
+    for a, b in zip(*runs):
+        assert a.input_ids.tolist() == b.input_ids.tolist() and a.responses == b.responses
+        torch.testing.assert_close(a.logprobs, b.logprobs)
+
+
+def test_validate_after_learning_the_transcript(tokenizer):
+    """A model trained on the loop's own transcripts (one scripted winning episode) solves the easy lake."""
+    episodes = rollout.play(scripted(tokenizer, [["go</think><answer>Right || Right</answer>"]]),
+                            tokenizer, "frozenlake", [0], 1, env_kwargs=LAKE, system=SYSTEM)
+    assert episodes[0].success and episodes[0].turns == 2
+    model = make_model(tokenizer, seed=4)
+    assert rollout.validate(model, tokenizer, "frozenlake", [0, 1], env_kwargs=LAKE, temperature=0,
+                            max_new_tokens=40, system=SYSTEM) == 0.0
+    batch = rollout.collate(episodes, 0)
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
+    model.train()
+    for _ in range(80):  # supervised steps on the policy tokens only
+        logits = model(input_ids=batch["input_ids"]).logits[:, :-1]  # [1, T-1, V]
+        nll = torch.nn.functional.cross_entropy(logits.transpose(1, 2), batch["input_ids"][:, 1:], reduction="none")
+        loss = (nll * batch["policy_mask"][:, 1:]).sum() / batch["policy_mask"].sum()
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    model.eval()
+    assert rollout.validate(model, tokenizer, "frozenlake", [0, 1], env_kwargs=LAKE, temperature=0,
+                            max_new_tokens=60, system=SYSTEM) == 1.0
