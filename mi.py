@@ -1,0 +1,280 @@
+"""The diagnosis: mutual information between prompt and reasoning, estimated by cross-scoring (paper Sec. 2).
+
+Entropy H(Z) of the reasoning Z cannot see template collapse, because it mixes two things (Shannon's chain rule):
+
+    H(Z) = H(Z | X) + I(X; Z)
+           within-input diversity + input dependence
+
+A collapsed policy keeps H(Z) high (fluent, varied text) while I(X; Z) falls to 0: the reasoning no longer depends on
+the prompt X. The paper therefore tracks I(X; Z) online. For N prompts x_j and M sampled reasonings z_m (owner[m] =
+the prompt that produced z_m) it scores every reasoning under every prompt of the batch with the current policy:
+
+    L[m, j] = log p(z_m | x_j)                                  (teacher-forced, summed over z_m's tokens)
+    matched_m  = L[m, owner[m]]
+    marginal_m = logsumexp_j L[m, j] - log N                    (p(z) = uniform mixture over the batch's prompts)
+    I(X; Z) ~= mean_m (matched_m - marginal_m)                  (<= log N, since logsumexp >= any single term)
+
+Retrieval accuracy asks whether arg-max_j L[m, j] is owner[m]: near 1 when reasoning is grounded, chance 1/N under
+collapse (paper Fig. 6b). The MI z-score divides the MI estimate by the spread of the marginal (paper Fig. 9).
+
+Order of the file: closed-form entropies for discrete tables -> metrics from a score matrix -> EMA smoothing ->
+cross-scoring a Hugging Face causal LM.
+"""
+import copy
+import math
+
+import numpy as np
+import torch
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Closed form: discrete distributions, natural log (nats), 0 log 0 = 0
+
+
+def _as_float64(x):
+    """numpy array or torch tensor (any device / dtype) -> float64 numpy array."""
+    if isinstance(x, torch.Tensor):
+        x = x.detach().to("cpu", torch.float64).numpy()
+    return np.asarray(x, dtype=np.float64)
+
+
+def _check_distribution(p, name, axis=-1):
+    if not np.all(np.isfinite(p)) or np.any(p < 0):
+        raise ValueError(f"{name} must hold finite non-negative probabilities")
+    if not np.allclose(p.sum(axis=axis), 1.0, atol=1e-6):
+        raise ValueError(f"{name} must sum to 1 along its last axis")
+
+
+def _neg_xlogx(p):
+    """-p log p elementwise with the limit 0 at p = 0."""
+    return -p * np.log(np.where(p > 0, p, 1.0))
+
+
+def _table_and_prior(p_z_given_x, p_x):
+    table = _as_float64(p_z_given_x)
+    if table.ndim != 2:
+        raise ValueError(f"p_z_given_x must have shape [N inputs, K outputs], got {table.shape}")
+    _check_distribution(table, "each row of p_z_given_x")
+    prior = np.full(table.shape[0], 1.0 / table.shape[0]) if p_x is None else _as_float64(p_x)
+    if prior.shape != (table.shape[0],):
+        raise ValueError(f"p_x must have shape [{table.shape[0]}], got {prior.shape}")
+    _check_distribution(prior, "p_x")
+    return table, prior
+
+
+def entropy(p):
+    """H(Z) = -sum_z p(z) log p(z) in nats for a 1-D distribution. entropy([0.5, 0.5, 0]) = log 2 = 0.6931."""
+    p = _as_float64(p)
+    if p.ndim != 1:
+        raise ValueError(f"entropy expects a 1-D distribution, got shape {p.shape}")
+    _check_distribution(p, "p")
+    return float(_neg_xlogx(p).sum())
+
+
+def conditional_entropy(p_z_given_x, p_x=None):
+    """H(Z | X) = sum_x p(x) H(Z | X = x); p_z_given_x is [N inputs, K outputs], p_x defaults to uniform."""
+    table, prior = _table_and_prior(p_z_given_x, p_x)
+    return float(prior @ _neg_xlogx(table).sum(axis=1))
+
+
+def mutual_information(p_z_given_x, p_x=None):
+    """I(X; Z) = sum_x p(x) KL(p(z|x) || p(z)) with p(z) = sum_x p(x) p(z|x); equals H(Z) - H(Z | X).
+
+    Worked example (three prompts, three possible reasonings, uniform prompts): two policies with the SAME entropy
+    H(Z) = log 3 = 1.0986 nats.
+
+        grounded = [[.5, .5, 0], [0, .5, .5], [.5, 0, .5]]    H(Z|X) = log 2 = 0.6931   I(X;Z) = log 1.5 = 0.4055
+        template = [[1/3, 1/3, 1/3]] * 3                      H(Z|X) = log 3 = 1.0986   I(X;Z) = 0
+
+    Entropy cannot tell them apart; mutual information can. Chain rule: 1.0986 = 0.6931 + 0.4055 = 1.0986 + 0.
+    """
+    table, prior = _table_and_prior(p_z_given_x, p_x)
+    marginal = prior @ table  # [K]
+    ratio = np.where(table > 0, table / np.where(marginal > 0, marginal, 1.0), 1.0)  # [N, K]; p(z|x) > 0 => p(z) > 0
+    return max(0.0, float(prior @ (table * np.log(ratio)).sum(axis=1)))  # clamp -1e-17 rounding to 0
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# From a cross-score matrix to the paper's metrics
+
+
+def _as_scores(scores, owner, lengths):
+    """Validate and convert to float64 / int64 torch tensors on the CPU."""
+    scores = torch.as_tensor(_as_float64(scores))
+    if scores.ndim != 2 or scores.shape[0] == 0 or scores.shape[1] == 0:
+        raise ValueError(f"scores must have shape [M samples, N prompts] with M, N >= 1, got {tuple(scores.shape)}")
+    if torch.isnan(scores).any() or (scores == math.inf).any():
+        raise ValueError("scores must be log-likelihoods: no NaN and no +inf (-inf is allowed)")
+    num_samples, num_prompts = scores.shape
+    owner = torch.as_tensor(_as_float64(owner))
+    bad = (owner != owner.round()) | (owner < 0) | (owner >= num_prompts)
+    if owner.shape != (num_samples,) or bad.any():
+        raise ValueError(f"owner must hold {num_samples} prompt indices in [0, {num_prompts})")
+    owner = owner.long()
+    if not torch.isfinite(scores.gather(1, owner[:, None])).all():
+        raise ValueError("each sample's matched score scores[m, owner[m]] must be finite (its owner produced it)")
+    lengths = torch.ones(num_samples, dtype=torch.float64) if lengths is None else torch.as_tensor(_as_float64(lengths))
+    if lengths.shape != (num_samples,) or (lengths < 0).any():
+        raise ValueError(f"lengths must hold {num_samples} non-negative token counts")
+    return scores, owner, lengths
+
+
+def retrieval_credit(scores, owner, k=1):
+    """Per-sample chance that the owner is among the k best-scoring prompts, ties broken uniformly at random.
+
+    With g prompts scoring strictly above the owner and t prompts tied with it (owner included), the owner lands
+    uniformly in ranks g+1 .. g+t, so the credit is clip((k - g) / t, 0, 1) -- exact, deterministic, and exactly 1/N
+    for every sample of a fully collapsed policy (all N scores equal). Example: scores [[-1, -1, -3]], owner [0]
+    -> 0.5 for k = 1 (tie of two at the top), 1.0 for k = 2.
+    """
+    scores = torch.as_tensor(scores)
+    owner = torch.as_tensor(owner).long()
+    matched = scores.gather(1, owner[:, None])  # [M, 1]
+    above = (scores > matched).sum(1).to(torch.float64)  # [M]
+    tied = (scores == matched).sum(1).to(torch.float64)  # [M], >= 1 (the owner itself)
+    return ((k - above) / tied).clamp(0.0, 1.0)  # [M]
+
+
+def collapse_metrics(scores, owner, lengths=None, topk=(2, 5)):
+    """The paper's MI diagnostics from cross-scores (definitions in the module docstring).
+
+    scores [M, N]: summed log-likelihoods log p(z_m | x_j); owner [M]: prompt index of each sample; lengths [M]: token
+    counts of z_m (None = all 1), used for the per-token matrix scores / max(length, 1) (an empty reasoning scores 0).
+    numpy or torch input. Returns plain floats:
+      mi_estimate / mi_seq_estimate        mean(matched - marginal) on the per-token / summed matrix (<= log N)
+      mi_zscore / mi_zscore_seq            that mean / (population std of marginal + 1e-3)
+      marginal_std / marginal_std_seq      the std in that denominator (for mi_zscore_ema)
+      conditional_entropy (_seq)           -mean(matched)
+      reasoning_entropy (_seq)             -mean(marginal)
+      retrieval_acc, retrieval_acc_top{k}  owner ranked first / within the top k (k < N), ties share credit
+      retrieval_chance = 1/N, mi_upper_bound = log N, num_samples = M, num_prompts = N
+
+    Worked example: scores [[-1, -3], [-4, -2], [-2, -2]], owner [0, 1, 0], N = 2 (lengths None: both matrices
+    agree). matched = [-1, -2, -2]; marginal = [-1.5662, -2.5662, -2.0]; matched - marginal = [0.5662, 0.5662, 0.0],
+    so mi_seq_estimate = 0.3775 (<= log 2 = 0.6931), conditional_entropy = 1.6667, reasoning_entropy = 2.0441,
+    retrieval_acc = (1 + 1 + 0.5) / 3 = 0.8333 (the third sample ties both prompts: half credit).
+    """
+    scores, owner, lengths = _as_scores(scores, owner, lengths)
+    num_samples, num_prompts = scores.shape
+    log_n = math.log(num_prompts)
+    out = {}
+    per_token = scores / lengths.clamp(min=1.0)[:, None]  # [M, N]
+    for suffix, table in (("", per_token), ("_seq", scores)):
+        matched = table.gather(1, owner[:, None])[:, 0]  # [M]
+        marginal = torch.logsumexp(table, dim=1) - log_n  # [M]
+        estimate = (matched - marginal).mean().item()
+        spread = marginal.std(correction=0).item() if num_samples > 1 else 0.0
+        out["mi_estimate" if not suffix else "mi_seq_estimate"] = estimate
+        out["mi_zscore" + suffix] = estimate / (spread + 1e-3)
+        out["marginal_std" + suffix] = spread
+        out["conditional_entropy" + suffix] = -matched.mean().item()
+        out["reasoning_entropy" + suffix] = -marginal.mean().item()
+    # Ranking is the same on both matrices (one positive factor per row), so retrieval uses the summed one.
+    out["retrieval_acc"] = retrieval_credit(scores, owner, 1).mean().item()
+    for k in topk:
+        if k < num_prompts:
+            out[f"retrieval_acc_top{k}"] = retrieval_credit(scores, owner, k).mean().item()
+    out.update(retrieval_chance=1.0 / num_prompts, mi_upper_bound=log_n,
+               num_samples=float(num_samples), num_prompts=float(num_prompts))
+    return out
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Smoothing over training steps
+
+
+def ema(previous, value, decay=0.9):
+    """Exponential moving average, state in -> state out: None initialises with value. ema(None, 2.0) = 2.0;
+    ema(2.0, 4.0) = 0.9 * 2 + 0.1 * 4 = 2.2."""
+    if not 0.0 <= decay < 1.0:
+        raise ValueError(f"decay must be in [0, 1), got {decay}")
+    return float(value) if previous is None else decay * previous + (1.0 - decay) * float(value)
+
+
+def mi_zscore_ema(metrics, std_ema=None, decay=0.9, seq=False):
+    """mi_zscore with the denominator's std smoothed across steps: returns (zscore, new std_ema).
+
+    metrics is a collapse_metrics dict; pass the returned std_ema back at the next step. Example: first step with
+    mi_estimate 0.2 and marginal_std 0.5 -> (0.2 / 0.501, 0.5); next step mi 0.3, std 1.5 -> std_ema 0.6 and
+    zscore 0.3 / 0.601 = 0.4992.
+    """
+    suffix = "_seq" if seq else ""
+    std_ema = ema(std_ema, metrics["marginal_std" + suffix], decay)
+    estimate = metrics["mi_seq_estimate" if seq else "mi_estimate"]
+    return estimate / (std_ema + 1e-3), std_ema
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Cross-scoring a causal language model: L[m, j] = log p(z_m | x_j) for every (reasoning, prompt) pair
+
+
+def _encode(tokenizer, texts, what):
+    if not isinstance(texts, (list, tuple)) or not all(isinstance(t, str) for t in texts):
+        raise ValueError(f"{what} must be a list of strings")
+    return [list(ids) for ids in tokenizer(list(texts), add_special_tokens=False)["input_ids"]] if texts else []
+
+
+def _token_logprobs(logits, targets):
+    """log softmax(logits)[target] without materialising the log-softmax: [B, T, V], [B, T] -> [B, T] float32."""
+    logits = logits.float()
+    return logits.gather(-1, targets[..., None])[..., 0] - torch.logsumexp(logits, dim=-1)
+
+
+@torch.inference_mode()
+def cross_scores(model, tokenizer, prompts, reasonings, batch_size=8):
+    """Score every reasoning under every prompt: returns (scores_sum [M, N] float32, lengths [M] int64), on the CPU.
+
+    scores_sum[m, j] = sum_t log p(z_m,t | x_j, z_m,<t) under `model` (teacher forcing, no gradients), lengths[m] =
+    number of tokens of z_m. Each text is tokenized once without added special tokens (the prompt already carries
+    what the chat template put there) and the reasoning's tokens are appended to the prompt's, so the token boundary
+    is the same for every pair. An empty reasoning scores 0 with length 0.
+
+    Cost: each prompt is encoded once; its key/value cache is then repeated over a batch of at most `batch_size`
+    reasonings (right-padded, attention-masked), so the work grows with N x (reasoning tokens) instead of
+    N x (prompt + reasoning tokens). Peak memory is one batch's logits, [batch_size, longest reasoning, vocab].
+    Grouping by prompt means prompts of different lengths never share a batch and need no padding.
+    """
+    if not isinstance(batch_size, int) or batch_size < 1:
+        raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
+    prompt_ids, reasoning_ids = _encode(tokenizer, prompts, "prompts"), _encode(tokenizer, reasonings, "reasonings")
+    if any(len(ids) == 0 for ids in prompt_ids):
+        raise ValueError("every prompt must have at least one token (its last position predicts the reasoning)")
+    device = next(model.parameters()).device
+    lengths = torch.tensor([len(ids) for ids in reasoning_ids], dtype=torch.long)  # [M]
+    scores = torch.zeros(len(reasoning_ids), len(prompt_ids), dtype=torch.float32)  # [M, N]
+    # Batch reasonings of similar length together (less padding), once for all prompts; empty ones keep score 0.
+    order = sorted((m for m in range(len(reasoning_ids)) if reasoning_ids[m]), key=lambda m: len(reasoning_ids[m]))
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0  # any id: padding is masked out
+    batches = []
+    for start in range(0, len(order), batch_size):
+        batch = order[start:start + batch_size]
+        width = max(len(reasoning_ids[m]) for m in batch)
+        tokens = torch.full((len(batch), width), pad_id, dtype=torch.long)  # [B, R], right-padded
+        for r, m in enumerate(batch):
+            tokens[r, :len(reasoning_ids[m])] = torch.tensor(reasoning_ids[m])
+        real = torch.arange(width)[None] < lengths[batch][:, None]  # [B, R]
+        batches.append((batch, tokens.to(device), real.to(device)))
+
+    was_training = model.training
+    model.eval()  # no dropout while scoring
+    try:
+        for j, ids in enumerate(prompt_ids):
+            prompt = torch.tensor([ids], device=device)  # [1, P]
+            out = model(input_ids=prompt, use_cache=True, logits_to_keep=1)
+            first_logp = torch.log_softmax(out.logits[0, -1].float(), dim=-1)  # [V]: predicts every z's first token
+            for batch, tokens, real in batches:
+                rows = len(batch)
+                total = first_logp[tokens[:, 0]]  # [B]
+                if tokens.shape[1] > 1:
+                    # Feed z_0 .. z_{R-2} after the cached prompt; position t predicts z_{t+1}.
+                    cache = copy.deepcopy(out.past_key_values)  # the forward pass below grows the cache in place
+                    cache.batch_repeat_interleave(rows)
+                    mask = torch.cat([torch.ones(rows, len(ids), dtype=torch.long, device=device),
+                                      real[:, :-1].long()], dim=1)  # [B, P + R - 1]
+                    logits = model(input_ids=tokens[:, :-1], attention_mask=mask, past_key_values=cache,
+                                   use_cache=True).logits  # [B, R - 1, V]
+                    logp = _token_logprobs(logits, tokens[:, 1:])  # [B, R - 1]
+                    total = total + (logp * real[:, 1:]).sum(dim=1)  # padded targets count 0
+                scores[batch, j] = total.cpu()
+    finally:
+        model.train(was_training)
+    return scores, lengths
