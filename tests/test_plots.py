@@ -1,0 +1,40 @@
+"""plots.py: the figures come from metrics.jsonl, overlay several runs, and survive a half-written last line."""
+import json
+import os
+
+import plots
+
+
+def write_run(folder, steps, success):
+    os.makedirs(folder)
+    with open(os.path.join(folder, "metrics.jsonl"), "w") as f:
+        for s in range(1, steps + 1):
+            record = {"step": s, "train_success": success, "kept_ratio": 0.5, "zero_var_frac": 0.25,
+                      "response_length": 20.0}
+            if s % 5 == 0 or s == 1:
+                record.update(mi_zscore=0.3, retrieval_acc=0.6, conditional_entropy=1.0, reasoning_entropy=1.2)
+            f.write(json.dumps(record) + "\n")
+        f.write('{"step": 99, "train_succ')  # a run killed mid-write
+
+
+def test_series_reads_only_the_steps_that_logged_a_key(tmp_path):
+    write_run(tmp_path / "a", 10, 0.5)
+    records = plots.read_metrics(tmp_path / "a")
+    assert len(records) == 10                                  # the broken last line is skipped
+    assert plots.series(records, "mi_zscore") == ([1, 5, 10], [0.3, 0.3, 0.3])
+    assert plots.series(records, "val_success") == ([], [])
+
+
+def test_overlaid_runs_give_one_png_per_figure(tmp_path):
+    write_run(tmp_path / "topp", 10, 0.6)
+    write_run(tmp_path / "none", 10, 0.3)
+    out = tmp_path / "figs"
+    assert plots.main([str(tmp_path / "topp"), str(tmp_path / "none"), "--out", str(out)]) == 0
+    for name in plots.FIGURES:
+        with open(out / f"{name}.png", "rb") as f:
+            assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+
+
+def test_a_folder_without_metrics_is_a_clear_error(tmp_path, capsys):
+    assert plots.main([str(tmp_path)]) == 2
+    assert "no metrics.jsonl" in capsys.readouterr().err
