@@ -1,6 +1,6 @@
 """Cross-scoring cost: prefix-cache reuse (mi.cross_scores) vs naive re-encoding of every (prompt, reasoning) pair.
 
-Setting of the paper's diagnostic (Sec. 3): N prompts, M sampled reasonings, every reasoning scored under every prompt.
+Setting of the paper's diagnostic (Sec. 2.3): N prompts, M sampled reasonings, every reasoning scored under every prompt.
 Naive re-encoding runs N x M sequences of (prompt + reasoning) tokens; mi.cross_scores encodes each prompt once and
 repeats its key/value cache over the reasonings, so it runs N x M x (reasoning tokens) plus N x (prompt tokens).
 With prompts 4x longer than reasonings the ideal ratio is about 5x. Also reported: the cost relative to one forward

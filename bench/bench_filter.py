@@ -1,0 +1,137 @@
+"""Filter savings: update time on the groups Top-P keeps vs on all groups, against the fraction of episodes kept.
+
+RAGEN-2 (Sec. 3.3, Fig. 5) drops the prompt groups with little reward spread before the update; it reports 26-41% less
+compute per step. train.learn removes the dropped groups before collation, so the update (old log-probs, advantages,
+clipped loss, backward, optimiser steps) should cost in proportion to what is kept:
+
+    time ratio = t(update on kept groups) / t(update on all groups)   ~   kept fraction = kept episodes / all episodes
+
+Data: G groups x K episodes of tiny-policy transcripts (random tokens, 3 turns of template + response, lengths
+varying by episode) with synthetic total rewards in the pattern the paper describes (Fig. 11): a quarter of the
+groups without any spread (all failed with the same format penalties, or all succeeded), the others spread from
+almost uniform to mixed. The filter is train.select (Top-P, p = 0.9, linear), as in a training step.
+
+Score (higher is better, 1 = the time saved equals the compute dropped):  1 - |time ratio - kept fraction|.
+Target: time ratio within 0.1 of the kept fraction, i.e. score >= 0.9.
+
+    python bench/bench_filter.py              # 16 groups x 8 episodes, GRPO update, tiny Qwen2
+    python bench/bench_filter.py --quick      # tiny sizes, 1 repeat: proves the script still runs
+
+Last line: RESULT filter <1 - |time ratio - kept fraction|>.
+"""
+import argparse
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import ppo  # noqa: E402
+import rollout  # noqa: E402
+import snr_filter  # noqa: E402
+import tiny  # noqa: E402
+import train  # noqa: E402
+from bench_cross_scores import median_seconds  # noqa: E402
+
+
+def synthetic_rewards(groups, group_size, generator):
+    """[G, K] total rewards: every fourth group has no spread, the others succeed (+10) with a per-group
+    probability and pay a format penalty (-0.1) on 0..3 of their turns."""
+    rewards = torch.zeros(groups, group_size)  # [G, K]
+    for g in range(groups):
+        if g % 4 == 3:
+            rewards[g] = -0.3 if g % 8 == 3 else 10.0  # all failed alike / all succeeded
+            continue
+        p_success = (g + 1) / (groups + 1)
+        success = torch.rand(group_size, generator=generator) < p_success  # [K]
+        penalties = torch.randint(0, 4, (group_size,), generator=generator)  # [K]
+        rewards[g] = 10.0 * success - 0.1 * penalties
+    return rewards
+
+
+def synthetic_episodes(rewards, turns, template_len, response_len, vocab, generator):
+    """rollout.Episode records of random tokens: per turn template_len tokens (mask 0), then a response of
+    response_len // 2 .. response_len tokens (mask 1); the total reward sits on the last response token."""
+    episodes = []
+    G, K = rewards.shape
+    for g in range(G):
+        for k in range(K):
+            ids, mask = [], []
+            for _ in range(turns):
+                n = int(torch.randint(response_len // 2, response_len + 1, (1,), generator=generator))
+                ids += torch.randint(1, vocab, (template_len + n,), generator=generator).tolist()
+                mask += [0.0] * template_len + [1.0] * n
+            mask_t = torch.tensor(mask)  # [T]
+            token_rewards = torch.zeros_like(mask_t)  # [T]
+            token_rewards[len(mask) - 1] = float(rewards[g, k])
+            episodes.append(rollout.Episode(
+                input_ids=torch.tensor(ids), policy_mask=mask_t, token_rewards=token_rewards, logprobs=None,
+                total_reward=float(rewards[g, k]), success=False, turns=turns, num_actions=0, response_lengths=[],
+                cut=False, group=g, seed=g, noise_seed=g * 1000 + k, first_prompt="", first_reasoning=""))
+    return episodes
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--threads", type=int, default=2, help="torch.set_num_threads")
+    parser.add_argument("--groups", type=int, default=16)
+    parser.add_argument("--group-size", type=int, default=8)
+    parser.add_argument("--algo", default="grpo", choices=("ppo", "grpo", "drgrpo"))
+    parser.add_argument("--top-p", type=float, default=0.9)
+    parser.add_argument("--turns", type=int, default=3)
+    parser.add_argument("--template-len", type=int, default=40, help="template tokens per turn")
+    parser.add_argument("--response-len", type=int, default=48, help="longest response per turn")
+    parser.add_argument("--hidden", type=int, default=128)
+    parser.add_argument("--layers", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--quick", action="store_true", help="tiny sizes, 1 repeat")
+    args = parser.parse_args()
+    if args.quick:
+        args.groups, args.group_size, args.turns, args.template_len, args.response_len = 4, 2, 1, 4, 4
+        args.hidden, args.layers, args.repeats = 32, 1, 1
+    torch.set_num_threads(args.threads)
+
+    tokenizer = tiny.build_tokenizer()
+    model = tiny.build_model(tokenizer, hidden_size=args.hidden, num_layers=args.layers,
+                             intermediate_size=2 * args.hidden)
+    a = train.Args(algo=args.algo, filter="topp", top_p=args.top_p, groups=args.groups, group_size=args.group_size)
+    critic = None
+    optimizers = [torch.optim.AdamW(model.parameters(), lr=1e-4)]
+    if args.algo == "ppo":
+        critic = ppo.make_critic(model)
+        optimizers.append(torch.optim.AdamW(critic.parameters(), lr=1e-3))
+    generator = torch.Generator().manual_seed(0)
+    rewards = synthetic_rewards(args.groups, args.group_size, generator)  # [G, K]
+    episodes = synthetic_episodes(rewards, args.turns, args.template_len, args.response_len, len(tokenizer), generator)
+    keep, stats = train.select(a, rewards)  # [G]
+    everything = torch.ones_like(keep)  # [G]
+    pad = rollout.pad_token_id(tokenizer)
+    autocast = lambda: torch.autocast("cpu", enabled=False)  # noqa: E731  float32, as train.py on CPU
+    model.train()
+
+    def update(groups_kept):
+        return train.learn(a, model, critic, optimizers, None, episodes, rewards, groups_kept, pad, autocast,
+                           torch.Generator().manual_seed(0), torch.device("cpu"))
+
+    update(everything)  # warm-up: optimiser state, allocator
+    (t_kept, t_all), _ = median_seconds([lambda: update(keep), lambda: update(everything)], args.repeats)
+    kept_fraction = int(keep.sum()) / len(keep)  # groups are equal-sized: the fraction of episodes too
+    time_ratio = t_kept / t_all
+    score = 1.0 - abs(time_ratio - kept_fraction)
+
+    print(f"tiny Qwen2: hidden {args.hidden}, {args.layers} layers; torch threads {torch.get_num_threads()}; "
+          f"{args.algo.upper()} update, {args.groups} groups x {args.group_size} episodes, {args.turns} turns of "
+          f"{args.template_len} template + <= {args.response_len} response tokens; Top-P p = {args.top_p}; "
+          f"median of {args.repeats}")
+    print(f"group reward std: {[round(s, 2) for s in snr_filter.group_scores(rewards).tolist()]}")
+    print(f"zero-spread groups {stats['num_zero_var']}/{args.groups}, kept {stats['num_kept']}/{args.groups}")
+    print(f"{'update on':<28}{'seconds':>10}{'episodes':>10}")
+    print(f"{'all groups':<28}{t_all:>10.3f}{len(episodes):>10d}")
+    print(f"{'groups Top-P keeps':<28}{t_kept:>10.3f}{int(keep.sum()) * args.group_size:>10d}")
+    print(f"time ratio {time_ratio:.3f}, kept fraction {kept_fraction:.3f} (compute saved {1 - time_ratio:.1%}; "
+          f"target |difference| <= 0.1)")
+    print(f"RESULT filter {score:.3f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,55 @@
+"""Run every bench/bench_*.py one after the other and print their RESULT lines together at the end.
+
+    python bench/run_all.py                                   # full sizes (each script < 5 minutes on CPU)
+    python bench/run_all.py --quick                           # every script's --quick mode
+    python bench/run_all.py --trl-python trl-venv/bin/python  # the interpreter that has trl (bench_trl.py)
+
+bench_trl.py runs under --trl-python (default: this interpreter); it is skipped when trl cannot be imported there.
+Exit status 1 when any script fails.
+"""
+import argparse
+import glob
+import os
+import subprocess
+import sys
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def has_trl(python):
+    return subprocess.run([python, "-c", "import trl"], capture_output=True).returncode == 0
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="pass --quick to every script")
+    parser.add_argument("--threads", type=int, default=2, help="passed to every script (torch.set_num_threads)")
+    parser.add_argument("--trl-python", default=sys.executable, help="interpreter with trl, for bench_trl.py")
+    args = parser.parse_args()
+
+    results, failed = [], []
+    for script in sorted(glob.glob(os.path.join(HERE, "bench_*.py"))):
+        name = os.path.basename(script)
+        python = args.trl_python if name == "bench_trl.py" else sys.executable
+        if name == "bench_trl.py" and not has_trl(python):
+            print(f"== {name}: skipped, trl cannot be imported by {python} (see bench/requirements.txt)\n")
+            results.append(f"{name}: skipped (no trl)")
+            continue
+        command = [python, script, "--threads", str(args.threads)] + (["--quick"] if args.quick else [])
+        print(f"== {' '.join(command)}", flush=True)
+        out = subprocess.run(command, capture_output=True, text=True)
+        print(out.stdout, flush=True)
+        lines = [line for line in out.stdout.splitlines() if line.startswith("RESULT ")]
+        if out.returncode != 0 or not lines:
+            print(out.stderr[-3000:])
+            failed.append(name)
+            results.append(f"{name}: FAILED (exit {out.returncode})")
+        else:
+            results.append(lines[-1])
+    print("== results (higher is better)")
+    print("\n".join(results))
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

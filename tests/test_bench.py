@@ -1,0 +1,36 @@
+"""Every benchmark's --quick mode still runs: exit status 0 and a last `RESULT <name> <finite number>` line.
+
+No timing is asserted: the numbers depend on the machine. bench_trl.py needs trl, which is not a dependency of the
+project: it runs under the interpreter named by BENCH_TRL_PYTHON (default: this one) and is skipped without trl.
+"""
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+
+BENCH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench")
+
+
+def run_quick(script, python=sys.executable):
+    out = subprocess.run([python, os.path.join(BENCH, script), "--quick", "--threads", "1"], capture_output=True,
+                         text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert out.returncode == 0, out.stderr[-3000:]
+    last = out.stdout.strip().splitlines()[-1].split()
+    assert len(last) == 3 and last[0] == "RESULT", out.stdout[-2000:]
+    assert math.isfinite(float(last[2])), last
+    return last[1]
+
+
+@pytest.mark.parametrize("script, name", [("bench_cross_scores.py", "cross_scores"), ("bench_rollout.py", "rollout"),
+                                          ("bench_filter.py", "filter"), ("bench_memory.py", "memory")])
+def test_quick_mode_reports_a_result(script, name):
+    assert run_quick(script) == name
+
+
+def test_trl_quick_mode_reports_a_result():
+    python = os.environ.get("BENCH_TRL_PYTHON", sys.executable)
+    if subprocess.run([python, "-c", "import trl"], capture_output=True).returncode != 0:
+        pytest.skip(f"trl is not importable by {python} (bench/requirements.txt; set BENCH_TRL_PYTHON)")
+    assert run_quick("bench_trl.py", python) == "trl"
