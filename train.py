@@ -115,30 +115,33 @@ class UsageError(Exception):
     """Bad input from the user: one line on stderr, exit code 2."""
 
 
-def parse_args(argv):
+def build_parser(defaults=True):
+    """One flag per Args field, its help the field's; defaults=False leaves out the flags not given (for --resume)."""
     class Parser(argparse.ArgumentParser):
         def error(self, message):  # argparse would print the usage too; one line is enough
             raise UsageError(message)
 
-    parser = Parser(description=__doc__.split("\n")[0])
+    parser = Parser(description=__doc__.split("\n")[0], argument_default=None if defaults else argparse.SUPPRESS)
     for f in dataclasses.fields(Args):
-        flag = "--" + f.name.replace("_", "-")
-        if f.type == "bool" or f.type is bool:
-            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default, help=f.metadata["help"])
+        flag, default = "--" + f.name.replace("_", "-"), f.default if defaults else argparse.SUPPRESS
+        if f.type is bool:
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=default, help=f.metadata["help"])
         else:
-            kind = {"int": int, "float": float, "str": str}[f.type if isinstance(f.type, str) else f.type.__name__]
-            parser.add_argument(flag, type=kind, default=f.default, choices=f.metadata.get("choices"),
-                                help=f.metadata["help"])
-    ns = parser.parse_args(argv)
-    given = {k for k in vars(ns) if f"--{k.replace('_', '-')}" in " ".join(argv)}
-    args = Args(**vars(ns))
+            parser.add_argument(flag, type=f.type, default=default,
+                                choices=f.metadata.get("choices"), help=f.metadata["help"])
+    return parser
+
+
+def parse_args(argv):
+    args = Args(**vars(build_parser().parse_args(argv)))
     if args.resume:  # the run's own config, with the flags given now on top (e.g. more --steps)
         path = os.path.join(args.resume, "config.json")
         if not os.path.isfile(path):
             raise UsageError(f"--resume {args.resume}: no config.json there")
         with open(path) as f:
             saved = json.load(f)
-        args = Args(**{**saved, **{k: getattr(args, k) for k in given}, "resume": args.resume, "out": args.resume})
+        given = vars(build_parser(defaults=False).parse_args(argv))
+        args = Args(**{**saved, **given, "out": args.resume})
     check_args(args)
     return args
 
@@ -183,18 +186,19 @@ def load_policy(a, device, source):
     if looks_local and not os.path.isdir(os.path.expanduser(source)):
         raise UsageError(f"--model {source}: no such folder")
     source = os.path.expanduser(source)
+    saved = {}  # what a checkpoint of ours adds: the system prompt and attention kernel it was trained with
+    if os.path.isfile(os.path.join(source, "policy.json")):
+        with open(os.path.join(source, "policy.json")) as f:
+            saved = json.load(f)
     try:
         tokenizer = (PreTrainedTokenizerFast if _plain_fast_tokenizer(source) else AutoTokenizer).from_pretrained(source)
-        model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32)
+        model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32,
+                                                     attn_implementation=saved.get("attn_implementation"))
     except (OSError, ValueError) as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise UsageError(f"--model {source}: cannot load it (not a model folder, or no network for a hub id): "
                          f"{first}") from None
-    system = None
-    if os.path.isfile(os.path.join(source, "system_prompt.txt")):  # a checkpoint of the tiny policy
-        with open(os.path.join(source, "system_prompt.txt")) as f:
-            system = f.read()
-    return model.to(device), tokenizer, system
+    return model.to(device), tokenizer, saved.get("system")
 
 
 def _plain_fast_tokenizer(folder):
@@ -355,9 +359,8 @@ def save_checkpoint(out, step, model, tokenizer, system, critic, optimizers, sta
     shutil.rmtree(tmp, ignore_errors=True)
     model.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
-    if system is not None:
-        with open(os.path.join(tmp, "system_prompt.txt"), "w") as f:
-            f.write(system)
+    with open(os.path.join(tmp, "policy.json"), "w") as f:
+        json.dump({"system": system, "attn_implementation": model.config._attn_implementation}, f)
     torch.save({"step": step, "state": state, "critic": critic.state_dict() if critic is not None else None,
                 "optimizers": [o.state_dict() for o in optimizers],
                 "rng": {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate(),
@@ -431,9 +434,6 @@ def run(a):
     ckpt_dir = os.path.join(a.out, "checkpoint")
     resuming = a.resume is not None and os.path.isdir(ckpt_dir)
     model, tokenizer, system = load_policy(a, device, ckpt_dir if resuming else a.model)
-    if resuming and is_tiny:
-        import tiny
-        system = tiny.TINY_SYSTEM
     if a.grad_checkpointing:
         model.gradient_checkpointing_enable()
     ref_model = None
@@ -518,6 +518,8 @@ def run(a):
             if (a.val_every and step % a.val_every == 0) or step == a.steps:
                 m["val_success"] = validate(model, tokenizer, system, a, device)
             m["time_step"] = time.time() - t0
+            if device.type == "cuda":
+                m["gpu_peak_gb"] = torch.cuda.max_memory_allocated() / 2**30
             log.write(json.dumps(m) + "\n")
             log.flush()
             if a.save_every and (step % a.save_every == 0 or step == a.steps):

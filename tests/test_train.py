@@ -88,8 +88,18 @@ def test_resume_continues_exactly_like_an_uninterrupted_run(tmp_path):
     assert train.main(["--resume", broken, "--steps", "3"]) == 0
     a, b = records(straight), records(broken)
     assert [r["step"] for r in b] == [1, 2, 3]
-    drop = lambda r: {k: v for k, v in r.items() if not k.startswith("time_") and k != "val_success"}  # noqa: E731
-    assert [drop(r) for r in a] == [drop(r) for r in b]
+    # Everything sampled and every loss is identical. The cross-scores of the re-loaded model differ from those of
+    # the model object that trained in memory in the last float32 bits (1e-6 of a summed log-likelihood; the
+    # plain forward pass is bit-identical), so the MI metrics get a tolerance far below any meaningful change.
+    for x, y in zip(a, b):
+        assert set(x) - {"val_success"} == set(y) - {"val_success"}
+        for k in x:
+            if k.startswith("time_") or k == "val_success":
+                continue
+            if k.startswith(("mi_", "reasoning_entropy", "conditional_entropy")):
+                assert x[k] == pytest.approx(y[k], rel=1e-3, abs=1e-6), k
+            else:
+                assert x[k] == y[k], k
 
 
 def test_a_killed_step_is_run_again_not_logged_twice(tmp_path):
