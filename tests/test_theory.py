@@ -1,0 +1,302 @@
+"""theory.md against the code: every `file.py:function` and `tests/test_x.py::test_name` it names exists, and every
+number in its `# worked example` blocks is recomputed here from the code. README.md's reading map is checked the same
+way when it has one."""
+import ast
+import math
+import os
+import re
+
+import numpy as np
+import pytest
+import torch
+
+import envs
+import grpo
+import mi
+import ppo
+import snr_filter
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+THEORY = os.path.join(ROOT, "theory.md")
+README = os.path.join(ROOT, "README.md")
+README_SECTIONS = ("Reading alongside the paper", "Exercises")
+
+CODE_REF = re.compile(r"\b([A-Za-z_]\w*)\.py:([A-Za-z_][\w.]*)")
+TEST_REF = re.compile(r"(tests/test_\w+\.py)::(\w+)")
+NUMBER_LINE = re.compile(r"^([A-Za-z_][\w.]*)\s*=\s*(.+?)\s*$")
+
+
+def read(path):
+    with open(path, encoding="utf-8") as f:
+        return f.read()
+
+
+def readme_reading_map():
+    """The README sections that hold the reading map, or None when README.md has none of them yet."""
+    if not os.path.exists(README):
+        return None
+    text = read(README)
+    parts = re.split(r"^(#{1,6} .*)$", text, flags=re.MULTILINE)  # [before, heading, body, heading, body, ...]
+    picked = [h + b for h, b in zip(parts[1::2], parts[2::2]) if any(s in h for s in README_SECTIONS)]
+    return "\n".join(picked) or None
+
+
+# ------------------------------------------------------------------------------------------- references exist
+
+def top_level_names(path):
+    """Names a module defines at top level (functions, classes, assignments) and the methods of its classes."""
+    names = set()
+    for node in ast.parse(read(path)).body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(node.name)
+            if isinstance(node, ast.ClassDef):
+                names |= {f"{node.name}.{n.name}" for n in node.body if isinstance(n, ast.FunctionDef)}
+        elif isinstance(node, ast.Assign):
+            names |= {t.id for t in node.targets if isinstance(t, ast.Name)}
+    return names
+
+
+def defined_tests(path):
+    return {n.name for n in ast.walk(ast.parse(read(path))) if isinstance(n, ast.FunctionDef)
+            and n.name.startswith("test_")}
+
+
+def missing_references(text):
+    """Every `file.py:name` and tests/test_x.py::test_name in `text` that does not exist -> list of strings."""
+    missing = []
+    for module, name in sorted(set(CODE_REF.findall(text))):
+        path = os.path.join(ROOT, module + ".py")
+        if not os.path.exists(path) or name not in top_level_names(path):
+            missing.append(f"{module}.py:{name}")
+    for test_file, name in sorted(set(TEST_REF.findall(text))):
+        path = os.path.join(ROOT, test_file)
+        if not os.path.exists(path) or name not in defined_tests(path):
+            missing.append(f"{test_file}::{name}")
+    return missing
+
+
+def test_every_code_and_test_reference_in_theory_exists():
+    text = read(THEORY)
+    # the parser still finds them (a broken pattern would find nothing and pass vacuously)
+    assert len(set(CODE_REF.findall(text))) >= 25 and len(set(TEST_REF.findall(text))) >= 40
+    assert missing_references(text) == []
+
+
+def test_the_light_modules_expose_what_theory_names():
+    """The same references by import: the named objects are callables of the loaded modules (heavy modules that
+    load transformers are checked by source above, to keep this file fast)."""
+    loaded = {"mi": mi, "snr_filter": snr_filter, "ppo": ppo, "grpo": grpo, "envs": envs}
+    for module, name in set(CODE_REF.findall(read(THEORY))):
+        if module in loaded:
+            obj = loaded[module]
+            for part in name.split("."):
+                obj = getattr(obj, part)
+            assert callable(obj), f"{module}.py:{name}"
+
+
+def test_every_reference_in_the_readme_reading_map_exists():
+    text = readme_reading_map()
+    if text is None:
+        pytest.skip("README.md has no 'Reading alongside the paper' / 'Exercises' sections")
+    assert CODE_REF.search(text) and TEST_REF.search(text)
+    assert missing_references(text) == []
+
+
+def test_reference_checker_catches_a_missing_name():
+    assert missing_references("`mi.py:mutual_information` tests/test_mi.py::test_ema_is_a_pure_state_update") == []
+    assert missing_references("`mi.py:no_such_function`") == ["mi.py:no_such_function"]
+    assert missing_references("`nosuchfile.py:f`") == ["nosuchfile.py:f"]
+    assert missing_references("tests/test_mi.py::test_nothing_here") == ["tests/test_mi.py::test_nothing_here"]
+
+
+# ------------------------------------------------------------------------------------------- worked examples
+
+def worked_examples(text):
+    """{key: printed value} from the fenced blocks whose first line starts with '# worked example'."""
+    values = {}
+    for block in re.findall(r"^```[^\n]*\n(.*?)^```", text, flags=re.MULTILINE | re.DOTALL):
+        lines = block.strip().splitlines()
+        if not lines or not lines[0].startswith("# worked example"):
+            continue
+        for line in lines[1:]:
+            match = NUMBER_LINE.match(line.strip())
+            assert match, f"unreadable worked-example line: {line!r}"
+            key, value = match.groups()
+            assert key not in values, f"{key} appears twice"
+            values[key] = value
+    return values
+
+
+def agrees(printed, computed):
+    """A printed number agrees when it is the computed one rounded to the printed decimals; lists elementwise; text
+    (e.g. 'A, C') exactly; an integer without a decimal point exactly."""
+    printed = printed.strip()
+    if printed.startswith("["):
+        items = [p for p in printed.strip("[]").split(",") if p.strip()]
+        return len(items) == len(computed) and all(agrees(p, c) for p, c in zip(items, computed))
+    if isinstance(computed, str):
+        return printed == computed
+    if re.fullmatch(r"-?\d+", printed):
+        return float(printed) == computed
+    decimals = len(printed.split(".")[1]) if "." in printed else 0
+    return abs(float(printed) - float(computed)) <= 0.5 * 10 ** -decimals * (1 + 1e-9) + 1e-12
+
+
+def names(mask, labels="ABC"):
+    kept = [labels[i] for i, k in enumerate(mask.tolist()) if k]
+    return ", ".join(kept) if kept else "none"
+
+
+THIRD = 1 / 3
+TABLES = {
+    "healthy": [[0.5, 0.5, 0.0], [0.0, 0.5, 0.5], [0.5, 0.0, 0.5]],
+    "template": [[THIRD] * 3] * 3,
+    "entropy_collapse": np.eye(3).tolist(),
+    "full_collapse": [[1.0, 0.0, 0.0]] * 3,
+}
+
+
+def enumerate_pairs(table):
+    """Every (x, z) with p(z|x) > 0 once, scored exactly under every prompt: scores [M, N], owner [M]."""
+    table = np.array(table)
+    pairs = [(x, z) for x in range(3) for z in range(3) if table[x, z] > 0]
+    assert len({table[x, z] for x, z in pairs}) == 1   # equally likely pairs: the list is the joint distribution
+    with np.errstate(divide="ignore"):
+        return np.log(table[:, [z for _, z in pairs]].T), [x for x, _ in pairs]
+
+
+def bound_group(rewards, arms, pi=(0.5, 0.5)):
+    """task_gradient_bound for a softmax bandit: score of arm a is e_a - pi."""
+    pi = np.array(pi)
+    return snr_filter.task_gradient_bound(rewards, np.eye(len(pi))[arms] - pi)
+
+
+def computed_values():
+    """Every worked-example number of theory.md, from the code."""
+    v = {}
+    # 1. four regimes
+    for name, table in TABLES.items():
+        table = np.array(table)
+        v[f"{name}.H_Z"] = mi.entropy(table.mean(0))
+        v[f"{name}.H_Z_given_X"] = mi.conditional_entropy(table)
+        v[f"{name}.I_XZ"] = mi.mutual_information(table)
+        out = mi.collapse_metrics(*enumerate_pairs(table))
+        v[f"{name}.mi_estimate"] = out["mi_seq_estimate"]
+        v[f"{name}.retrieval_acc"] = out["retrieval_acc"]
+        v[f"{name}.bayes_acc"] = table.max(axis=0).sum() / table.shape[0]
+    # 2. cross-scoring by hand
+    scores, owner = torch.tensor([[-1.0, -3.0], [-4.0, -2.0], [-2.0, -2.0]], dtype=torch.float64), [0, 1, 0]
+    matched = scores[torch.arange(3), owner]
+    marginal = torch.logsumexp(scores, 1) - math.log(2)
+    out = mi.collapse_metrics(scores, owner)
+    assert out["mi_seq_estimate"] == pytest.approx((matched - marginal).mean().item())
+    v.update({"hand.matched": matched.tolist(), "hand.marginal": marginal.tolist(),
+              "hand.gap": (matched - marginal).tolist(), "hand.mi_seq_estimate": out["mi_seq_estimate"],
+              "hand.log_N": out["mi_upper_bound"], "hand.conditional_entropy": out["conditional_entropy_seq"],
+              "hand.reasoning_entropy": out["reasoning_entropy_seq"], "hand.retrieval_acc": out["retrieval_acc"],
+              "hand.marginal_std": out["marginal_std_seq"], "hand.mi_zscore": out["mi_zscore_seq"]})
+    z1, s1 = mi.mi_zscore_ema({"mi_estimate": 0.2, "marginal_std": 0.5})
+    z2, s2 = mi.mi_zscore_ema({"mi_estimate": 0.3, "marginal_std": 1.5}, s1)
+    v.update({"ema.step1.zscore": z1, "ema.step1.std_ema": s1, "ema.step2.std_ema": s2, "ema.step2.zscore": z2})
+    # 3. the bound
+    tight = snr_filter.task_gradient_bound([0.0, 2.0], [[-1.0, 0.0], [1.0, 0.0]])
+    v["bound.tight.norm"], v["bound.tight.bound"] = tight
+    v["bound.loose.norm"], v["bound.loose.bound"] = snr_filter.task_gradient_bound([0.0, 1.0], [[1.0, 0.0], [0.0, 1.0]])
+    v["bandit.signal.norm"], v["bandit.signal.bound"] = bound_group([0.0, 0.0, 1.0, 1.0], [0, 0, 1, 1])
+    v["bandit.noise.norm"], v["bandit.noise.bound"] = bound_group([0.0, 1.0, 0.0, 1.0], [0, 0, 1, 1])
+    bandit, q = envs.Bandit(), 0.5
+    outcomes = [(1 - q, bandit.low_reward, "safe"), (q * bandit.high_prob, bandit.high_reward, "risky"),
+                (q * (1 - bandit.high_prob), 0.0, "risky")]                   # (probability, reward, arm)
+    mean = sum(p * r for p, r, _ in outcomes)
+    arm_mean = {"safe": bandit.low_reward, "risky": bandit.high_prob * bandit.high_reward}
+    v["bandit_env.var_total"] = sum(p * (r - mean) ** 2 for p, r, _ in outcomes)
+    v["bandit_env.var_signal"] = sum(p * (arm_mean[a] - mean) ** 2 for p, _, a in outcomes)
+    v["bandit_env.var_noise"] = sum(p * (r - arm_mean[a]) ** 2 for p, r, a in outcomes)
+    assert v["bandit_env.var_total"] == pytest.approx(v["bandit_env.var_signal"] + v["bandit_env.var_noise"])
+    for algo, normalize in (("grpo", True), ("drgrpo", False)):
+        adv = grpo.group_advantages(torch.tensor([[1.0, 0.0, 0.0, 0.0], [0.1, 0.0, 0.0, 0.0]]), normalize_std=normalize)
+        v[f"{algo}.adv_rewards_1_0_0_0"], v[f"{algo}.adv_rewards_0.1_0_0_0"] = adv.tolist()
+        if normalize:
+            v["grpo.mean_square_adv"] = (adv[0] ** 2).mean().item()
+    # 4. Fig. 5
+    fig5 = [9.0, 1.0, 5.0]
+    keep = snr_filter.select_groups(fig5, "topp", 0.9)
+    v["fig5.topp_0.9.target"] = 0.9 * sum(fig5) - 0.01
+    v["fig5.topp_0.9.kept"] = names(keep)
+    v["fig5.topp_0.9.kept_ratio"] = snr_filter.filter_stats(fig5, keep)["kept_ratio"]
+    v["fig5.topk_0.5.kept"] = names(snr_filter.select_groups(fig5, "topk", 0.5))
+    v["fig5.softmax_0.9.kept"] = names(snr_filter.select_groups(fig5, "topp", 0.9, prob_mode="softmax"))
+    v["fig5.softmax_0.9_scores_div_10.kept"] = names(
+        snr_filter.select_groups([s / 10 for s in fig5], "topp", 0.9, prob_mode="softmax"))
+    v["all_zero.topp_0.9.kept"] = names(snr_filter.select_groups([0.0, 0.0, 0.0], "topp", 0.9))
+    # 5. GAE, KL, PPO losses
+    r, val, m = torch.tensor([[0.0, 0.0, 1.0]]), torch.tensor([[0.2, 9.0, 0.6]]), torch.tensor([[1, 0, 1]])
+    adv1, ret1 = ppo.gae(r, val, m, 1.0, 1.0)
+    adv_half, _ = ppo.gae(r, val, m, 1.0, 0.5)
+    v.update({"gae.rewards": r[0].tolist(), "gae.values": val[0].tolist(), "gae.mask": m[0].tolist(),
+              "gae.lam_1.adv": adv1[0].tolist(), "gae.lam_1.returns": ret1[0].tolist(),
+              "gae.lam_0.5.adv": adv_half[0].tolist()})
+    delta = torch.tensor(math.log(2.0), dtype=torch.float64)
+    for kind in ppo.KL_KINDS:
+        v[f"kl.delta_log2.{kind}"] = ppo.kl_estimate(delta, torch.zeros_like(delta), kind).item()
+    pi, ref = torch.tensor([0.7, 0.2, 0.1], dtype=torch.float64), torch.tensor([0.4, 0.4, 0.2], dtype=torch.float64)
+    v["kl.exact"] = (pi * (pi / ref).log()).sum().item()
+    for kind in ppo.KL_KINDS:
+        logits = pi.log().clone().requires_grad_()
+        logp = torch.log_softmax(logits, 0)
+        k = ppo.kl_estimate(logp, ref.log(), kind)                                # [3] one value per token
+        mean = (pi * k).sum()                                                      # exact E_pi, weights fixed
+        v[f"kl.{kind}.mean"] = mean.item()
+        v[f"kl.{kind}.std"] = (pi * (k - mean) ** 2).sum().sqrt().item()
+        (grad,) = torch.autograd.grad(mean, logits)
+        v[f"kl.{kind}.grad_norm"] = grad.norm().item()
+    for name, kl in (("reverse", lambda lp: (lp.exp() * (lp - ref.log())).sum()),
+                     ("forward", lambda lp: (ref * (ref.log() - lp)).sum())):
+        logits = pi.log().clone().requires_grad_()
+        (grad,) = torch.autograd.grad(kl(torch.log_softmax(logits, 0)), logits)
+        v[f"kl.{name}_kl.grad_norm"] = grad.norm().item()
+    loss, stats = ppo.clipped_policy_loss(torch.log(torch.tensor([[1.5, 0.5]])), torch.zeros(1, 2),
+                                          torch.tensor([[1.0, -1.0]]), torch.ones(1, 2))
+    v["ppo.clip_higher.loss"], v["ppo.clip_higher.clip_frac"] = loss.item(), stats["clip_frac"]
+    one = torch.ones(1, 1)
+    v["ppo.value_loss"] = ppo.value_loss(1.5 * one, one, 2.0 * one, one).item()
+    loss_tbl, mask_tbl = torch.tensor([[1.0, 2.0, 3.0], [4.0, 0.0, 0.0]]), torch.tensor([[1, 1, 1], [1, 0, 0]])
+    v["ppo.aggregate"] = [ppo.aggregate(loss_tbl, mask_tbl, mode).item() for mode in ppo.AGG_MODES]
+    return v
+
+
+def test_worked_examples_match_the_code():
+    printed, computed = worked_examples(read(THEORY)), computed_values()
+    assert sorted(set(computed) - set(printed)) == [], "computed here but not printed in theory.md"
+    assert sorted(set(printed) - set(computed)) == [], "printed in theory.md but not recomputed here"
+    wrong = {k: (printed[k], computed[k]) for k in printed if not agrees(printed[k], computed[k])}
+    assert wrong == {}
+
+
+def test_kl_loss_gradients_are_zero_reverse_and_forward():
+    """The table's last column as vectors, not only norms: E_pi[grad k1] = 0, E_pi[grad k2] = grad KL(pi||ref),
+    E_pi[grad k3] = grad KL(ref||pi) = pi - ref (gradients with respect to the logits)."""
+    g = torch.Generator().manual_seed(0)
+    pi = torch.softmax(torch.randn(6, generator=g, dtype=torch.float64), 0)
+    ref = torch.softmax(torch.randn(6, generator=g, dtype=torch.float64), 0)
+    grads = {}
+    for kind in ppo.KL_KINDS:
+        logits = pi.log().clone().requires_grad_()
+        expected = (pi * ppo.kl_estimate(torch.log_softmax(logits, 0), ref.log(), kind)).sum()   # E_pi, tokens fixed
+        (grads[kind],) = torch.autograd.grad(expected, logits)
+    logits = pi.log().clone().requires_grad_()
+    lp = torch.log_softmax(logits, 0)
+    (reverse,) = torch.autograd.grad((lp.exp() * (lp - ref.log())).sum(), logits)
+    torch.testing.assert_close(grads["k1"], torch.zeros(6, dtype=torch.float64))
+    torch.testing.assert_close(grads["k2"], reverse)
+    torch.testing.assert_close(grads["k3"], pi - ref)
+
+
+def test_worked_example_checker_can_fail():
+    assert agrees("0.4055", math.log(1.5)) and not agrees("0.4056", math.log(1.5))
+    assert agrees("[0.8, 0.0, 0.4]", [0.8, 0.0, 0.4]) and not agrees("[0.8, 0.0]", [0.8, 0.0, 0.4])
+    assert agrees("A, C", "A, C") and not agrees("A", "A, C")
+    assert agrees("1", 1.0) and not agrees("1", 1.0000001)
+    text = "```text\n# worked example: x\nhealthy.I_XZ = 0.5000\n```\n```text\nnot.checked = 1\n```"
+    assert worked_examples(text) == {"healthy.I_XZ": "0.5000"}
+    assert not agrees(worked_examples(text)["healthy.I_XZ"], computed_values()["healthy.I_XZ"])
