@@ -1,4 +1,4 @@
-"""The worlds: Sokoban, FrozenLake and a two-armed Bandit as text games for an LLM agent (RAGEN-2, Sec. 5).
+"""The worlds: Sokoban, FrozenLake and a two-armed Bandit as text games for an LLM agent (RAGEN-2, Sec. 4.1).
 
 Every world is a class with a Gymnasium-style API and no Gymnasium dependency:
 

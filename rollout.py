@@ -1,7 +1,7 @@
 """The agent-environment loop: batched multi-turn rollouts of a language-model policy in the worlds of envs.py.
 
 A new top-level file because the loop is a concept of its own: it turns a policy pi(z | x) and an environment into
-the token-level data that PPO / GRPO train on (paper, Sec. 2 and 5: prompt groups of K rollouts, up to 5 turns).
+the token-level data that PPO / GRPO train on (RAGEN-2, Sec. 4.1: prompt groups of K rollouts, up to 5 turns).
 
 Prompt groups. Group g is one environment seed: its K rollouts reset to the same layout (reset(seed)) but draw
 independent transition noise (reset(noise_seed=seed * 1000 + k)), so the spread of a group's total rewards R_1..R_K
@@ -21,7 +21,7 @@ So for turns that end normally the transcript is token for token the chat templa
 Rewards. Each turn the response is parsed (envs.parse_response), at most `max_actions_per_turn` valid actions are
 stepped, a turn with no valid action earns the format penalty -0.1 and does not move. The episode's total
 R = sum of env rewards + penalties sits on its last policy token (token_rewards), as in the reference's token-level
-PPO (DESIGN Sec. 3, "Algorithms").
+PPO.
 
 Log-probs at sampling time. For every sampled token we record log softmax(logits / temperature)[token], the tempered
 full-vocabulary log-prob, i.e. exactly what a training forward pass recomputes (tests check equality). With
@@ -40,7 +40,7 @@ ANSWER_FORMAT = "<think> ... </think> <answer> ... </answer>"
 _MARK = "\u2063MARK\u2063"  # a message text no template alters, used to cut rendered text after a message
 
 
-# ---------------------------------------------------------------- prompts (DESIGN Sec. 3, "Prompt")
+# ---------------------------------------------------------------- prompts
 def system_prompt(env, max_actions_per_turn=2):
     """Rules, legend, action names and the answer format; for FrozenLake it ends with 'Answer as <think> ...
     </think> <answer> ... </answer>, up to 2 actions separated by ||, e.g. <answer> Up || Down </answer>.'"""
@@ -221,10 +221,11 @@ def _split_reasoning(prompt_text, response_text):
 
 
 def play(policy, tokenizer, env_name, seeds, group_size, env_kwargs=None, max_turns=5, max_actions_per_turn=2,
-         system=None, prefill="<think>"):
+         system=None, prefill="<think>", user=user_message):
     """Play len(seeds) groups x group_size rollouts for at most max_turns turns; each turn one policy call for all
     running episodes (episodes that ended are not generated for). system: None (system_prompt(env)), a string, or a
-    function env -> string. Returns the episodes group by group."""
+    function env -> string; user: the function that writes each user turn (user_message's signature). Returns the
+    episodes group by group."""
     if not (isinstance(group_size, int) and 1 <= group_size <= 1000):
         raise ValueError(f"group_size must be an int in 1..1000, got {group_size!r}")
     if max_turns < 1 or max_actions_per_turn < 1:
@@ -238,7 +239,7 @@ def play(policy, tokenizer, env_name, seeds, group_size, env_kwargs=None, max_tu
             sys_text = system_prompt(env, max_actions_per_turn) if system is None else (
                 system(env) if callable(system) else system)
             messages = [{"role": "system", "content": sys_text},
-                        {"role": "user", "content": user_message(obs, 0.0, env.max_steps, 1)}]
+                        {"role": "user", "content": user(obs, 0.0, env.max_steps, 1)}]
             prompt_text = _render(tokenizer, messages, add_generation_prompt=True)
             ids = _encode(tokenizer, prompt_text + prefill)
             runs.append(dict(env=env, ids=ids, mask=[0.0] * len(ids), logp=[0.0] * len(ids), has_logp=True,
@@ -286,7 +287,7 @@ def play(policy, tokenizer, env_name, seeds, group_size, env_kwargs=None, max_tu
                 continue
 
             # ---- the next prompt: only the template tokens that are new since the sampled ones
-            between = _encode(tokenizer, _after_assistant(tokenizer, user_message(
+            between = _encode(tokenizer, _after_assistant(tokenizer, user(
                 env.render(), reward, env.max_steps - len(r["actions"]), turn + 1), prefill))
             if ended and between and between[0] == tokens[-1]:
                 between = between[1:]  # the policy wrote the end-of-turn token itself
@@ -341,11 +342,11 @@ def collate(episodes, pad_id):
 
 
 def validate(model, tokenizer, env_name, seeds, env_kwargs=None, temperature=0.5, max_new_tokens=200, top_p=1.0,
-             max_turns=5, max_actions_per_turn=2, system=None, prefill="<think>"):
-    """Success rate on held-out seeds, one rollout each, at a lower temperature (DESIGN Sec. 3, "Validation")."""
+             max_turns=5, max_actions_per_turn=2, system=None, prefill="<think>", user=user_message):
+    """Success rate on held-out seeds, one rollout each, at a lower temperature."""
     if not len(seeds):
         raise ValueError("validate needs at least one seed")
     policy = hf_policy(model, tokenizer, max_new_tokens, temperature=temperature, top_p=top_p)
     episodes = play(policy, tokenizer, env_name, seeds, 1, env_kwargs=env_kwargs, max_turns=max_turns,
-                    max_actions_per_turn=max_actions_per_turn, system=system, prefill=prefill)
+                    max_actions_per_turn=max_actions_per_turn, system=system, prefill=prefill, user=user)
     return sum(e.success for e in episodes) / len(episodes)

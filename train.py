@@ -175,18 +175,19 @@ def env_kwargs(a):
 # ------------------------------------------------------------------------------------------------ the policy
 
 def load_policy(a, device, source):
-    """(model, tokenizer, system prompt or None). `source` is a.model, or the run's checkpoint folder on resume."""
+    """(model, tokenizer, prompt): prompt holds rollout.play's `system` / `user` pieces for the tiny policy, else
+    nothing (rollout's own prompt). `source` is a.model, or the run's checkpoint folder on resume."""
     if source == "tiny":
         import tiny
         model, tokenizer = tiny.load_tiny(a.env, env_kwargs(a), cache_dir=a.tiny_cache, rebuild=a.rebuild_tiny,
                                           warm_start=a.warm_start, seed=a.seed)
-        return model.to(device), tokenizer, tiny.TINY_SYSTEM
+        return model.to(device), tokenizer, tiny.prompts(a.env)
     from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast
     looks_local = source.startswith((".", "/", "~")) or os.path.exists(source)
     if looks_local and not os.path.isdir(os.path.expanduser(source)):
         raise UsageError(f"--model {source}: no such folder")
     source = os.path.expanduser(source)
-    saved = {}  # what a checkpoint of ours adds: the system prompt and attention kernel it was trained with
+    saved = {}  # what a checkpoint of ours adds: which prompt and attention kernel the policy was trained with
     if os.path.isfile(os.path.join(source, "policy.json")):
         with open(os.path.join(source, "policy.json")) as f:
             saved = json.load(f)
@@ -198,7 +199,10 @@ def load_policy(a, device, source):
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise UsageError(f"--model {source}: cannot load it (not a model folder, or no network for a hub id): "
                          f"{first}") from None
-    return model.to(device), tokenizer, saved.get("system")
+    if saved.get("prompt") == "tiny":
+        import tiny
+        return model.to(device), tokenizer, tiny.prompts(a.env)
+    return model.to(device), tokenizer, {}
 
 
 def _plain_fast_tokenizer(folder):
@@ -340,19 +344,19 @@ def diagnose(model, tokenizer, episodes, a, mi_state):
     return {k: metrics[k] for k in keep if k in metrics}
 
 
-def validate(model, tokenizer, system, a, device):
+def validate(model, tokenizer, prompt, a, device):
     """Success on the fixed held-out seeds, one rollout each, at the validation temperature. Its sampling runs on a
     forked RNG so that validating does not change the training stream (resume stays exact)."""
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
         torch.manual_seed(a.seed)
         return rollout.validate(model, tokenizer, a.env, [VAL_SEED_BASE + i for i in range(a.val_seeds)],
                                 env_kwargs(a), temperature=a.val_temperature, max_new_tokens=a.max_new_tokens,
-                                max_turns=a.max_turns, max_actions_per_turn=a.max_actions_per_turn, system=system)
+                                max_turns=a.max_turns, max_actions_per_turn=a.max_actions_per_turn, **prompt)
 
 
 # ------------------------------------------------------------------------------------------------ checkpoints
 
-def save_checkpoint(out, step, model, tokenizer, system, critic, optimizers, state):
+def save_checkpoint(out, step, model, tokenizer, prompt, critic, optimizers, state):
     """Everything needed to continue exactly, written to a temporary folder first and then swapped in, so a kill
     in the middle leaves the previous checkpoint intact."""
     tmp, final = os.path.join(out, "checkpoint.tmp"), os.path.join(out, "checkpoint")
@@ -360,7 +364,7 @@ def save_checkpoint(out, step, model, tokenizer, system, critic, optimizers, sta
     model.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
     with open(os.path.join(tmp, "policy.json"), "w") as f:
-        json.dump({"system": system, "attn_implementation": model.config._attn_implementation}, f)
+        json.dump({"prompt": "tiny" if prompt else None, "attn_implementation": model.config._attn_implementation}, f)
     torch.save({"step": step, "state": state, "critic": critic.state_dict() if critic is not None else None,
                 "optimizers": [o.state_dict() for o in optimizers],
                 "rng": {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate(),
@@ -433,7 +437,7 @@ def run(a):
 
     ckpt_dir = os.path.join(a.out, "checkpoint")
     resuming = a.resume is not None and os.path.isdir(ckpt_dir)
-    model, tokenizer, system = load_policy(a, device, ckpt_dir if resuming else a.model)
+    model, tokenizer, prompt = load_policy(a, device, ckpt_dir if resuming else a.model)
     if a.grad_checkpointing:
         model.gradient_checkpointing_enable()
     ref_model = None
@@ -462,7 +466,7 @@ def run(a):
     last = {"step": start}
     try:
         if a.steps == 0 or start == a.steps:  # evaluation only
-            last = {"step": start, "val_success": validate(model, tokenizer, system, a, device)}
+            last = {"step": start, "val_success": validate(model, tokenizer, prompt, a, device)}
             log.write(json.dumps(last) + "\n")
             log.flush()
         for step in bar:
@@ -474,7 +478,7 @@ def run(a):
             model.eval()
             with autocast():
                 episodes = rollout.play(policy, tokenizer, a.env, seeds, a.group_size, env_kwargs(a), a.max_turns,
-                                        a.max_actions_per_turn, system=system)
+                                        a.max_actions_per_turn, **prompt)
             rewards = torch.tensor([e.total_reward for e in episodes]).view(a.groups, a.group_size)  # [G, K]
             m.update(train_success=float(np.mean([e.success for e in episodes])),
                      reward_mean=rewards.mean().item(), reward_std=rewards.std().item() if rewards.numel() > 1 else 0.0,
@@ -516,14 +520,14 @@ def run(a):
 
             # 7. bookkeeping
             if (a.val_every and step % a.val_every == 0) or step == a.steps:
-                m["val_success"] = validate(model, tokenizer, system, a, device)
+                m["val_success"] = validate(model, tokenizer, prompt, a, device)
             m["time_step"] = time.time() - t0
             if device.type == "cuda":
                 m["gpu_peak_gb"] = torch.cuda.max_memory_allocated() / 2**30
             log.write(json.dumps(m) + "\n")
             log.flush()
             if a.save_every and (step % a.save_every == 0 or step == a.steps):
-                save_checkpoint(a.out, step, model, tokenizer, system, critic, optimizers, state)
+                save_checkpoint(a.out, step, model, tokenizer, prompt, critic, optimizers, state)
             bar.set_postfix(success=f"{m['train_success']:.2f}", kept=f"{m['kept_ratio']:.2f}",
                             mi=f"{m.get('mi_zscore_ema', last.get('mi_zscore_ema', float('nan'))):.2f}")
             last = {**last, **m}
