@@ -1,7 +1,7 @@
 """The embedded tiny policy: a small Qwen2 LM and a tokenizer built in code, warm-started on solver demonstrations.
 
 A new top-level file because it holds one concept of its own: the policy that lets the main job run, and learn, on a
-laptop CPU with no download (DESIGN Sec. 4). The rest of the code treats it exactly like a Qwen2.5 model.
+laptop CPU with no download. The rest of the code treats it exactly like a Qwen2.5 model.
 
 Tokenizer. Word-level: text is cut into pieces -- the tags <think> </think> <answer> </answer> ||, words, numbers, runs
 of white space, any other single character -- and every piece seen in the worlds' prompts is one token, so a grid cell
@@ -10,16 +10,19 @@ ASCII character and every character of the prompts is a token), and decoding con
 decode(encode(s)) == s and no prompt meets <unk>. Chat template: ChatML as Qwen2.5 writes it.
 
 Warm start (behaviour cloning). A random network never writes a valid action, so every turn would earn the format
-penalty and RL would see no reward spread (paper Sec. 4: no variance, no task gradient). The first use per world
+penalty and RL would see no reward spread (RAGEN-2, Sec. 3: no variance, no task gradient). The first use per world
 therefore trains the network on demonstrations, played through rollout.play so that the data is token for token the
 transcript the RL loop produces, by minimising the cross-entropy on the policy's own tokens (mask m = policy_mask):
 
     L(theta) = - sum_{b,t} m[b,t] log pi_theta(y[b,t] | y[b,<t]) / sum_{b,t} m[b,t]
 
-A demonstration turn states what the grid shows (player, box and target, or goal), then the solver's next moves.
+A demonstration turn states where the objects are (player, box and target, or goal), then the solver's next moves.
 It is imperfect on purpose -- with probability `noise` it tries a random move, and it plays one or two moves per turn
 -- so that the warm-started policy, even once it imitates well, stays far from always succeeding and RL has room to
-improve. The result is cached on disk, keyed by world and settings, and reused.
+improve. Demonstrations are cut after their first two turns: that teaches the later-turn format (the newest state is
+the one to read) at a third of the cost of whole episodes, whose attention cost grows with the square of their length.
+The tiny policy's user turns also name the objects' positions (`prompts`: the grid alone is more than a 2-layer
+network learns to read in minutes). The result is cached on disk, keyed by world and settings, and reused.
 """
 import hashlib
 import json

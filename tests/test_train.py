@@ -199,3 +199,16 @@ def test_update_on_kept_groups_equals_an_update_on_a_batch_without_the_dropped_o
             assert s1[k] == pytest.approx(s2[k], abs=1e-6), k
         assert all(torch.allclose(w1[k], w2[k], atol=1e-6) for k in w1)
         assert any(not torch.equal(w1[k], tiny.build_model(tok, seed=0).state_dict()[k]) for k in w1)  # it learned
+
+
+def test_kl_reference_checkpointing_and_gradient_decomposition(tmp_path):
+    out = str(tmp_path / "run")
+    assert train.main(SMALL + ["--filter", "none", "--algo", "grpo", "--steps", "1", "--out", out, "--mi-every", "0",
+                               "--kl-coef", "0.01", "--grad-checkpointing", "--grad-decomp-every", "1"]) == 0
+    (r,) = records(out)
+    assert r["kl_loss"] == pytest.approx(0.0, abs=1e-6)      # the first update starts at the reference policy
+    buckets = r["grad_decomposition"]
+    assert 1 <= len(buckets) <= 6 and sum(b["n_groups"] for b in buckets) == 2
+    for b in buckets:
+        assert b["task_grad_norm"] == 0.0                   # a random network: no group has reward spread
+        assert b["entropy_grad_norm"] > 0 and math.isfinite(b["kl_grad_norm"])
