@@ -288,10 +288,10 @@ def _progress(iterable, show, desc):
 
 # ------------------------------------------------------------------------------------------------------------- cache
 
-def cache_folder(cache_dir, env_name, env_kwargs=None, **settings):
+def cache_folder(cache_dir, env_name, tokenizer, env_kwargs=None, **settings):
     """cache_dir/<env>-<hash>: the hash covers the world's settings, the tiny settings, the vocabulary and
     FORMAT_VERSION, so a change to any of them builds a new model instead of loading a stale one."""
-    vocab = build_tokenizer().get_vocab()
+    vocab = tokenizer.get_vocab()
     key = json.dumps({"env": env_name, "env_kwargs": env_kwargs or {}, "settings": settings, "version": FORMAT_VERSION,
                       "vocab": sorted(vocab.items())}, sort_keys=True, default=str)
     return os.path.join(cache_dir, f"{env_name}-{hashlib.sha256(key.encode()).hexdigest()[:12]}")
@@ -309,7 +309,7 @@ def load_tiny(env_name, env_kwargs=None, cache_dir=".cache/tiny", rebuild=False,
     tokenizer = build_tokenizer()
     if not warm_start:
         return build_model(tokenizer, seed=seed, **sizes), tokenizer
-    folder = cache_folder(cache_dir, env_name, env_kwargs, steps=steps, seed=seed, **sizes)
+    folder = cache_folder(cache_dir, env_name, tokenizer, env_kwargs, steps=steps, seed=seed, **sizes)
     if not rebuild and os.path.exists(os.path.join(folder, "warm_start.json")):
         model = Qwen2ForCausalLM.from_pretrained(folder)
         model.eval()
