@@ -16,13 +16,15 @@ transcript the RL loop produces, by minimising the cross-entropy on the policy's
 
     L(theta) = - sum_{b,t} m[b,t] log pi_theta(y[b,t] | y[b,<t]) / sum_{b,t} m[b,t]
 
-A demonstration turn states where the objects are (player, box and target, or goal), then the solver's next moves.
-It is imperfect on purpose -- with probability `noise` it tries a random move, and it plays one or two moves per turn
--- so that the warm-started policy, even once it imitates well, stays far from always succeeding and RL has room to
-improve. Demonstrations are cut after their first two turns: that teaches the later-turn format (the newest state is
-the one to read) at a third of the cost of whole episodes, whose attention cost grows with the square of their length.
-The tiny policy's user turns also name the objects' positions (`prompts`: the grid alone is more than a 2-layer
-network learns to read in minutes). The result is cached on disk, keyed by world and settings, and reused.
+What the tiny policy sees and says (`user_turn`, `describe`). Its user turn is the grid and a line that names where
+the objects are and how far apart ("Player (1,0), goal (3,1). Goal: 2 Down, 1 Right."): a perception aid, because a
+2-layer network trained for minutes reads neither coordinates off a grid nor their differences. Its reasoning restates
+the way (FrozenLake) or names the solver's next push and the way to the cell it is pushed from (Sokoban: "Push Left
+from 1 Down, 2 Right."), then the answer gives the solver's next moves. Demonstrations are imperfect on purpose --
+with probability `noise` a turn tries a random move, and a turn plays one or two moves (a fair coin) -- so the
+warm-started policy stays far from always succeeding and RL has room to improve. They are whole episodes of up to 5
+turns, played in rounds of 4 batches sorted by length (a third less padding). The result is cached on disk, keyed by
+world and settings, and reused.
 """
 import hashlib
 import json
@@ -40,7 +42,7 @@ from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 import envs
 import rollout
 
-FORMAT_VERSION = 2  # bump when demonstrations, tokenizer or default sizes / training settings change: no stale cache
+FORMAT_VERSION = 3  # bump when demonstrations, tokenizer or default sizes / training settings change: no stale cache
 TINY_SYSTEM = "Reach the goal. Think in <think> </think>, then act in <answer> </answer>."
 TAGS = ("<think>", "</think>", "<answer>", "</answer>", "||")
 SPECIAL = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")  # Qwen2.5's: pad, turn start, turn end (= eos)
@@ -71,14 +73,20 @@ def _at(cells):
 
 
 def _next_push(env, plan):
-    """Direction of the first move of `plan` that moves a box (Sokoban), or None."""
+    """(direction, (row, col) the player pushes from) of the first move of `plan` that moves a box, or None."""
     state = env.state()
     for action in plan:
         nxt, _, _ = env.next_state(state, action)
         if nxt[1] != state[1]:
-            return action
+            return action, divmod(state[0], env.width)
         state = nxt
     return None
+
+
+def _way(frm, to):
+    """How far cell `to` lies from cell `frm`, rows then columns, always both: _way((0, 2), (1, 1)) == '1 Down, 1 Left'."""
+    (dr, dc) = (to[0] - frm[0], to[1] - frm[1])
+    return f"{abs(dr)} {'Up' if dr < 0 else 'Down'}, {abs(dc)} {'Left' if dc < 0 else 'Right'}"
 
 
 # the objects a position line names, per world: (name, grid symbols that show it)
@@ -87,37 +95,59 @@ OBJECTS = {"sokoban": (("Player", "PS"), ("box", "X√"), ("target", "O√S")),
 
 
 def positions(env_name, obs):
-    """Where the objects of a grid are, as text: positions("frozenlake", "P_\\n_G") == 'Player (0,0), goal (1,1).'"""
-    return ", ".join(f"{name} {_at(_where(obs, symbols))}" for name, symbols in OBJECTS[env_name]) + "."
+    """Where the objects of a grid are, and how far apart, as text (a way is always rows, then columns):
+
+    >>> positions("frozenlake", "P_\\n_G")
+    'Player (0,0), goal (1,1). Goal: 1 Down, 1 Right.'
+
+    Sokoban adds the way from the player to the box and from the box to the target (one-box rooms).
+    """
+    cells = [_where(obs, symbols) for _, symbols in OBJECTS[env_name]]
+    text = ", ".join(f"{name} {_at(at)}" for (name, _), at in zip(OBJECTS[env_name], cells)) + "."
+    if any(len(at) != 1 for at in cells):
+        return text
+    if env_name == "frozenlake":
+        return text + f" Goal: {_way(cells[0][0], cells[1][0])}."
+    return text + f" Box: {_way(cells[0][0], cells[1][0])}. Target: {_way(cells[1][0], cells[2][0])}."
+
+
+def user_turn(env_name):
+    """The tiny policy's user turn: the grid, then (Sokoban, FrozenLake) the positions line.
+
+    >>> user_turn("frozenlake")("P_\\n_G", 0.0, 10, 1)
+    'P_\\n_G\\nPlayer (0,0), goal (1,1). Goal: 1 Down, 1 Right.'
+
+    This is a perception aid: a 2-layer, 64-wide network warm-started for minutes reads neither 2-D coordinates off a
+    row-major grid (measured: its reasoning stayed input-agnostic, retrieval at chance) nor the difference of two
+    coordinates (measured: it learned to copy the positions, but its moves ignored them). The line gives both; what
+    to do with them -- which way to go, where to stand to push, when to take two moves -- is left to the policy. And
+    nothing else is in the turn, so every turn of a world has the same shape and the newest line sits at a fixed
+    distance before the reasoning that reads it (with rollout.user_message's reward and count text the later turns
+    fell apart). Real models get rollout.user_message and the plain grid.
+    """
+    if env_name not in OBJECTS:
+        return lambda obs, turn_reward, actions_left, turn: obs
+    return lambda obs, turn_reward, actions_left, turn: obs + "\n" + positions(env_name, obs)
 
 
 def prompts(env_name):
-    """The prompt pieces rollout.play takes for tiny: TINY_SYSTEM, and user turns that end with the positions line.
-
-    A 2-layer, 64-wide network does not learn to read 2-D coordinates off a row-major grid within a warm start of
-    minutes (measured: its reasoning stays input-agnostic, retrieval at chance), so each user turn of the tiny
-    policy also says where the objects are; the grid itself is unchanged. Real models get rollout's plain prompt.
-    """
-    if env_name not in OBJECTS:
-        return {"system": TINY_SYSTEM}
-
-    def user(obs, turn_reward, actions_left, turn):
-        return rollout.user_message(obs, turn_reward, actions_left, turn) + "\nWhere: " + positions(env_name, obs)
-
-    return {"system": TINY_SYSTEM, "user": user}
+    """The prompt pieces rollout.play takes for the tiny policy: its system prompt and its user turns."""
+    return {"system": TINY_SYSTEM, "user": user_turn(env_name)}
 
 
 def describe(env, plan):
-    """Reasoning for the current state, read off the rendered grid, and what `plan` (the moves to come) does.
+    """Reasoning for the current state and what `plan` (the solver's moves to come) does.
 
-    >>> env = envs.Sokoban(room="#####\\n#PXO#\\n#####"); _ = env.reset(); describe(env, ["Right"])
-    'Player (1,1), box (1,2), target (1,3). Next push: Right.'
+    >>> env = envs.Sokoban(room="######\\n#P_XO#\\n######"); _ = env.reset(); describe(env, ["Right", "Right"])
+    'Push Right from 0 Down, 1 Right.'
     """
     if env.name == "sokoban":
         push = _next_push(env, plan)
-        return positions(env.name, env.render()) + (f" Next push: {push}." if push else "")
+        # no push ahead: the solver found no plan (the box is stuck), and the turn tries a random move
+        return f"Push {push[0]} from {_way(divmod(env.player, env.width), push[1])}." if push else "Done."
     if env.name == "frozenlake":
-        return positions(env.name, env.render())
+        grid = env.render()
+        return f"Goal: {_way(_where(grid, 'PX√')[0], _where(grid, 'G√')[0])}."
     if env.name == "bandit":
         return f"{env.risky} expects {env.high_reward * env.high_prob:g}, {env.safe} pays {env.low_reward:g}."
     raise ValueError(f"no demonstrations for world {env.name!r}; valid: sokoban, frozenlake, bandit")
@@ -130,12 +160,12 @@ def demonstration(env, rng, noise=0.2, max_actions=2):
     `max_actions` moves (a fair coin): imperfect on purpose. The text continues a prompt that ends with "<think>".
     >>> env = envs.Sokoban(room="#####\\n#PXO#\\n#####"); _ = env.reset()
     >>> demonstration(env, random.Random(0), noise=0.0)
-    ' Player (1,1), box (1,2), target (1,3). Next push: Right. </think> <answer> Right </answer>'
+    ' Push Right from 0 Down, 0 Right. </think> <answer> Right </answer>'
     """
     plan = envs.solve(env) or []
     if not plan or rng.random() < noise:
         moves = [rng.choice(env.actions)]
-        reasoning = f"{describe(env, [])} Try {moves[0]}."
+        reasoning = f"{describe(env, plan)} Try {moves[0]}."
     else:
         moves = plan[:rng.choice((1, max_actions))]
         reasoning = describe(env, plan)
@@ -158,14 +188,14 @@ def demo_policy(tokenizer, noise=0.2, max_actions=2, seed=0):
 
 def _sample_texts(seeds=range(8)):
     """Every kind of text the rollout loop writes for tiny: system prompts, user turns, demonstrations, numbers."""
-    texts = [TINY_SYSTEM, CHAT_TEMPLATE, "Try Next push none expects pays"]
+    texts = [TINY_SYSTEM, CHAT_TEMPLATE, "Try Push from none expects pays"]
     rng = random.Random(0)
     for name in envs.ENVS:
         for seed in seeds:
             env = envs.make_env(name)
             obs, _ = env.reset(seed=seed)
             texts += [rollout.system_prompt(env, k) for k in (1, 2)]
-            texts.append(prompts(name).get("user", rollout.user_message)(obs, 0.0, env.max_steps, 1))
+            texts += [user(obs, 0.0, env.max_steps, 1) for user in (user_turn(name), rollout.user_message)]
             texts.append(demonstration(env, rng, noise=0.5))
             texts.append(obs + "\n" + "\n".join(env.actions))
     # turn rewards (two decimals) and actions left
@@ -229,12 +259,16 @@ def build_model(tokenizer, hidden_size=64, num_layers=2, num_heads=4, num_kv_hea
 # -------------------------------------------------------------------------------------------------------- warm start
 
 def demo_loss(model, batch):
-    """Mean cross-entropy of the policy's tokens (policy_mask) under teacher forcing; batch from rollout.collate."""
-    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits[:, :-1]  # [B, T-1, V]
-    targets = batch["input_ids"][:, 1:]  # [B, T-1]
-    mask = batch["policy_mask"][:, 1:]  # [B, T-1]
-    nll = torch.nn.functional.cross_entropy(logits.transpose(1, 2), targets, reduction="none")  # [B, T-1]
-    return (nll * mask).sum() / mask.sum().clamp(min=1.0)
+    """Mean cross-entropy of the policy's tokens (policy_mask) under teacher forcing; batch from rollout.collate.
+
+    Only the positions whose next token the policy wrote go through the output layer: the prompts, most of a
+    transcript, need no logits (a quarter of the warm start's time saved).
+    """
+    hidden = model.model(input_ids=batch["input_ids"],
+                         attention_mask=batch["attention_mask"]).last_hidden_state[:, :-1]  # [B, T-1, D]
+    keep = batch["policy_mask"][:, 1:] > 0  # [B, T-1]
+    logits = model.lm_head(hidden[keep])  # [N, V]
+    return torch.nn.functional.cross_entropy(logits, batch["input_ids"][:, 1:][keep])
 
 
 def demonstrations(tokenizer, env_name, seeds, env_kwargs=None, noise=0.2, seed=0, max_turns=5,
@@ -246,13 +280,17 @@ def demonstrations(tokenizer, env_name, seeds, env_kwargs=None, noise=0.2, seed=
 
 
 DEMO_SEEDS = 1_000_000  # demonstrations use seeds from here on, away from the small seeds used for validation
+ROUND = 4  # batches of demonstrations played at once
 
 
-def imitate(model, tokenizer, env_name, env_kwargs=None, steps=800, batch_size=32, lr=3e-3, noise=0.2, seed=0,
-            progress=True, turns=2):
+def imitate(model, tokenizer, env_name, env_kwargs=None, steps=800, batch_size=16, lr=1e-2, noise=0.2, seed=0,
+            progress=True, turns=5):
     """Behaviour cloning: `steps` AdamW steps, each on `batch_size` fresh demonstrations; returns the loss per step.
 
-    Linear warm-up over the first 10% of steps, then cosine decay to 10% of `lr`.
+    Episodes of up to `turns` turns, played ROUND batches at a time and cut into batches after sorting by length.
+    Linear warm-up over the first 10% of steps, then cosine decay to 10% of `lr`. Learning follows a plateau: the
+    format first, then (after a few hundred steps) reading the positions line; lr 1e-2 shortened the plateau
+    measurably against 3e-3, and batches of 16 whole episodes bought more steps per minute than 32 two-turn ones.
     """
     pad = rollout.pad_token_id(tokenizer)
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
@@ -263,9 +301,13 @@ def imitate(model, tokenizer, env_name, env_kwargs=None, steps=800, batch_size=3
     losses = []
     bar = _progress(range(steps), progress, f"tiny warm start ({env_name})")
     for step in bar:
-        first = DEMO_SEEDS + (seed * steps + step) * batch_size  # fresh layouts every step
-        batch = rollout.collate(demonstrations(tokenizer, env_name, range(first, first + batch_size), env_kwargs,
-                                               noise, seed=first, max_turns=turns), pad)
+        if step % ROUND == 0:  # play ROUND batches at once and cut them by length: a third less padding
+            first = DEMO_SEEDS + (seed * steps + step) * batch_size  # fresh layouts every step
+            played = sorted(demonstrations(tokenizer, env_name, range(first, first + ROUND * batch_size), env_kwargs,
+                                           noise, seed=first, max_turns=turns), key=lambda e: len(e.input_ids))
+            batches = [played[k:k + batch_size] for k in range(0, len(played), batch_size)]
+            random.Random(first).shuffle(batches)
+        batch = rollout.collate(batches[step % ROUND], pad)
         loss = demo_loss(model, batch)
         optimizer.zero_grad()
         loss.backward()

@@ -21,11 +21,14 @@ def small_model(tokenizer, seed=0):
 def test_docstring_examples(tok):
     assert tok.convert_ids_to_tokens(tok.encode("#_P\n<think> Up")) == ["#", "_", "P", "\n", "<think>", " ", "Up"]
     assert tiny._where("#P\nX_", "PS") == [(0, 1)]
+    assert tiny._way((0, 2), (1, 1)) == "1 Down, 1 Left" and tiny._way((3, 3), (3, 3)) == "0 Down, 0 Right"
+    env = envs.Sokoban(room="######\n#P_XO#\n######")
+    env.reset()
+    assert tiny.describe(env, ["Right", "Right"]) == "Push Right from 0 Down, 1 Right."
     env = envs.Sokoban(room="#####\n#PXO#\n#####")
     env.reset()
-    assert tiny.describe(env, ["Right"]) == "Player (1,1), box (1,2), target (1,3). Next push: Right."
     assert tiny.demonstration(env, random.Random(0), noise=0.0) == (
-        " Player (1,1), box (1,2), target (1,3). Next push: Right. </think> <answer> Right </answer>")
+        " Push Right from 0 Down, 0 Right. </think> <answer> Right </answer>")
 
 
 @pytest.mark.parametrize("name", sorted(envs.ENVS))
@@ -84,7 +87,7 @@ def test_demonstrations_are_valid_and_imperfect(tok):
         text = tiny.demonstration(env, rng, noise=0.0)
         think, actions, valid = envs.parse_response("<think>" + text, env.actions)
         assert valid and actions == plan[:len(actions)] and 1 <= len(actions) <= 2
-        assert think.startswith("Player (")
+        assert think == "Goal: 2 Down, 1 Right."  # the way from the player at (1,0) to the goal at (3,1)
     noisy = [envs.parse_response("<think>" + tiny.demonstration(env, rng, noise=1.0), env.actions) for _ in range(40)]
     assert all(t.endswith(f"Try {a[0]}.") and len(a) == 1 for t, a, _ in noisy)
     assert len({a[0] for _, a, _ in noisy}) > 1  # random moves, not the plan
@@ -126,6 +129,20 @@ def test_short_warm_start_lowers_demonstration_loss(tok):
     assert len(losses) == 12 and after < 0.8 * before
 
 
+def test_warm_start_batches_are_cut_from_length_sorted_rounds(tok, monkeypatch):
+    seen, demo_loss = [], tiny.demo_loss
+
+    def recording_loss(model, batch):
+        seen.append(batch["attention_mask"].sum(1).tolist())  # [B] episode lengths
+        return demo_loss(model, batch)
+
+    monkeypatch.setattr(tiny, "demo_loss", recording_loss)
+    tiny.imitate(small_model(tok), tok, "frozenlake", steps=tiny.ROUND, batch_size=3, progress=False)
+    assert [len(b) for b in seen] == [3] * tiny.ROUND
+    spans = sorted((min(b), max(b)) for b in seen)
+    assert all(hi <= lo for (_, hi), (lo, _) in zip(spans, spans[1:]))  # cut from one sorted list: no overlap
+
+
 def test_demo_loss_equals_plain_loop_over_policy_tokens(tok):
     model = small_model(tok).eval()
     batch = rollout.collate(tiny.demonstrations(tok, "bandit", range(3)), tok.pad_token_id)
@@ -162,13 +179,20 @@ def test_cache_is_reused_and_rebuild_retrains(tmp_path, monkeypatch):
     assert len(list(tmp_path.iterdir())) == 1 and random_model is not None
 
 
-def test_tiny_prompts_add_the_positions_line(tok):
-    assert tiny.positions("frozenlake", "P_\n_G") == "Player (0,0), goal (1,1)."
-    assert tiny.positions("sokoban", "#####\n#PXO#\n#####") == "Player (1,1), box (1,2), target (1,3)."
-    assert set(tiny.prompts("bandit")) == {"system"}            # no grid, nothing to locate
-    user = tiny.prompts("frozenlake")["user"]
-    text = user("P_\n_G", 0.0, 10, 1)
-    assert text.startswith(rollout.user_message("P_\n_G", 0.0, 10, 1)) and text.endswith("\nWhere: Player (0,0), goal (1,1).")
-    assert "Where" in tok.convert_ids_to_tokens(tok.encode(text))           # a word of the vocabulary, not characters
+def test_tiny_user_turn_is_the_grid_and_the_positions_line(tok):
+    assert tiny.positions("frozenlake", "P_\n_G") == "Player (0,0), goal (1,1). Goal: 1 Down, 1 Right."
+    assert tiny.positions("sokoban", "######\n#P_XO#\n######") == (
+        "Player (1,1), box (1,3), target (1,4). Box: 0 Down, 2 Right. Target: 0 Down, 1 Right.")
+    assert tiny.positions("sokoban", "######\n#PXXO#\n#O___#\n######").endswith("target (1,4), (2,1).")  # no ways
+    assert tiny.prompts("bandit")["user"]("Phoenix: pays 0.1", 0.0, 1, 1) == "Phoenix: pays 0.1"  # nothing to locate
+    text = tiny.prompts("frozenlake")["user"]("P_\n_G", 0.5, 7, 2)
+    assert text == "P_\n_G\nPlayer (0,0), goal (1,1). Goal: 1 Down, 1 Right."  # no turn, reward or count text
+    assert {"Player", "goal", "Goal", "Down"} <= set(tok.convert_ids_to_tokens(tok.encode(text)))  # words, not chars
+    env = envs.make_env("sokoban")
+    lengths = set()
+    for seed in range(20):  # every turn of a world has the same shape: the line sits at a fixed distance
+        obs, _ = env.reset(seed=seed)
+        lengths.add(len(tok.encode(tiny.prompts("sokoban")["user"](obs, 0.0, 10, 1))))
+    assert len(lengths) == 1
     episode = tiny.demonstrations(tok, "frozenlake", [3])[0]
-    assert "Where: Player" in tok.decode(episode.input_ids)                # demonstrations use the same prompts
+    assert "Goal: 2 Down, 1 Right.<|im_end|>" in tok.decode(episode.input_ids)  # demonstrations use the same prompts
