@@ -23,8 +23,8 @@ the way (FrozenLake) or names the solver's next push and the way to the cell it 
 from 1 Down, 2 Right."), then the answer gives the solver's next moves. Demonstrations are imperfect on purpose --
 with probability `noise` a turn tries a random move, and a turn plays one or two moves (a fair coin) -- so the
 warm-started policy stays far from always succeeding and RL has room to improve. They are whole episodes of up to 5
-turns, played in rounds of 4 batches sorted by length (a third less padding). The result is cached on disk, keyed by
-world and settings, and reused.
+turns, played in rounds of 4 batches and cut by length (40% fewer tokens to compute on FrozenLake, 17% on Sokoban,
+than unsorted batches). The result is cached on disk, keyed by world and settings, and reused.
 """
 import hashlib
 import json
@@ -84,7 +84,7 @@ def _next_push(env, plan):
 
 
 def _way(frm, to):
-    """How far cell `to` lies from cell `frm`, rows then columns, always both: _way((0, 2), (1, 1)) == '1 Down, 1 Left'."""
+    """How far cell `to` lies from `frm`, rows then columns, always both: _way((0, 2), (1, 1)) == '1 Down, 1 Left'."""
     (dr, dc) = (to[0] - frm[0], to[1] - frm[1])
     return f"{abs(dr)} {'Up' if dr < 0 else 'Down'}, {abs(dc)} {'Left' if dc < 0 else 'Right'}"
 
@@ -262,7 +262,7 @@ def demo_loss(model, batch):
     """Mean cross-entropy of the policy's tokens (policy_mask) under teacher forcing; batch from rollout.collate.
 
     Only the positions whose next token the policy wrote go through the output layer: the prompts, most of a
-    transcript, need no logits (a quarter of the warm start's time saved).
+    transcript, need no logits.
     """
     hidden = model.model(input_ids=batch["input_ids"],
                          attention_mask=batch["attention_mask"]).last_hidden_state[:, :-1]  # [B, T-1, D]
@@ -289,8 +289,8 @@ def imitate(model, tokenizer, env_name, env_kwargs=None, steps=800, batch_size=1
 
     Episodes of up to `turns` turns, played ROUND batches at a time and cut into batches after sorting by length.
     Linear warm-up over the first 10% of steps, then cosine decay to 10% of `lr`. Learning follows a plateau: the
-    format first, then (after a few hundred steps) reading the positions line; lr 1e-2 shortened the plateau
-    measurably against 3e-3, and batches of 16 whole episodes bought more steps per minute than 32 two-turn ones.
+    format first, then (after a few hundred steps) reading the positions line; lr 1e-2 ended the plateau sooner than
+    3e-3 did. Whole episodes, because a network trained on first and second turns only wrote garbage from the third on.
     """
     pad = rollout.pad_token_id(tokenizer)
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
@@ -301,7 +301,7 @@ def imitate(model, tokenizer, env_name, env_kwargs=None, steps=800, batch_size=1
     losses = []
     bar = _progress(range(steps), progress, f"tiny warm start ({env_name})")
     for step in bar:
-        if step % ROUND == 0:  # play ROUND batches at once and cut them by length: a third less padding
+        if step % ROUND == 0:  # play ROUND batches at once and cut them by length: less padding to compute
             first = DEMO_SEEDS + (seed * steps + step) * batch_size  # fresh layouts every step
             played = sorted(demonstrations(tokenizer, env_name, range(first, first + ROUND * batch_size), env_kwargs,
                                            noise, seed=first, max_turns=turns), key=lambda e: len(e.input_ids))
