@@ -122,8 +122,7 @@ def user_turn(env_name):
     coordinates (measured: it learned to copy the positions, but its moves ignored them). The line gives both; what
     to do with them -- which way to go, where to stand to push, when to take two moves -- is left to the policy. And
     nothing else is in the turn, so every turn of a world has the same shape and the newest line sits at a fixed
-    distance before the reasoning that reads it (with rollout.user_message's reward and count text the later turns
-    fell apart). Real models get rollout.user_message and the plain grid.
+    distance before the reasoning that reads it. Real models get rollout.user_message and the plain grid.
     """
     if env_name not in OBJECTS:
         return lambda obs, turn_reward, actions_left, turn: obs
