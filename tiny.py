@@ -145,8 +145,8 @@ def describe(env, plan):
         # no push ahead: the solver found no plan (the box is stuck), and the turn tries a random move
         return f"Push {push[0]} from {_way(divmod(env.player, env.width), push[1])}." if push else "Done."
     if env.name == "frozenlake":
-        grid = env.render()
-        return f"Goal: {_way(_where(grid, 'PX√')[0], _where(grid, 'G√')[0])}."
+        player, goal = (_where(env.render(), symbols)[0] for _, symbols in OBJECTS[env.name])
+        return f"Goal: {_way(player, goal)}."
     if env.name == "bandit":
         return f"{env.risky} expects {env.high_reward * env.high_prob:g}, {env.safe} pays {env.low_reward:g}."
     raise ValueError(f"no demonstrations for world {env.name!r}; valid: sokoban, frozenlake, bandit")
