@@ -18,9 +18,11 @@ transcript the RL loop produces, by minimising the cross-entropy on the policy's
 
 What the tiny policy sees and says (`user_turn`, `describe`). Its user turn is the grid and a line that names where
 the objects are and how far apart ("Player (1,0), goal (3,1). Goal: 2 Down, 1 Right."): a perception aid, because a
-2-layer network trained for minutes reads neither coordinates off a grid nor their differences. Its reasoning restates
-the way (FrozenLake) or names the solver's next push and the way to the cell it is pushed from (Sokoban: "Push Left
-from 1 Down, 2 Right."), then the answer gives the solver's next moves. Demonstrations are imperfect on purpose --
+2-layer network trained for minutes reads neither coordinates off a grid nor their differences; Sokoban's line also
+says what lies next to the player ("Around: Up wall, Down floor, Left box, Right floor."). Its reasoning restates the
+way (FrozenLake), or copies the ways to the box and target and then names the solver's next push and the way to the
+cell it is pushed from (Sokoban: "Box 1 Down, 1 Right. Target 0 Down, 1 Left. Push Left from 1 Down, 2 Right."); then
+the answer gives the solver's next moves. Demonstrations are imperfect on purpose --
 with probability `noise` a turn tries a random move, and a turn plays one or two moves (a fair coin) -- so the
 warm-started policy stays far from always succeeding and RL has room to improve. They are whole episodes of up to 5
 turns, played in rounds of 4 batches and cut by length (40% fewer tokens to compute on FrozenLake, 17% on Sokoban,
@@ -42,7 +44,7 @@ from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 import envs
 import rollout
 
-FORMAT_VERSION = 3  # bump when demonstrations, tokenizer or default sizes / training settings change: no stale cache
+FORMAT_VERSION = 5  # bump when demonstrations, tokenizer or default sizes / training settings change: no stale cache
 TINY_SYSTEM = "Reach the goal. Think in <think> </think>, then act in <answer> </answer>."
 TAGS = ("<think>", "</think>", "<answer>", "</answer>", "||")
 SPECIAL = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")  # Qwen2.5's: pad, turn start, turn end (= eos)
@@ -100,15 +102,35 @@ def positions(env_name, obs):
     >>> positions("frozenlake", "P_\\n_G")
     'Player (0,0), goal (1,1). Goal: 1 Down, 1 Right.'
 
-    Sokoban adds the way from the player to the box and from the box to the target (one-box rooms).
+    Sokoban adds the way from the player to the box and from the box to the target (one-box rooms), then what lies
+    next to the player (`around`).
     """
     cells = [_where(obs, symbols) for _, symbols in OBJECTS[env_name]]
     text = ", ".join(f"{name} {_at(at)}" for (name, _), at in zip(OBJECTS[env_name], cells)) + "."
-    if any(len(at) != 1 for at in cells):
-        return text
+    one_each = all(len(at) == 1 for at in cells)
     if env_name == "frozenlake":
-        return text + f" Goal: {_way(cells[0][0], cells[1][0])}."
-    return text + f" Box: {_way(cells[0][0], cells[1][0])}. Target: {_way(cells[1][0], cells[2][0])}."
+        return text + f" Goal: {_way(cells[0][0], cells[1][0])}." if one_each else text
+    if one_each:
+        text += f" Box: {_way(cells[0][0], cells[1][0])}. Target: {_way(cells[1][0], cells[2][0])}."
+    return text + f" {around(obs)}" if len(cells[0]) == 1 else text
+
+
+# what the cells next to the Sokoban player hold, in words
+NEIGHBOURS = (("Up", -1, 0), ("Down", 1, 0), ("Left", 0, -1), ("Right", 0, 1))
+CELL_WORDS = {"#": "wall", "_": "floor", "O": "target", "X": "box", "√": "box"}
+
+
+def around(obs):
+    """What lies next to the Sokoban player: around("###\\n#PX\\n#_#") == 'Around: Up wall, Down floor, Left wall,
+    Right box.' Outside the grid counts as wall."""
+    rows = obs.split("\n")
+    (r, c), = _where(obs, "PS")
+
+    def cell(rr, cc):
+        inside = 0 <= rr < len(rows) and 0 <= cc < len(rows[rr])
+        return CELL_WORDS.get(rows[rr][cc], "floor") if inside else "wall"
+
+    return "Around: " + ", ".join(f"{name} {cell(r + dr, c + dc)}" for name, dr, dc in NEIGHBOURS) + "."
 
 
 def user_turn(env_name):
@@ -119,8 +141,9 @@ def user_turn(env_name):
 
     This is a perception aid: a 2-layer, 64-wide network warm-started for minutes reads neither 2-D coordinates off a
     row-major grid (measured: its reasoning stayed input-agnostic, retrieval at chance) nor the difference of two
-    coordinates (measured: it learned to copy the positions, but its moves ignored them). The line gives both; what
-    to do with them -- which way to go, where to stand to push, when to take two moves -- is left to the policy. And
+    coordinates (measured: it learned to copy the positions, but its moves ignored them). The line gives both, and in
+    Sokoban the four cells next to the player (walls are otherwise only in the grid); what to do with them -- which
+    way to go, where to stand to push, when to take two moves -- is left to the policy. And
     nothing else is in the turn, so every turn of a world has the same shape and the newest line sits at a fixed
     distance before the reasoning that reads it. Real models get rollout.user_message and the plain grid.
     """
@@ -138,12 +161,19 @@ def describe(env, plan):
     """Reasoning for the current state and what `plan` (the solver's moves to come) does.
 
     >>> env = envs.Sokoban(room="######\\n#P_XO#\\n######"); _ = env.reset(); describe(env, ["Right", "Right"])
-    'Push Right from 0 Down, 1 Right.'
+    'Box 0 Down, 2 Right. Target 0 Down, 1 Right. Push Right from 0 Down, 1 Right.'
+
+    Sokoban first copies the two ways of the positions line and then works out the push and the way to the cell it is
+    pushed from: each step of the arithmetic then reads numbers a few tokens back rather than a line above.
     """
     if env.name == "sokoban":
         push = _next_push(env, plan)
-        # no push ahead: the solver found no plan (the box is stuck), and the turn tries a random move
-        return f"Push {push[0]} from {_way(divmod(env.player, env.width), push[1])}." if push else "Done."
+        if not push:  # the solver found no plan: the box is stuck, and the turn tries a random move
+            return "Stuck."
+        player, boxes, targets = (_where(env.render(), symbols) for _, symbols in OBJECTS[env.name])
+        ways = (f"Box {_way(player[0], boxes[0])}. Target {_way(boxes[0], targets[0])}. "
+                if len(boxes) == len(targets) == 1 else "")
+        return f"{ways}Push {push[0]} from {_way(player[0], push[1])}."
     if env.name == "frozenlake":
         player, goal = (_where(env.render(), symbols)[0] for _, symbols in OBJECTS[env.name])
         return f"Goal: {_way(player, goal)}."
@@ -159,7 +189,7 @@ def demonstration(env, rng, noise=0.2, max_actions=2):
     `max_actions` moves (a fair coin): imperfect on purpose. The text continues a prompt that ends with "<think>".
     >>> env = envs.Sokoban(room="#####\\n#PXO#\\n#####"); _ = env.reset()
     >>> demonstration(env, random.Random(0), noise=0.0)
-    ' Push Right from 0 Down, 0 Right. </think> <answer> Right </answer>'
+    ' Box 0 Down, 1 Right. Target 0 Down, 1 Right. Push Right from 0 Down, 0 Right. </think> <answer> Right </answer>'
     """
     plan = envs.solve(env) or []
     if not plan or rng.random() < noise:
@@ -231,8 +261,13 @@ def build_tokenizer():
 # ------------------------------------------------------------------------------------------------------------- model
 
 def build_model(tokenizer, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=128,
-                seed=0):
+                init_std=0.2, seed=0):
     """A Qwen2ForCausalLM from a Qwen2Config (grouped-query attention, RoPE, RMSNorm, SwiGLU), tied embeddings.
+
+    Weights start at std `init_std`, not Qwen's 0.02 (meant for 896-wide and wider models): at 64 wide, 0.02 gives
+    attention logits near 0, so every head starts uniform and the warm start sat for hundreds of steps on a loss
+    plateau before it used the positions line, and most Sokoban builds never left it. Measured with seed 0 and 800
+    steps (README): Sokoban val_success 0.16 at std 0.02, 0.33-0.48 at 0.1-0.2; FrozenLake 0.48, and 0.70-0.83.
 
     Default: 2 layers, 64 wide, ~0.11M parameters with the ~500-token vocabulary. Measured on 2 threads: 128 wide or
     4 layers cost 1.5-2x the time per step and learned the demonstrations no better within the warm-start budget.
@@ -245,7 +280,7 @@ def build_model(tokenizer, hidden_size=64, num_layers=2, num_heads=4, num_kv_hea
     config = Qwen2Config(vocab_size=len(tokenizer), hidden_size=hidden_size, intermediate_size=intermediate_size,
                          num_hidden_layers=num_layers, num_attention_heads=num_heads,
                          num_key_value_heads=num_kv_heads, max_position_embeddings=4096, rope_theta=10_000.0,
-                         tie_word_embeddings=True, bos_token_id=None,
+                         tie_word_embeddings=True, initializer_range=init_std, bos_token_id=None,
                          eos_token_id=tokenizer.eos_token_id,
                          pad_token_id=tokenizer.pad_token_id)
     torch.manual_seed(seed)
@@ -288,8 +323,10 @@ def imitate(model, tokenizer, env_name, env_kwargs=None, steps=800, batch_size=1
 
     Episodes of up to `turns` turns, played ROUND batches at a time and cut into batches after sorting by length.
     Linear warm-up over the first 10% of steps, then cosine decay to 10% of `lr`. Learning follows a plateau: the
-    format first, then (after a few hundred steps) reading the positions line; lr 1e-2 ended the plateau sooner than
-    3e-3 did. Whole episodes, because a network trained on first and second turns only wrote garbage from the third on.
+    format first, then reading the positions line. How long the plateau lasts depends mostly on the initial weight
+    scale (build_model's init_std); at std 0.2 the Sokoban loss left it by step ~200, and 400 steps were still too few
+    (val_success 0.22 and 0.30 against 0.48 at 800). Whole episodes, because a network trained on first and second
+    turns only wrote garbage from the third on.
     """
     pad = rollout.pad_token_id(tokenizer)
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)

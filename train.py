@@ -85,7 +85,7 @@ class Args:
     # generation
     temperature: float = arg(1.0, "sampling temperature of the rollouts")
     sample_top_p: float = arg(1.0, "nucleus sampling of the rollouts (1 = off)")
-    max_new_tokens: int = arg(None, "token limit per turn (default 128; tiny: 48)")
+    max_new_tokens: int = arg(None, "token limit per turn (default 128; tiny: 64)")
     # the model
     model: str = arg(None, "Hugging Face id or local folder; 'tiny' for the embedded CPU policy "
                            "(default: Qwen/Qwen2.5-0.5B-Instruct with a GPU, tiny without)")
@@ -427,7 +427,7 @@ def run(a):
     is_tiny = a.model == "tiny"
     a.lr = a.lr if a.lr is not None else (1e-4 if is_tiny else 1e-6)
     a.critic_lr = a.critic_lr if a.critic_lr is not None else (1e-3 if is_tiny else 1e-5)
-    a.max_new_tokens = a.max_new_tokens if a.max_new_tokens is not None else (48 if is_tiny else 128)
+    a.max_new_tokens = a.max_new_tokens if a.max_new_tokens is not None else (64 if is_tiny else 128)
     a.dtype = a.dtype or ("bfloat16" if device.type == "cuda" else "float32")
     a.out = a.out or os.path.join("runs", f"{a.env}-{a.algo}-{a.filter}-{time.strftime('%Y%m%d-%H%M%S')}")
     os.makedirs(a.out, exist_ok=True)

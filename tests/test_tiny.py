@@ -24,11 +24,17 @@ def test_docstring_examples(tok):
     assert tiny._way((0, 2), (1, 1)) == "1 Down, 1 Left" and tiny._way((3, 3), (3, 3)) == "0 Down, 0 Right"
     env = envs.Sokoban(room="######\n#P_XO#\n######")
     env.reset()
-    assert tiny.describe(env, ["Right", "Right"]) == "Push Right from 0 Down, 1 Right."
+    assert tiny.describe(env, ["Right", "Right"]) == (
+        "Box 0 Down, 2 Right. Target 0 Down, 1 Right. Push Right from 0 Down, 1 Right.")
     env = envs.Sokoban(room="#####\n#PXO#\n#####")
     env.reset()
     assert tiny.demonstration(env, random.Random(0), noise=0.0) == (
-        " Push Right from 0 Down, 0 Right. </think> <answer> Right </answer>")
+        " Box 0 Down, 1 Right. Target 0 Down, 1 Right. Push Right from 0 Down, 0 Right. </think> <answer> Right"
+        " </answer>")
+    stuck = envs.Sokoban(room="#####\n#X_O#\n#P__#\n#####")  # the box sits in a corner: no solution
+    stuck.reset()
+    assert envs.solve(stuck) is None and tiny.describe(stuck, []) == "Stuck."
+    assert tiny.around("###\n#PX\n#_#") == "Around: Up wall, Down floor, Left wall, Right box."
 
 
 @pytest.mark.parametrize("name", sorted(envs.ENVS))
@@ -101,6 +107,15 @@ def test_bad_input_raises(tok):
         tiny.load_tiny("chess")
     with pytest.raises(ValueError, match="num_heads"):
         tiny.build_model(tok, hidden_size=30, num_heads=4)
+
+
+def test_weights_start_at_init_std(tok):
+    for std in (0.02, 0.2):
+        model = tiny.build_model(tok, init_std=std)
+        # ~33k embedding entries: the sample std is within 0.5% of the true one
+        assert abs(model.model.embed_tokens.weight.std().item() - std) < 0.02 * std
+        assert abs(model.model.layers[0].self_attn.q_proj.weight.std().item() - std) < 0.05 * std
+        assert model.lm_head.weight is model.model.embed_tokens.weight  # tied
 
 
 def test_save_and_load_round_trip(tok, tmp_path):
@@ -182,8 +197,11 @@ def test_cache_is_reused_and_rebuild_retrains(tmp_path, monkeypatch):
 def test_tiny_user_turn_is_the_grid_and_the_positions_line(tok):
     assert tiny.positions("frozenlake", "P_\n_G") == "Player (0,0), goal (1,1). Goal: 1 Down, 1 Right."
     assert tiny.positions("sokoban", "######\n#P_XO#\n######") == (
-        "Player (1,1), box (1,3), target (1,4). Box: 0 Down, 2 Right. Target: 0 Down, 1 Right.")
-    assert tiny.positions("sokoban", "######\n#PXXO#\n#O___#\n######").endswith("target (1,4), (2,1).")  # no ways
+        "Player (1,1), box (1,3), target (1,4). Box: 0 Down, 2 Right. Target: 0 Down, 1 Right. "
+        "Around: Up wall, Down wall, Left wall, Right floor.")
+    assert tiny.positions("sokoban", "######\n#PXXO#\n#O___#\n######").endswith(  # two boxes: no ways
+        "target (1,4), (2,1). Around: Up wall, Down target, Left wall, Right box.")
+    assert tiny.around("P_") == "Around: Up wall, Down wall, Left wall, Right floor."  # off the grid is wall
     assert tiny.prompts("bandit")["user"]("Phoenix: pays 0.1", 0.0, 1, 1) == "Phoenix: pays 0.1"  # nothing to locate
     text = tiny.prompts("frozenlake")["user"]("P_\n_G", 0.5, 7, 2)
     assert text == "P_\n_G\nPlayer (0,0), goal (1,1). Goal: 1 Down, 1 Right."  # no turn, reward or count text
