@@ -115,9 +115,7 @@ def positions(env_name, obs):
     return text + f" {around(obs)}" if len(cells[0]) == 1 else text
 
 
-# what the cells next to the Sokoban player hold, in words
 NEIGHBOURS = (("Up", -1, 0), ("Down", 1, 0), ("Left", 0, -1), ("Right", 0, 1))
-CELL_WORDS = {"#": "wall", "_": "floor", "O": "target", "X": "box", "√": "box"}
 
 
 def around(obs):
@@ -128,7 +126,7 @@ def around(obs):
 
     def cell(rr, cc):
         inside = 0 <= rr < len(rows) and 0 <= cc < len(rows[rr])
-        return CELL_WORDS.get(rows[rr][cc], "floor") if inside else "wall"
+        return envs.Sokoban.SYMBOLS[rows[rr][cc]] if inside else "wall"
 
     return "Around: " + ", ".join(f"{name} {cell(r + dr, c + dc)}" for name, dr, dc in NEIGHBOURS) + "."
 
