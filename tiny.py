@@ -22,11 +22,11 @@ the objects are and how far apart ("Player (1,0), goal (3,1). Goal: 2 Down, 1 Ri
 says what lies next to the player ("Around: Up wall, Down floor, Left box, Right floor."). Its reasoning restates the
 way (FrozenLake), or copies the ways to the box and target and then names the solver's next push and the way to the
 cell it is pushed from (Sokoban: "Box 1 Down, 1 Right. Target 0 Down, 1 Left. Push Left from 1 Down, 2 Right."); then
-the answer gives the solver's next moves. Demonstrations are imperfect on purpose --
-with probability `noise` a turn tries a random move, and a turn plays one or two moves (a fair coin) -- so the
-warm-started policy stays far from always succeeding and RL has room to improve. They are whole episodes of up to 5
-turns, played in rounds of 4 batches and cut by length (40% fewer tokens to compute on FrozenLake, 17% on Sokoban,
-than unsorted batches). The result is cached on disk, keyed by world and settings, and reused.
+the answer gives the solver's next moves. Demonstrations are imperfect on purpose -- with probability `noise` a turn
+tries a random move, and a turn plays one or two moves (a fair coin) -- so the warm-started policy stays far from
+always succeeding and RL has room to improve. They are whole episodes of up to 5 turns, played in rounds of 4 batches
+and cut by length (40% fewer tokens to compute on FrozenLake, 17% on Sokoban, than unsorted batches). The result is
+cached on disk, keyed by world and settings, and reused.
 """
 import hashlib
 import json
@@ -96,6 +96,11 @@ OBJECTS = {"sokoban": (("Player", "PS"), ("box", "X√"), ("target", "O√S")),
            "frozenlake": (("Player", "PX√"), ("goal", "G√"))}
 
 
+def _cells(env_name, grid):
+    """The cells of each object OBJECTS names, in its order: _cells("frozenlake", "P_\\n_G") == [[(0, 0)], [(1, 1)]]."""
+    return [_where(grid, symbols) for _, symbols in OBJECTS[env_name]]
+
+
 def positions(env_name, obs):
     """Where the objects of a grid are, and how far apart, as text (a way is always rows, then columns):
 
@@ -105,7 +110,7 @@ def positions(env_name, obs):
     Sokoban adds the way from the player to the box and from the box to the target (one-box rooms), then what lies
     next to the player (`around`).
     """
-    cells = [_where(obs, symbols) for _, symbols in OBJECTS[env_name]]
+    cells = _cells(env_name, obs)
     text = ", ".join(f"{name} {_at(at)}" for (name, _), at in zip(OBJECTS[env_name], cells)) + "."
     one_each = all(len(at) == 1 for at in cells)
     if env_name == "frozenlake":
@@ -168,12 +173,12 @@ def describe(env, plan):
         push = _next_push(env, plan)
         if not push:  # the solver found no plan: the box is stuck, and the turn tries a random move
             return "Stuck."
-        player, boxes, targets = (_where(env.render(), symbols) for _, symbols in OBJECTS[env.name])
+        player, boxes, targets = _cells(env.name, env.render())
         ways = (f"Box {_way(player[0], boxes[0])}. Target {_way(boxes[0], targets[0])}. "
                 if len(boxes) == len(targets) == 1 else "")
         return f"{ways}Push {push[0]} from {_way(player[0], push[1])}."
     if env.name == "frozenlake":
-        player, goal = (_where(env.render(), symbols)[0] for _, symbols in OBJECTS[env.name])
+        (player,), (goal,) = _cells(env.name, env.render())
         return f"Goal: {_way(player, goal)}."
     if env.name == "bandit":
         return f"{env.risky} expects {env.high_reward * env.high_prob:g}, {env.safe} pays {env.low_reward:g}."

@@ -21,6 +21,7 @@ def small_model(tokenizer, seed=0):
 def test_docstring_examples(tok):
     assert tok.convert_ids_to_tokens(tok.encode("#_P\n<think> Up")) == ["#", "_", "P", "\n", "<think>", " ", "Up"]
     assert tiny._where("#P\nX_", "PS") == [(0, 1)]
+    assert tiny._cells("frozenlake", "P_\n_G") == [[(0, 0)], [(1, 1)]]
     assert tiny._way((0, 2), (1, 1)) == "1 Down, 1 Left" and tiny._way((3, 3), (3, 3)) == "0 Down, 0 Right"
     env = envs.Sokoban(room="######\n#P_XO#\n######")
     env.reset()
