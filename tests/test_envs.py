@@ -1,8 +1,11 @@
-"""Checks for envs.py: exact rewards on hand-built rooms, invariants over many generated rooms, slip frequencies
-against their exact probabilities, the reply parser on any string, determinism and failure paths."""
+"""Checks for envs.py: exact rewards on hand-built rooms, the room generator's rules on hand-built
+rooms and against a plain recursion, invariants over many generated rooms, frequencies against
+their exact probabilities, the reply parser on any string, determinism and failure paths."""
 import doctest
+import itertools
 import math
 import random
+from collections import Counter
 
 import pytest
 from hypothesis import given, settings, strategies as st
@@ -15,7 +18,7 @@ def test_docstring_examples():
     assert doctest.testmod(envs).failed == 0
 
 
-# ------------------------------------------------------------------------------------------ Sokoban: exact rewards
+# --------------------------------------------------------------------------- Sokoban: exact rewards
 
 LINE = "#####\n#PXO#\n#####"
 TWO = "#######\n#P√X_O#\n#######"  # a box already on a target, a second box beside it
@@ -28,7 +31,8 @@ def test_push_onto_target_solves():
     obs, reward, terminated, truncated, info = env.step("Right")
     assert obs == "#####\n#_P√#\n#####"
     assert reward == pytest.approx(-0.1 + 1 + 10, abs=1e-12)
-    assert (terminated, truncated, info["success"], info["boxes_on_target"]) == (True, False, True, 1)
+    assert (terminated, truncated) == (True, False)
+    assert (info["success"], info["boxes_on_target"]) == (True, 1)
 
 
 def test_blocked_moves_cost_a_step_and_change_nothing():
@@ -47,7 +51,7 @@ def test_box_off_target_and_onto_target_without_solving():
     assert reward == pytest.approx(-0.1 - 1) and not terminated
     env = Sokoban(room="#######\n#PXO__#\n#__X_O#\n#######")
     env.reset()
-    _, reward, terminated, *_, info = env.step("Right")  # first box onto a target, the second one still off
+    _, reward, terminated, *_, info = env.step("Right")  # one box onto a target, one still off
     assert reward == pytest.approx(-0.1 + 1) and not terminated and info["boxes_on_target"] == 1
 
 
@@ -62,7 +66,8 @@ def test_truncated_after_max_steps_and_no_step_after_the_end():
 
 def test_action_names_and_indices():
     env = Sokoban(room=LINE)
-    assert env.action_name(" rIgHt ") == "Right" == env.action_name(3) and env.action_name(0) == "Up"
+    assert env.action_name(" rIgHt ") == "Right" == env.action_name(3)
+    assert env.action_name(0) == "Up"
     env.reset()
     assert env.step(3)[1] == pytest.approx(10.9)
     for bad in ("jump", 4, -1, 1.0, True, None):
@@ -70,15 +75,16 @@ def test_action_names_and_indices():
             env.action_name(bad)
 
 
-@pytest.mark.parametrize("room", ["###\n#P#", "####\n#PX#\n####", "#####\n#PXO_\n#####", "#####\n#PXQ#\n#####",
-                                  "#####\n#PPX#\n#O__#\n#####", "#####\n#PXO#\n####"])
+@pytest.mark.parametrize("room", ["###\n#P#", "####\n#PX#\n####", "#####\n#PXO_\n#####",
+                                  "#####\n#PXQ#\n#####", "#####\n#PPX#\n#O__#\n#####",
+                                  "#####\n#PXO#\n####"])
 def test_bad_rooms_raise(room):
     with pytest.raises(ValueError):
         Sokoban(room=room)
     assert Sokoban(room=LINE + "\n").reset()[0] == LINE  # surrounding whitespace is fine
 
 
-# --------------------------------------------------------------------------------- Sokoban: generated rooms
+# ------------------------------------------------------------------------- Sokoban: generated rooms
 
 def replay(env, plan):
     total = 0.0
@@ -94,28 +100,200 @@ def test_every_generated_room_is_solvable_within_the_budget():
         obs, _ = env.reset(seed=seed)
         plan = solve(env)
         assert plan is not None and 1 <= len(plan) <= env.max_steps, (seed, obs)
-        assert obs.count("X") == 1 and obs.count("O") + obs.count("S") == 1  # one box, off its target
+        assert obs.count("X") == 1 and obs.count("O") + obs.count("S") == 1  # one box, off target
         total, terminated, truncated, info = replay(env, plan)
         assert terminated and not truncated and info["success"]
-        assert total == pytest.approx(-0.1 * len(plan) + 1 + 10)  # one box: net one arrival on a target
+        assert total == pytest.approx(-0.1 * len(plan) + 1 + 10)  # one box: one arrival on target
+    for kwargs in ({"max_steps": 3}, {"generator": "bfs"}, {"generator": "bfs", "max_steps": 4}):
+        env = Sokoban(**kwargs)
+        for seed in range(100):
+            env.reset(seed=seed)
+            assert 1 <= len(solve(env)) <= env.max_steps, (kwargs, seed)
+
+
+def test_rooms_that_need_more_than_the_budget_are_drawn_again():
+    """The same seed gives the same room with and without the budget, unless the room needs more
+    than max_steps moves: then (and only then) the seed's stream draws another one."""
+    budget, free = Sokoban(), Sokoban(max_steps=1000)
+    redrawn = 0
+    for seed in range(400):
+        room = free.reset(seed=seed)[0]
+        needed = len(solve(free))
+        if needed <= budget.max_steps:
+            assert budget.reset(seed=seed)[0] == room, seed
+        else:
+            redrawn += 1
+            assert budget.reset(seed=seed)[0] != room and len(solve(budget)) <= budget.max_steps
+    assert redrawn >= 1  # gym-sokoban's rooms need more than 10 moves about once in 170
+
+
+# ----------------------------------------------------------------- Sokoban: gym-sokoban's generator
+
+def reverse_play(text, search_depth=300):
+    """Sokoban._reverse_dfs on a solved room (boxes on their targets): (score, the room picked)."""
+    env = Sokoban(room=text, search_depth=search_depth)
+    env.reset()
+    score, env.player, boxes, moved = env._reverse_dfs(env.walls, sorted(env.targets), env.player)
+    env.boxes = frozenset(boxes)
+    return score, env.render()
+
+
+def test_reverse_play_pulls_the_box_as_far_as_it_goes():
+    # every step away from the box pulls it: 1 right (score 1), 2 right (score 2), then walls
+    corridor = "#######\n#_√P__#\n#######"
+    assert reverse_play(corridor) == (2, "#######\n#_O_XP#\n#######")
+    # search_depth=3 scores states at most 3 - 2 = 1 move deep (gym-sokoban's time-to-live)
+    assert reverse_play(corridor, search_depth=3) == (1, "#######\n#_OXP_#\n#######")
+    assert reverse_play("#####\n#√P##\n#####") == (0, "#####\n#√P##\n#####")  # nothing moves
+
+
+def test_reverse_play_scores_swaps_times_displacement_and_zero_on_a_covered_target():
+    # The player must pull box B (target 3,5) up first, walk round and pull box A (target 3,2)
+    # right: B 1 off, A 1 off, 2 swaps (B, then A): score 2 x 2 = 4. One more pull of A would
+    # score 2 x 3 = 6, but leaves the player on B's target: score 0.
+    room = "#######\n###___#\n#___#P#\n#_√__√#\n#######"
+    assert reverse_play(room) == (4, "#######\n###___#\n#___#X#\n#_OXPO#\n#######")
+
+
+def test_reverse_play_ties_go_to_the_first_state_found():
+    # pulling the box right scores 1; stepping up from there scores 1 again: the first one stays
+    assert reverse_play("#####\n###_#\n#√P_#\n#####") == (1, "#####\n###_#\n#OXP#\n#####")
+
+
+def reverse_play_by_recursion(text, search_depth=300):
+    """gym-sokoban's reverse play written as its recursion on (row, col) cells, displacement
+    recomputed at every state: the reference for the explicit stack of Sokoban._reverse_dfs."""
+    rows = text.split("\n")
+    width = len(rows[0])
+    cells = {(r, c): ch for r, row in enumerate(rows) for c, ch in enumerate(row)}
+    targets = sorted(cell for cell, ch in cells.items() if ch == "√")
+    seen, best = set(), [(-1, None, None, 0)]
+
+    def visit(player, boxes, pulled, swaps, last, ttl):
+        ttl -= 1
+        key = (player, frozenset(zip(boxes, pulled)))  # a pulled box is coded apart
+        if ttl <= 0 or key in seen:
+            return
+        seen.add(key)
+        moved = sum(abs(b[0] - t[0]) + abs(b[1] - t[1]) for b, t in zip(boxes, targets))
+        covered = player in targets or any(b in targets for b in boxes)
+        score = 0 if covered else swaps * moved
+        if score > best[0][0]:
+            best[0] = (score, player, boxes, moved)
+        for dr, dc in ((-1, 0), (1, 0), (0, -1), (0, 1)):  # Up, Down, Left, Right
+            ahead, behind = (player[0] + dr, player[1] + dc), (player[0] - dr, player[1] - dc)
+            if cells[ahead] == "#" or ahead in boxes:
+                continue
+            if behind in boxes:
+                k = boxes.index(behind)
+                visit(ahead, boxes[:k] + (player,) + boxes[k + 1:],
+                      pulled[:k] + (True,) + pulled[k + 1:], swaps + (k != last), k, ttl)
+            else:
+                visit(ahead, boxes, pulled, swaps, last, ttl)
+
+    start = next(cell for cell, ch in cells.items() if ch == "P")
+    visit(start, tuple(targets), (False,) * len(targets), 0, -1, search_depth)
+    score, player, boxes, moved = best[0]
+    flat = lambda cell: cell[0] * width + cell[1]  # noqa: E731
+    return score, flat(player), tuple(flat(b) for b in boxes), moved
+
+
+@pytest.mark.parametrize("dim_room,num_boxes,search_depth,rooms", [
+    ((6, 6), 1, 300, 200), ((7, 7), 2, 300, 60), ((8, 8), 3, 300, 20), ((7, 7), 2, 9, 60)])
+def test_reverse_play_matches_the_recursion(dim_room, num_boxes, search_depth, rooms):
+    env = Sokoban(dim_room=dim_room, num_boxes=num_boxes, search_depth=search_depth)
+    positive = 0
+    for seed in range(rooms):
+        rng = random.Random(seed)
+        walls = env._carve(rng)
+        floor = sorted(set(range(env.height * env.width)) - walls)
+        if len(floor) <= num_boxes + 1:
+            continue
+        player, *targets = rng.sample(floor, num_boxes + 1)
+        grid = ["#" if i in walls else "_" for i in range(env.height * env.width)]
+        for t in targets:
+            grid[t] = "√"
+        grid[player] = "P"
+        text = "\n".join("".join(grid[r * env.width:(r + 1) * env.width])
+                         for r in range(env.height))
+        got = env._reverse_dfs(walls, sorted(targets), player)
+        assert got == reverse_play_by_recursion(text, search_depth), text
+        positive += got[0] > 0
+    assert positive >= rooms // 4  # the comparison covers rooms that reverse play changes
+
+
+def test_the_walk_stamps_gym_sokobans_masks_from_a_start_that_may_lie_on_the_border():
+    """One walk step in a 5x5 room: the exact distribution of the floor, by enumerating the start
+    (rows and columns 1..4), the heading and the mask, against 4000 seeded walks."""
+    masks = ("000/111/000", "010/010/010", "000/110/010", "000/110/110", "000/011/010")
+    exact = Counter()
+    for r0, c0, (dr, dc), mask in itertools.product(range(1, 5), range(1, 5), envs.MOVES.values(),
+                                                    masks):
+        r, c = min(max(r0 + dr, 1), 3), min(max(c0 + dc, 1), 3)
+        floor = frozenset((r - 1 + i) * 5 + c - 1 + j for i, line in enumerate(mask.split("/"))
+                          for j, bit in enumerate(line)
+                          if bit == "1" and 0 < r - 1 + i < 4 and 0 < c - 1 + j < 4)
+        exact[floor] += 1 / (16 * 4 * 5)
+    env, n = Sokoban(dim_room=(5, 5), num_gen_steps=1), 4000
+    seen = Counter(frozenset(range(25)) - env._carve(random.Random(seed)) for seed in range(n))
+    assert set(seen) <= set(exact)
+    for floor, prob in exact.items():
+        assert abs(seen[floor] / n - prob) <= 4.5 * math.sqrt(prob * (1 - prob) / n), sorted(floor)
+
+
+@pytest.mark.parametrize("room,moved,exact", [
+    # a corridor to the right: no walk with prob. 0.2 (displacement 1) or 0.5, else 1, 2 or 3
+    # cells with prob. 1/2, 1/4, 1/4
+    ("#########\n#XP___O_#\n#########", 1, {2: 0.2, 3: 0.4, 4: 0.2, 5: 0.2}),
+    ("#########\n#XP___O_#\n#########", 2, {2: 0.5, 3: 0.25, 4: 0.125, 5: 0.125}),
+    # a dead end on the left: one step, and the walk never goes back
+    ("######\n#_PXO#\n######", 1, {1: 0.8, 2: 0.2}),
+])
+def test_the_player_wanders_with_the_exact_probabilities(room, moved, exact):
+    env, n = Sokoban(room=room), 4000
+    env.reset()
+    ends = Counter(env._wander(env.walls, env.boxes, env.player, moved, random.Random(k))
+                   % env.width for k in range(n))
+    assert set(ends) <= set(exact)
+    for col, prob in exact.items():
+        assert abs(ends[col] / n - prob) <= 4.5 * math.sqrt(prob * (1 - prob) / n), (col, ends)
+
+
+def test_rooms_are_as_hard_as_gym_sokobans():
+    """Seeds 0..999 against RAGEN's generator run on 20000 seeds: mean optimal length 4.08 among
+    rooms of at most 10 moves (standard error 0.015), the player beside the box in 58.7% of rooms
+    (0.011, 2000 seeds). The breadth-first farthest-box rooms average about 5 moves."""
+    env, n = Sokoban(), 1000
+    lengths, beside = [], 0
+    for seed in range(n):
+        env.reset(seed=seed)
+        lengths.append(len(solve(env)))
+        beside += env._distance(env.player, next(iter(env.boxes))) == 1
+    mean = sum(lengths) / n
+    se = math.sqrt(sum((x - mean) ** 2 for x in lengths) / (n - 1) / n)
+    assert abs(mean - 4.08) <= 4.5 * math.hypot(se, 0.015), mean
+    share = beside / n
+    assert abs(share - 0.587) <= 4.5 * math.hypot(math.sqrt(share * (1 - share) / n), 0.011)
 
 
 @pytest.mark.parametrize("dim_room,num_boxes", [((6, 6), 1), ((7, 8), 2), ((5, 5), 1)])
 def test_random_play_invariants(dim_room, num_boxes):
-    """Walls stay, boxes are conserved and never in walls, the player never in a wall or box, reward accounting."""
+    """Walls stay, boxes are conserved and never in walls, the player never in a wall or box,
+    reward accounting."""
     env = Sokoban(dim_room=dim_room, num_boxes=num_boxes, max_steps=30)
     pick = random.Random(0)
     for seed in range(60):
         obs, _ = env.reset(seed=seed)
         walls, targets = env.walls, env.targets
-        assert len(obs.split("\n")) == dim_room[0] and all(len(r) == dim_room[1] for r in obs.split("\n"))
-        assert len(env.boxes) == num_boxes and env.boxes != targets
+        rows = obs.split("\n")
+        assert len(rows) == dim_room[0] and all(len(r) == dim_room[1] for r in rows)
+        assert len(env.boxes) == num_boxes and not env.boxes & targets  # every box off target
         total, on = 0.0, len(env.boxes & targets)
         while not env.done:
             obs, reward, *_ = env.step(pick.randrange(4))
             total += reward
             assert env.walls == walls and env.targets == targets and len(env.boxes) == num_boxes
-            assert not (env.boxes & walls) and env.player not in walls and env.player not in env.boxes
+            assert not (env.boxes & walls) and env.player not in walls | env.boxes
             assert obs == env.render() and obs.count("P") + obs.count("S") == 1
             assert obs.count("X") + obs.count("√") == num_boxes
             assert obs.count("O") + obs.count("√") + obs.count("S") == num_boxes
@@ -128,37 +306,43 @@ def test_solve_finds_the_shortest_plan_on_a_hand_built_room():
     env = Sokoban(room=room, max_steps=20)
     env.reset()
     plan = solve(env)
-    # the box must go 2 right and 1 down: walk to its left (2), push right twice (2), go round above it (2), push down (1)
+    # the box goes 2 right and 1 down: walk to its left (2), push right twice (2), go round above
+    # it (2), push down (1)
     assert len(plan) == 7
     assert replay(env, plan)[1]
-    stuck = Sokoban(room="#####\n#PX_#\n#__O#\n#####")  # box pushed into a corner can never leave it
+    stuck = Sokoban(room="#####\n#PX_#\n#__O#\n#####")  # a box in a corner can never leave it
     stuck.reset()
     stuck.step("Right")
     assert solve(stuck) is None
 
 
 def test_same_seed_same_room_and_same_trajectory():
-    a, b = Sokoban(), Sokoban()
-    rooms = set()
-    for seed in range(40):
-        assert a.reset(seed=seed) == b.reset(seed=seed)
-        rooms.add(a.render())
-        for action in ["Up", "Left", "Down", "Right", "Right"]:
-            if a.done:
-                break
-            assert a.step(action) == b.step(action)
-    assert len(rooms) >= 35  # seeds give different rooms
+    for kwargs in ({}, {"generator": "bfs"}, {"dim_room": (7, 7), "num_boxes": 2, "max_steps": 30}):
+        a, b = Sokoban(**kwargs), Sokoban(**kwargs)
+        rooms = set()
+        for seed in range(40):
+            assert a.reset(seed=seed) == b.reset(seed=seed)
+            rooms.add(a.render())
+            for action in ["Up", "Left", "Down", "Right", "Right"]:
+                if a.done:
+                    break
+                assert a.step(action) == b.step(action)
+        assert len(rooms) >= 35  # seeds give different rooms
+    assert Sokoban().reset(seed=7) == Sokoban().reset(seed=7, noise_seed=3)  # no noise in Sokoban
 
 
 def test_constructor_checks():
-    for kwargs in ({"dim_room": (4, 6)}, {"num_boxes": 0}, {"max_steps": 0}, {"dim_room": (6,)}, {"num_boxes": 9}):
+    for kwargs in ({"dim_room": (4, 6)}, {"num_boxes": 0}, {"max_steps": 0}, {"dim_room": (6,)},
+                   {"num_boxes": 9}, {"generator": "random"}, {"search_depth": 2},
+                   {"generator": "bfs", "search_depth": 0}, {"num_gen_steps": 0}):
         with pytest.raises(ValueError):
             Sokoban(**kwargs)
+    assert Sokoban(generator="bfs").search_depth == 10 and Sokoban().search_depth == 300
     with pytest.raises(ValueError, match="seed"):
         Sokoban().reset(seed="a")
 
 
-# ---------------------------------------------------------------------------------------------------- FrozenLake
+# --------------------------------------------------------------------------------------- FrozenLake
 
 OPEN = ["FFFF", "FSFF", "FFFF", "FFFG"]
 
@@ -195,7 +379,8 @@ def test_hole_and_goal():
     obs, info = env.reset()
     assert obs == "POG\n___" and info["pos"] == (0, 0)
     obs, reward, terminated, truncated, info = env.step("Right")
-    assert obs == "_XG\n___" and (reward, terminated, truncated, info["success"]) == (0.0, True, False, False)
+    assert obs == "_XG\n___"
+    assert (reward, terminated, truncated, info["success"]) == (0.0, True, False, False)
     assert solve(env) is None
     env.reset()
     assert solve(env) == ["Down", "Right", "Right", "Up"]
@@ -208,7 +393,8 @@ def test_random_maps_are_solvable_and_well_formed():
     for seed in range(400):
         obs, info = env.reset(seed=seed)
         grid = env.grid
-        assert len(grid) == 4 and all(len(r) == 4 for r in grid) and set("".join(grid)) <= set("SFHG")
+        assert len(grid) == 4 and all(len(r) == 4 for r in grid)
+        assert set("".join(grid)) <= set("SFHG")
         assert "".join(grid).count("S") == 1 and "".join(grid).count("G") == 1
         assert obs.count("P") == 1 and obs[info["pos"][0] * 5 + info["pos"][1]] == "P"
         plan = solve(env)
@@ -235,13 +421,14 @@ def test_truncation_and_checks():
     env = FrozenLake(desc=["SFG"], max_steps=2)
     env.reset()
     assert env.step("Left")[2:4] == (False, False) and env.step("Left")[2:4] == (False, True)
-    for kwargs in ({"p": 1.5}, {"success_rate": -0.1}, {"size": 1}, {"desc": ["SF", "FF"]}, {"desc": ["SFX", "FFG"]},
+    for kwargs in ({"p": 1.5}, {"success_rate": -0.1}, {"size": 1}, {"desc": ["SF", "FF"]},
+                   {"desc": ["SFX", "FFG"]},
                    {"desc": ["SFG", "FF"]}):
         with pytest.raises(ValueError):
             FrozenLake(**kwargs)
 
 
-# --------------------------------------------------------------------------------------------------------- Bandit
+# ------------------------------------------------------------------------------------------- Bandit
 
 def test_bandit_payouts_and_success():
     env = Bandit()
@@ -249,7 +436,8 @@ def test_bandit_payouts_and_success():
     for seed in range(n):
         obs, _ = env.reset(seed=seed)
         roles.add(env.risky)
-        assert f"{env.risky}: pays 1 with probability 0.25" in obs and f"{env.safe}: pays 0.1 every time" in obs
+        assert f"{env.risky}: pays 1 with probability 0.25" in obs
+        assert f"{env.safe}: pays 0.1 every time" in obs
         _, reward, terminated, truncated, info = env.step(env.risky)
         assert terminated and not truncated and info["success"] and reward in (0.0, 1.0)
         wins += reward
@@ -267,18 +455,19 @@ def test_bandit_payouts_and_success():
         Bandit(high_prob=2)
 
 
-# ------------------------------------------------------------------------------------------------------- parsing
+# ------------------------------------------------------------------------------------------ parsing
 
 @pytest.mark.parametrize("text,expected", [
     ("<think>go up</think><answer>Up</answer>", ("go up", ["Up"], True)),
-    (" plan first </think>\n<answer> left||LEFT || down </answer>", ("plan first", ["Left", "Left", "Down"], True)),
+    (" plan first </think>\n<answer> left||LEFT || down </answer>",
+     ("plan first", ["Left", "Left", "Down"], True)),
     ("<THINK>x</THINK> <Answer>Right.</ANSWER>", ("x", ["Right"], True)),
     ("<think>a</think><answer>jump || fly</answer>", ("a", [], False)),
     ("<think>a</think><answer>Up", ("a", [], False)),  # unclosed answer
     ("<think>still thinking", ("still thinking", [], False)),  # unclosed think
     ("<answer>Up</answer>", ("", [], False)),  # no think block
-    ("<think>x <answer>Down</answer></think><answer>Up</answer><answer>Left</answer>", ("x <answer>Down</answer>",
-                                                                                        ["Up"], True)),
+    ("<think>x <answer>Down</answer></think><answer>Up</answer><answer>Left</answer>",
+     ("x <answer>Down</answer>", ["Up"], True)),
     ("<think><think>nested</think></think><answer>Dragon</answer>", ("nested", ["Dragon"], True)),
     ("", ("", [], False)),
 ])
@@ -287,17 +476,19 @@ def test_parse_worked_examples(text, expected):
 
 
 def test_parse_respects_the_action_set():
-    assert parse_response("<think></think><answer>Up || Phoenix</answer>", ("Up", "Down", "Left", "Right")) == \
-        ("", ["Up"], True)
+    text = "<think></think><answer>Up || Phoenix</answer>"
+    assert parse_response(text, ("Up", "Down", "Left", "Right")) == ("", ["Up"], True)
     assert parse_response(None) == ("", [], False)
 
 
 @settings(max_examples=300, deadline=None)
-@given(st.text() | st.lists(st.sampled_from(["<think>", "</think>", "<answer>", "</answer>", "||", "up", "LEFT",
-                                             " ", "\n", "x", "√", "Ⅷ", "İ"])).map("".join))
+@given(st.text() | st.lists(st.sampled_from([
+    "<think>", "</think>", "<answer>", "</answer>", "||", "up", "LEFT", " ", "\n", "x", "√", "Ⅷ",
+    "İ"])).map("".join))
 def test_parse_never_raises(text):
     think, actions, valid = parse_response(text)
-    assert isinstance(think, str) and set(actions) <= set(envs.ALL_ACTIONS) and valid == bool(actions)
+    assert isinstance(think, str) and set(actions) <= set(envs.ALL_ACTIONS)
+    assert valid == bool(actions)
 
 
 def test_parse_huge_input():
@@ -306,7 +497,7 @@ def test_parse_huge_input():
     assert len(think) == 1_000_000 and actions == ["Up"] * 10_000 and valid
 
 
-# ------------------------------------------------------------------------------------------------------ registry
+# ----------------------------------------------------------------------------------------- registry
 
 def test_make_env_and_errors():
     assert isinstance(make_env("SOKOBAN"), Sokoban)
@@ -325,7 +516,8 @@ def test_make_env_and_errors():
 def test_a_new_world_is_one_class_and_one_entry(monkeypatch):
     class Corridor(envs.TextEnv):
         """Walk right to the end of a corridor of length 3."""
-        name, actions, max_steps, rules, legend = "corridor", ("Left", "Right"), 5, "Reach the end.", "P you"
+        name, actions, max_steps = "corridor", ("Left", "Right"), 5
+        rules, legend = "Reach the end.", "P you"
 
         def reset(self, seed=None, noise_seed=None):
             self.pos = 0
@@ -352,10 +544,11 @@ def test_a_new_world_is_one_class_and_one_entry(monkeypatch):
     assert [env.step("right")[1] for _ in range(2)] == [0.0, 1.0] and env.success
 
 
-# ----------------------------------------------------------------------------------------------------- baselines
+# ---------------------------------------------------------------------------------------- baselines
 
 def test_random_policy_baseline_matches_the_exact_probability():
-    """P(random walk reaches G within max_steps), by dynamic programming over (cell, steps left), vs `baselines`."""
+    """P(random walk reaches G within max_steps), by dynamic programming over (cell, steps left),
+    vs `baselines`."""
     desc, max_steps = ["SFF", "FHF", "FFG"], 6
     env = FrozenLake(desc=desc)
     env.reset()
