@@ -51,7 +51,7 @@ target, `P` player, `S` player on target. FrozenLake: `_` frozen, `O` hole, `G` 
 `X` player in a hole, `√` player on the goal.
 
 `parse_response` reads a model's reply `<think> ... </think> <answer> A || B </answer>` into
-actions; `solve` finds a shortest action list by breadth-first
+actions and whether it keeps the format; `solve` finds a shortest action list by breadth-first
 search. Adding a new environment is one class (a `TextEnv` with `reset`, `render`, `state`,
 `next_state` and `_apply`) plus one entry in `ENVS`.
 """
@@ -593,19 +593,26 @@ _TAG = {t: re.compile(re.escape(t), re.IGNORECASE)
 _PUNCT = " \t\r\n.,;:!?'\"`*()[]{}<>"
 
 
-def parse_response(text, actions=ALL_ACTIONS):
-    """Reply -> (think, actions, valid). Never raises.
+def parse_response(text, actions=ALL_ACTIONS, max_actions=None):
+    """Reply -> (think, actions, valid), as RAGEN reads it; never raises on any `text`.
 
     think: the text before the first `</think>`, after the last `<think>` before it (the opening
-    tag may be missing: the prompt can end with it). actions: the first `<answer> ... </answer>`
-    after `</think>` split on `||`; each piece, stripped of spaces and punctuation, is kept when it
-    names one of `actions` (any case), in canonical case; other pieces are dropped. valid: the
-    reply has a closed think block, then a closed answer block with at least one known action --
-    so valid == bool(actions). Tags are matched in any case; a missing `</think>`, `<answer>` or
-    `</answer>` gives no actions.
+    tag may be missing: the prompt can end with it). The answer is the first `<answer> ...
+    </answer>` after `</think>`, split on `||`; pieces that are empty after stripping spaces are
+    dropped, and only the first `max_actions` of the others are kept (None: all of them).
+    actions: the kept pieces that, stripped of spaces and punctuation, name one of `actions` (any
+    case), in canonical case. valid: there is a closed think block, then a closed answer block
+    with at least one kept piece, and every kept piece is an action. RAGEN executes `actions` and
+    gives a reply that is not valid the format penalty (ragen/llm_agent: ctx_manager.py caps the
+    pieces, es_manager.py penalises). Lenient where RAGEN is strict: tags in any case, punctuation
+    around action names, text between the two blocks.
     >>> parse_response("<think> box left of me </think> <answer>right || UP. || jump</answer>")
-    ('box left of me', ['Right', 'Up'], True)
+    ('box left of me', ['Right', 'Up'], False)
+    >>> parse_response("<think>box</think> <answer>right || UP. || jump ||</answer>", max_actions=2)
+    ('box', ['Right', 'Up'], True)
     """
+    cap = _as_int(max_actions, "max_actions")
+    _check(cap is None or cap >= 1, f"max_actions must be None or an int >= 1, got {max_actions!r}")
     if not isinstance(text, str):
         return "", [], False
     close = _TAG["</think>"].search(text)
@@ -619,10 +626,11 @@ def parse_response(text, actions=ALL_ACTIONS):
     end = _TAG["</answer>"].search(rest, start.end()) if start else None
     if end is None:
         return think, [], False
+    pieces = [piece for piece in rest[start.end():end.start()].split("||") if piece.strip()]
+    kept = pieces[:cap]  # the cap comes first: an invalid piece past it is never seen
     lookup = {a.lower(): a for a in actions}
-    pieces = (piece.strip(_PUNCT).lower() for piece in rest[start.end():end.start()].split("||"))
-    found = [lookup[p] for p in pieces if p in lookup]
-    return think, found, bool(found)
+    found = [lookup[p] for p in (piece.strip(_PUNCT).lower() for piece in kept) if p in lookup]
+    return think, found, bool(kept) and len(found) == len(kept)
 
 
 # ------------------------------------------------------------------------------------------ solving

@@ -462,7 +462,15 @@ def test_bandit_payouts_and_success():
     (" plan first </think>\n<answer> left||LEFT || down </answer>",
      ("plan first", ["Left", "Left", "Down"], True)),
     ("<THINK>x</THINK> <Answer>Right.</ANSWER>", ("x", ["Right"], True)),
+    ("<think>a</think> so: <answer>**Up**</answer>", ("a", ["Up"], True)),  # text between blocks
     ("<think>a</think><answer>jump || fly</answer>", ("a", [], False)),
+    ("<think>a</think><answer> Up || Jump </answer>", ("a", ["Up"], False)),  # one bad piece
+    ("<think>a</think><answer>Jump || Up</answer>", ("a", ["Up"], False)),
+    ("<think>a</think><answer>Up ||</answer>", ("a", ["Up"], True)),  # empty pieces are dropped
+    ("<think>a</think><answer>|| Up || \n || Down</answer>", ("a", ["Up", "Down"], True)),
+    ("<think>a</think><answer>Up || .</answer>", ("a", ["Up"], False)),  # "." is a piece
+    ("<think>a</think><answer> || </answer>", ("a", [], False)),  # no piece at all
+    ("<think>a</think><answer>Up Down</answer>", ("a", [], False)),  # not separated by ||
     ("<think>a</think><answer>Up", ("a", [], False)),  # unclosed answer
     ("<think>still thinking", ("still thinking", [], False)),  # unclosed think
     ("<answer>Up</answer>", ("", [], False)),  # no think block
@@ -475,26 +483,51 @@ def test_parse_worked_examples(text, expected):
     assert parse_response(text) == expected
 
 
+@pytest.mark.parametrize("answer,max_actions,expected", [
+    ("Up || Down || Jump", 2, (["Up", "Down"], True)),  # the cap comes first: Jump is never seen
+    ("Up || Down || Jump", 3, (["Up", "Down"], False)),
+    ("Up || Down || Jump", None, (["Up", "Down"], False)),
+    ("Jump || Up || Down", 2, (["Up"], False)),  # the cap keeps Jump and Up, not Up and Down
+    ("Jump || Up", 1, ([], False)),
+    ("Up || Left || Down", 1, (["Up"], True)),
+    (" || Up || || Left ||", 2, (["Up", "Left"], True)),  # empty pieces do not count to the cap
+])
+def test_parse_caps_the_pieces_before_checking_them(answer, max_actions, expected):
+    text = f"<think>t</think><answer>{answer}</answer>"
+    assert parse_response(text, max_actions=max_actions) == ("t", *expected)
+
+
 def test_parse_respects_the_action_set():
     text = "<think></think><answer>Up || Phoenix</answer>"
-    assert parse_response(text, ("Up", "Down", "Left", "Right")) == ("", ["Up"], True)
+    assert parse_response(text, ("Up", "Down", "Left", "Right")) == ("", ["Up"], False)
+    assert parse_response(text) == ("", ["Up", "Phoenix"], True)  # every world's actions
     assert parse_response(None) == ("", [], False)
+    for bad in (0, -1, 1.5, "2", True):
+        with pytest.raises(ValueError, match="max_actions"):
+            parse_response(text, max_actions=bad)
 
 
 @settings(max_examples=300, deadline=None)
 @given(st.text() | st.lists(st.sampled_from([
-    "<think>", "</think>", "<answer>", "</answer>", "||", "up", "LEFT", " ", "\n", "x", "√", "Ⅷ",
-    "İ"])).map("".join))
-def test_parse_never_raises(text):
+    "<think>", "</think>", "<answer>", "</answer>", "||", "up", "LEFT", "jump", " ", "\n", "x", "√",
+    "Ⅷ", "İ"])).map("".join), st.integers(1, 4))
+def test_parse_never_raises_and_the_cap_only_shortens(text, cap):
+    """Capping keeps a prefix of the uncapped actions; a valid reply stays valid under any cap;
+    a valid capped reply has exactly its first `cap` actions."""
     think, actions, valid = parse_response(text)
     assert isinstance(think, str) and set(actions) <= set(envs.ALL_ACTIONS)
-    assert valid == bool(actions)
+    assert not valid or actions
+    assert parse_response(text, max_actions=10 ** 9) == (think, actions, valid)
+    _, capped, capped_valid = parse_response(text, max_actions=cap)
+    assert len(capped) <= cap and capped == actions[:len(capped)]
+    assert capped_valid >= valid and (not capped_valid or capped == actions[:cap])
 
 
 def test_parse_huge_input():
     text = "<think>" + "a" * 1_000_000 + "</think><answer>" + "Up || " * 10_000 + "</answer>"
     think, actions, valid = parse_response(text)
     assert len(think) == 1_000_000 and actions == ["Up"] * 10_000 and valid
+    assert parse_response(text, max_actions=2)[1:] == (["Up", "Up"], True)
 
 
 # ----------------------------------------------------------------------------------------- registry
