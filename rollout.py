@@ -18,20 +18,25 @@ with the template's end-of-turn token (Qwen: <|im_end|>) that token is its own, 
 when a turn was cut at the per-turn token limit, the end-of-turn tokens are appended as template tokens (mask 0).
 So for turns that end normally the transcript is token for token the chat template's rendering of the conversation.
 
-Rewards. Each turn the response is parsed (envs.parse_response), at most `max_actions_per_turn` valid actions are
-stepped, a turn with no valid action earns the format penalty -0.1 and does not move. The episode's total
-R = sum of env rewards + penalties sits on its last policy token (token_rewards), as in the reference's token-level
-PPO.
+Rewards. Each turn the reply is parsed as the official loop does (envs.parse_response: the answer's `||` pieces are
+capped at `max_actions_per_turn` first), the valid actions among them are stepped, and a turn whose answer is
+malformed -- no closed think and answer blocks, or any kept piece not an action -- earns the format penalty -0.1
+(actions still stepped). The episode's total
+R = sum of env rewards + penalties sits on its last policy token (collate's token_rewards), as in the reference's
+token-level PPO.
 
-Log-probs at sampling time. For every sampled token we record log softmax(logits / temperature)[token], the tempered
-full-vocabulary log-prob, i.e. exactly what a training forward pass recomputes (tests check equality). With
-top_p < 1 the token was drawn from the renormalised nucleus, whose log-prob is larger by -log(nucleus mass); that
-number is not recorded, because the training loss compares against the tempered full-vocabulary policy.
+Sampling (`hf_policy`). A plain loop: one forward pass per new token with a key/value cache, then
+log softmax(logits / temperature), a draw from it (or its top-p nucleus), and the tempered full-vocabulary log-prob
+of the drawn token recorded -- exactly what a training forward pass recomputes (tests check equality). Every turn's
+prompt is the previous turn's prompt plus the tokens sampled plus the new observation, so the policy keeps each
+episode's cache between turns and encodes only the new tokens: turn 5 of a 700-token Sokoban transcript costs its
+~100 new tokens, not 700. With top_p < 1 the token was drawn from the renormalised nucleus, whose log-prob is larger
+by -log(nucleus mass); that number is not recorded, because training compares against the tempered full policy.
 """
 from dataclasses import dataclass, field
 
 import torch
-from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopPLogitsWarper
+from transformers import DynamicCache
 
 import envs
 
@@ -56,7 +61,10 @@ def system_prompt(env, max_actions_per_turn=2):
 
 def user_message(obs, turn_reward, actions_left, turn):
     """One user turn: state, reward of the last turn (left out on turn 1), actions left, the answer format.
-    user_message("P_O", -0.1, 8, 2) starts 'Turn 2. Reward of last turn: -0.10\\nState:\\nP_O\\nYou have 8 actions'."""
+
+    >>> user_message("P_O", -0.1, 8, 2)[:56]
+    'Turn 2. Reward of last turn: -0.10\\nState:\\nP_O\\nYou have 8'
+    """
     reward = f" Reward of last turn: {turn_reward:.2f}" if turn > 1 else ""
     return (f"Turn {turn}.{reward}\nState:\n{obs}\n"
             f"You have {actions_left} actions left. Answer as {ANSWER_FORMAT}, actions separated by ||.")
@@ -115,97 +123,160 @@ class Generation:
     cut: bool = False
 
 
-def _logprob_recorder(temperature):
-    """A logits processor that sees the raw logits of every decoding step and keeps log softmax(logits / T) of the
-    token sampled from them. The sampled token only shows up in input_ids at the next step, so only one [B, V] table
-    is held at a time (storing every step's logits would need steps * B * V floats)."""
-    state = {"table": None, "taken": []}
+def nucleus(probs, top_p):
+    """Top-p filtering: zero every token whose likelier tokens already hold top_p of the mass -> [B, V] (unnormalised;
+    torch.multinomial does not need the sum to be 1). The most likely token always stays.
 
-    def record(input_ids, scores):  # input_ids [B, t], scores [B, V] raw float32 logits
-        if state["table"] is not None:
-            state["taken"].append(state["table"].gather(1, input_ids[:, -1:]))  # [B, 1]
-        state["table"] = torch.log_softmax(scores / temperature, dim=-1)  # [B, V]
-        return scores
-
-    def finish(new_tokens):  # new_tokens [B, N]
-        taken = list(state["taken"])
-        if len(taken) < new_tokens.shape[1]:  # the last step's token is only in the output
-            taken.append(state["table"].gather(1, new_tokens[:, -1:]))
-        return torch.cat(taken, dim=1)[:, :new_tokens.shape[1]]  # [B, N]
-
-    return record, finish
+    >>> nucleus(torch.tensor([[0.1, 0.6, 0.3]]), 0.7)
+    tensor([[0.0000, 0.6000, 0.3000]])
+    """
+    ranked, order = probs.sort(dim=-1, descending=True)                       # [B, V]
+    drop = ranked.cumsum(-1) - ranked >= top_p                                # [B, V] mass above already >= top_p
+    return torch.zeros_like(probs).scatter(-1, order, ranked.masked_fill(drop, 0.0))
 
 
 def hf_policy(model, tokenizer, max_new_tokens, temperature=1.0, top_p=1.0):
-    """Wrap model.generate as a policy(prompt_ids, envs) -> list[Generation]: one batched, left-padded, KV-cached
-    call for all prompts; stops at the end-of-turn token or after max_new_tokens; temperature 0 means greedy
-    (log-probs then at temperature 1). Sampling settings are passed explicitly, so a checkpoint's generation_config
-    (e.g. Qwen's repetition penalty and top_k) cannot change the distribution. Runs on the model's device, in the
-    model's current mode (sample in eval mode so that dropout, if any, is off)."""
+    """A Hugging Face causal LM as a policy(prompt_ids, envs) -> list[Generation]: one batched call for all prompts,
+    left-padded, stops at an end-of-turn token or after max_new_tokens; temperature 0 means greedy (log-probs then at
+    temperature 1). Sampling settings are explicit, so a checkpoint's generation_config (e.g. Qwen's repetition
+    penalty and top_k) cannot change the distribution. Runs on the model's device, in its current mode (sample in
+    eval mode so that dropout, if any, is off).
+
+    The policy remembers the key/value cache of its last call, one row per prompt. A new prompt that continues a
+    remembered row (that row's tokens are a prefix of it) reuses the row and encodes only its new tokens; otherwise
+    the whole batch is encoded afresh. The cache holds holes -- padding and the steps after a row stopped, with
+    attention mask 0 -- and every token gets its true position id, so attention and RoPE see exactly the tokens of
+    its own transcript, as a fresh forward pass does.
+    """
     if not (isinstance(max_new_tokens, int) and max_new_tokens >= 1):
         raise ValueError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
     if temperature < 0 or not 0 < top_p <= 1:
         raise ValueError(f"need temperature >= 0 and 0 < top_p <= 1, got {temperature}, {top_p}")
     stop_ids = end_of_turn_ids(tokenizer)
     pad = pad_token_id(tokenizer)
-    greedy = temperature == 0
+    last = {"rows": {}}  # the previous call: cache, attention [B, W], positions [B], {key: (row, its tokens)}
 
+    @torch.no_grad()
     def policy(prompt_ids, env_list=None):  # the environments are not needed to sample
         device = model.device
-        width = max(len(p) for p in prompt_ids)
-        ids = torch.full((len(prompt_ids), width), pad, dtype=torch.long)  # [B, P]
-        attention = torch.zeros((len(prompt_ids), width), dtype=torch.long)  # [B, P]
-        for b, p in enumerate(prompt_ids):  # left padding: every prompt ends where generation starts
-            ids[b, width - len(p):] = torch.tensor(p, dtype=torch.long)
-            attention[b, width - len(p):] = 1
-        record, finish = _logprob_recorder(1.0 if greedy else temperature)
-        processors = [record]  # first: it must see the raw logits
-        if not greedy and temperature != 1.0:
-            processors.append(TemperatureLogitsWarper(temperature))
-        if not greedy and top_p < 1.0:
-            processors.append(TopPLogitsWarper(top_p))
-        # neutral built-in settings: temperature and top-p come only from the processors above
-        sampling = {"do_sample": False} if greedy else {"do_sample": True, "temperature": 1.0, "top_p": 1.0,
-                                                         "top_k": 0, "min_p": None, "typical_p": 1.0}
-        with torch.no_grad():
-            out = model.generate(
-                input_ids=ids.to(device), attention_mask=attention.to(device), max_new_tokens=max_new_tokens,
-                repetition_penalty=1.0, no_repeat_ngram_size=0, use_cache=True, eos_token_id=stop_ids,
-                pad_token_id=pad, logits_processor=LogitsProcessorList(processors), **sampling)
-        new = out[:, width:]  # [B, N]
-        logprobs = finish(new).float().cpu().tolist()  # one transfer for the whole batch
+        stop = torch.tensor(stop_ids, device=device)
+        keys = [id(env) for env in env_list] if env_list is not None else list(range(len(prompt_ids)))
+        rows = _continued_rows(last["rows"], prompt_ids, keys)
+        if rows is None:  # start afresh: an empty cache
+            cache, attention = DynamicCache(), torch.zeros(len(prompt_ids), 0, dtype=torch.long, device=device)
+            position, known = torch.zeros(len(prompt_ids), dtype=torch.long, device=device), [0] * len(prompt_ids)
+        else:  # keep the rows of the prompts that continue, in the new order
+            index = torch.tensor(rows, device=device)
+            cache, attention, position = last["cache"], last["attention"][index], last["position"][index]
+            cache.batch_select_indices(index)
+            known = [len(last["rows"][key][1]) for key in keys]
+
+        # encode what is new in every prompt, left-padded to the longest new piece
+        new = [p[k:] for p, k in zip(prompt_ids, known)]
+        width = max(len(n) for n in new)
+        ids = torch.full((len(new), width), pad, dtype=torch.long)                   # [B, W]
+        real = torch.zeros((len(new), width), dtype=torch.long)                      # [B, W]
+        for b, n in enumerate(new):
+            ids[b, width - len(n):] = torch.tensor(n, dtype=torch.long)
+            real[b, width - len(n):] = 1
+        ids, real = ids.to(device), real.to(device)
+        positions = position[:, None] + (real.cumsum(1) - 1).clamp(min=0)             # [B, W]
+        attention = torch.cat([attention, real], dim=1)                               # [B, W_cache + W]
+        logits = model(input_ids=ids, attention_mask=attention, position_ids=positions, past_key_values=cache,
+                       use_cache=True, logits_to_keep=1).logits[:, -1]                # [B, V]
+        position = position + real.sum(1)                                             # [B]
+
+        # sample token by token; a row that stopped is fed padding with attention 0 until all rows stopped
+        tokens, logprobs, fed = [], [], []
+        running = torch.ones(len(new), dtype=torch.bool, device=device)              # [B]
+        for step in range(max_new_tokens):
+            table = torch.log_softmax(logits.float() / (temperature or 1.0), dim=-1)  # [B, V]
+            if temperature == 0:
+                token = table.argmax(-1)                                              # [B]
+            else:
+                probs = table.exp() if top_p == 1.0 else nucleus(table.exp(), top_p)
+                token = torch.multinomial(probs, 1)[:, 0]                             # [B]
+            token = torch.where(running, token, pad)
+            tokens.append(token)
+            logprobs.append(table.gather(1, token[:, None])[:, 0])
+            still = running & ~torch.isin(token, stop)
+            if step == max_new_tokens - 1 or not still.any():
+                break
+            fed.append(running)  # this step's token goes into the cache for the rows that were still running
+            attention = torch.cat([attention, running.long()[:, None]], dim=1)
+            logits = model(input_ids=token[:, None], attention_mask=attention, position_ids=position[:, None],
+                           past_key_values=cache, use_cache=True).logits[:, -1]
+            position = position + running.long()
+            running = still
+
+        tokens = torch.stack(tokens, 1).cpu().tolist()                                # [B, N]
+        logprobs = torch.stack(logprobs, 1).float().cpu().tolist()                    # [B, N]
+        fed = torch.stack(fed, 1).cpu().tolist() if fed else [[] for _ in new]        # [B, N-1]
+        last.update(cache=cache, attention=attention, position=position, rows={
+            key: (b, p + [t for t, f in zip(row, on) if f])
+            for b, (key, p, row, on) in enumerate(zip(keys, prompt_ids, tokens, fed))})
         generations = []
-        for row, lp in zip(new.cpu().tolist(), logprobs):
+        for row, lp in zip(tokens, logprobs):
             end = next((i + 1 for i, t in enumerate(row) if t in stop_ids), None)
-            length = end if end is not None else len(row)
-            generations.append(Generation(row[:length], lp[:length], cut=end is None))
+            generations.append(Generation(row[:end], lp[:end], cut=end is None))
         return generations
 
     return policy
 
 
+def _continued_rows(remembered, prompt_ids, keys):
+    """For each prompt the remembered row it continues, or None when some prompt continues none. Row r is looked up
+    by the prompt's key (its environment object; the prompt's index when none is given) and must hold a proper
+    prefix of the prompt: _continued_rows({"a": (0, [1, 2]), "b": (1, [3])}, [[3, 4], [1, 2, 5]], ["b", "a"])
+    == [1, 0]."""
+    rows = []
+    for prompt, key in zip(prompt_ids, keys):
+        row, tokens = remembered.get(key, (None, None))
+        if row is None or len(tokens) >= len(prompt) or prompt[:len(tokens)] != tokens:
+            return None
+        rows.append(row)
+    return rows
+
+
 # ---------------------------------------------------------------- the loop
 @dataclass
 class Episode:
-    """One rollout. Tensors are 1-D over the transcript's T tokens; logprobs is None for policies that give none."""
-    input_ids: torch.Tensor  # [T] long
-    policy_mask: torch.Tensor  # [T] float, 1 on sampled tokens
-    token_rewards: torch.Tensor  # [T] float, total_reward on the last sampled token
-    logprobs: torch.Tensor  # [T] float, sampling-time log-probs on sampled tokens, 0 elsewhere (or None)
-    total_reward: float
-    success: bool
-    turns: int
-    num_actions: int
-    response_lengths: list  # sampled tokens per turn
-    cut: bool  # the last turn hit the token limit
-    group: int
-    seed: int
-    noise_seed: int
-    first_prompt: str  # turn-1 prompt text up to and including "<think>" (X of the MI diagnosis)
-    first_reasoning: str  # turn-1 text between <think> and </think>, the rest of the response if unclosed (Z)
+    """One rollout, filled in turn by turn. ids / policy_mask / logprobs run over the transcript's T tokens."""
+    env: envs.TextEnv = field(repr=False)  # the world, left in its final state
+    group: int  # prompt group: index of its seed in the step's seeds
+    seed: int  # layout seed, shared by the group
+    noise_seed: int  # transition-noise seed, own to this rollout
+    ids: list  # [T] token ids: template and observations (mask 0), the policy's sampled tokens (mask 1)
+    policy_mask: list  # [T] 1.0 on sampled tokens
+    logprobs: list  # [T] sampling-time log-probs on sampled tokens, 0 elsewhere; None if the policy gave none
+    prompt_text: str  # turn-1 prompt, rendered
+    first_prompt: str = ""  # turn-1 prompt up to and including the reply's "<think>" (X of the MI diagnosis)
+    first_reasoning: str = ""  # turn-1 text between <think> and </think>, the rest of the reply if unclosed (Z)
+    responses: list = field(default_factory=list)  # decoded replies (prefill included), per turn
+    response_lengths: list = field(default_factory=list)  # sampled tokens per turn
     turn_rewards: list = field(default_factory=list)  # env rewards + penalty, per turn
-    responses: list = field(default_factory=list)  # decoded responses (prefill included), per turn
     actions: list = field(default_factory=list)  # actions stepped, in order
+    success: bool = False
+    done: bool = False
+    cut: bool = False  # the last turn hit the token limit
+
+    @property
+    def total_reward(self):
+        return float(sum(self.turn_rewards))
+
+    @property
+    def turns(self):
+        return len(self.turn_rewards)
+
+    @property
+    def num_actions(self):
+        return len(self.actions)
+
+    def append(self, tokens, mask, logprobs=None):
+        self.ids += tokens
+        self.policy_mask += [float(mask)] * len(tokens)
+        if self.logprobs is not None:
+            self.logprobs += list(logprobs) if logprobs is not None else [0.0] * len(tokens)
 
 
 def _split_reasoning(prompt_text, response_text):
@@ -231,7 +302,7 @@ def play(policy, tokenizer, env_name, seeds, group_size, env_kwargs=None, max_tu
     if max_turns < 1 or max_actions_per_turn < 1:
         raise ValueError(f"max_turns and max_actions_per_turn must be >= 1, got {max_turns}, {max_actions_per_turn}")
     stop_ids = end_of_turn_ids(tokenizer)
-    runs = []
+    episodes = []
     for g, seed in enumerate(seeds):
         for k in range(group_size):
             env = envs.make_env(env_name, **(env_kwargs or {}))
@@ -242,100 +313,81 @@ def play(policy, tokenizer, env_name, seeds, group_size, env_kwargs=None, max_tu
                         {"role": "user", "content": user(obs, 0.0, env.max_steps, 1)}]
             prompt_text = _render(tokenizer, messages, add_generation_prompt=True)
             ids = _encode(tokenizer, prompt_text + prefill)
-            runs.append(dict(env=env, ids=ids, mask=[0.0] * len(ids), logp=[0.0] * len(ids), has_logp=True,
-                             group=g, seed=seed, noise_seed=seed * 1000 + k, prompt_text=prompt_text,
-                             success=bool(info.get("success", False)), done=False, lengths=[], turn_rewards=[],
-                             responses=[], actions=[], cut=False, first_prompt=None, reasoning=None))
+            episodes.append(Episode(env=env, group=g, seed=seed, noise_seed=seed * 1000 + k, ids=ids,
+                                    policy_mask=[0.0] * len(ids), logprobs=[0.0] * len(ids),
+                                    prompt_text=prompt_text, success=bool(info.get("success", False))))
 
     for turn in range(1, max_turns + 1):
-        running = [r for r in runs if not r["done"]]
+        running = [e for e in episodes if not e.done]
         if not running:
             break
-        generations = policy([r["ids"] for r in running], [r["env"] for r in running])
+        # ---- generate: one batched call for every running episode
+        generations = policy([e.ids for e in running], [e.env for e in running])
         if len(generations) != len(running):
             raise ValueError(f"policy returned {len(generations)} generations for {len(running)} prompts")
-        for r, gen in zip(running, generations):
+        for e, gen in zip(running, generations):
             tokens = list(gen.token_ids)
-            r["ids"] += tokens
-            r["mask"] += [1.0] * len(tokens)
-            r["has_logp"] &= gen.logprobs is not None
-            r["logp"] += list(gen.logprobs) if gen.logprobs is not None else [0.0] * len(tokens)
-            r["lengths"].append(len(tokens))
-            r["cut"] = bool(gen.cut)
+            if gen.logprobs is None:
+                e.logprobs = None
+            e.append(tokens, 1.0, gen.logprobs)
+            e.response_lengths.append(len(tokens))
+            e.cut = bool(gen.cut)
             ended = bool(tokens) and tokens[-1] in stop_ids
             text = prefill + tokenizer.decode(tokens[:-1] if ended else tokens, skip_special_tokens=False)
-            r["responses"].append(text)
+            e.responses.append(text)
             if turn == 1:
-                r["first_prompt"], r["reasoning"] = _split_reasoning(r["prompt_text"], text)
+                e.first_prompt, e.first_reasoning = _split_reasoning(e.prompt_text, text)
 
-            # ---- act: at most max_actions_per_turn valid actions, the format penalty for none
-            env = r["env"]
-            _, actions, valid = envs.parse_response(text, env.actions)
-            actions = actions[:max_actions_per_turn] if valid else []
-            reward = 0.0 if actions else FORMAT_PENALTY
+            # ---- parse and act: the valid ones of the first max_actions_per_turn pieces are stepped; a turn with
+            # a malformed answer (no closed blocks, or any kept piece not an action) earns the format penalty
+            _, actions, valid = envs.parse_response(text, e.env.actions, max_actions_per_turn)
+            reward = 0.0 if valid else FORMAT_PENALTY
             for action in actions:
-                _, step_reward, terminated, truncated, info = env.step(action)
+                _, step_reward, terminated, truncated, info = e.env.step(action)
                 reward += step_reward
-                r["actions"].append(action)
-                r["success"] = bool(info.get("success", False))
+                e.actions.append(action)
+                e.success = bool(info.get("success", False))
                 if terminated or truncated:
-                    r["done"] = True
+                    e.done = True
                     break
-            r["turn_rewards"].append(reward)
-            if r["done"] or turn == max_turns:
-                r["done"] = True
+            e.turn_rewards.append(reward)
+            e.done = e.done or turn == max_turns
+            if e.done:
                 continue
 
-            # ---- the next prompt: only the template tokens that are new since the sampled ones
+            # ---- observe: only the template tokens that are new since the sampled ones
             between = _encode(tokenizer, _after_assistant(tokenizer, user(
-                env.render(), reward, env.max_steps - len(r["actions"]), turn + 1), prefill))
+                e.env.render(), reward, e.env.max_steps - e.num_actions, turn + 1), prefill))
             if ended and between and between[0] == tokens[-1]:
                 between = between[1:]  # the policy wrote the end-of-turn token itself
-            r["ids"] += between
-            r["mask"] += [0.0] * len(between)
-            r["logp"] += [0.0] * len(between)
-
-    return [_finish(r) for r in runs]
-
-
-def _finish(r):
-    mask = torch.tensor(r["mask"], dtype=torch.float32)  # [T]
-    total = float(sum(r["turn_rewards"]))
-    token_rewards = torch.zeros_like(mask)  # [T]
-    sampled = mask.nonzero()
-    # the episode's reward on its last sampled token (the last token if the policy never produced one)
-    token_rewards[int(sampled[-1]) if len(sampled) else len(mask) - 1] = total
-    return Episode(
-        input_ids=torch.tensor(r["ids"], dtype=torch.long), policy_mask=mask, token_rewards=token_rewards,
-        logprobs=torch.tensor(r["logp"], dtype=torch.float32) if r["has_logp"] else None,
-        total_reward=total, success=r["success"], turns=len(r["turn_rewards"]), num_actions=len(r["actions"]),
-        response_lengths=r["lengths"], cut=r["cut"], group=r["group"], seed=r["seed"], noise_seed=r["noise_seed"],
-        first_prompt=r["first_prompt"], first_reasoning=r["reasoning"], turn_rewards=r["turn_rewards"],
-        responses=r["responses"], actions=r["actions"])
+            e.append(between, 0.0)
+    return episodes
 
 
 # ---------------------------------------------------------------- batches for training, validation
 def collate(episodes, pad_id):
-    """Right-padded tensors: input_ids, attention_mask, policy_mask, token_rewards (and logprobs when every episode
-    has them) [B, T]; total_reward [B]; group [B]. Padded positions have mask 0 and reward 0."""
+    """Right-padded tensors [B, T]: input_ids, attention_mask, policy_mask, token_rewards (the episode's total reward
+    on its last sampled token, or its last token if it sampled none), logprobs (when every episode has them);
+    total_reward [B]; group [B]. Padded positions have mask 0 and reward 0."""
     if not episodes:
         raise ValueError("collate needs at least one episode")
-    width = max(len(e.input_ids) for e in episodes)
-    batch = {"input_ids": torch.full((len(episodes), width), pad_id, dtype=torch.long),  # [B, T]
-             "attention_mask": torch.zeros((len(episodes), width), dtype=torch.long),  # [B, T]
-             "policy_mask": torch.zeros((len(episodes), width)),  # [B, T]
-             "token_rewards": torch.zeros((len(episodes), width))}  # [B, T]
+    B, width = len(episodes), max(len(e.ids) for e in episodes)
+    batch = {"input_ids": torch.full((B, width), pad_id, dtype=torch.long),  # [B, T]
+             "attention_mask": torch.zeros((B, width), dtype=torch.long),  # [B, T]
+             "policy_mask": torch.zeros((B, width)),  # [B, T]
+             "token_rewards": torch.zeros((B, width))}  # [B, T]
     with_logp = all(e.logprobs is not None for e in episodes)
     if with_logp:
-        batch["logprobs"] = torch.zeros((len(episodes), width))  # [B, T]
+        batch["logprobs"] = torch.zeros((B, width))  # [B, T]
     for b, e in enumerate(episodes):
-        n = len(e.input_ids)
-        batch["input_ids"][b, :n] = e.input_ids
+        n = len(e.ids)
+        batch["input_ids"][b, :n] = torch.tensor(e.ids, dtype=torch.long)
         batch["attention_mask"][b, :n] = 1
-        batch["policy_mask"][b, :n] = e.policy_mask
-        batch["token_rewards"][b, :n] = e.token_rewards
+        batch["policy_mask"][b, :n] = torch.tensor(e.policy_mask)
+        sampled = [t for t, m in enumerate(e.policy_mask) if m]
+        batch["token_rewards"][b, sampled[-1] if sampled else n - 1] = e.total_reward
         if with_logp:
-            batch["logprobs"][b, :n] = e.logprobs
+            batch["logprobs"][b, :n] = torch.tensor(e.logprobs)
     batch["total_reward"] = torch.tensor([e.total_reward for e in episodes], dtype=torch.float32)  # [B]
     batch["group"] = torch.tensor([e.group for e in episodes], dtype=torch.long)  # [B]
     return batch

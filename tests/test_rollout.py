@@ -84,8 +84,8 @@ def chat_ids(tokenizer, episode, system):
     steps = iter(episode.actions)
     for turn, (response, reward) in enumerate(zip(episode.responses, episode.turn_rewards), start=1):
         messages.append({"role": "assistant", "content": response})
-        _, actions, _ = envs.parse_response(response, env.actions)
-        for _ in actions[:2]:
+        _, actions, _ = envs.parse_response(response, env.actions, 2)
+        for _ in actions:
             if not env.done:
                 obs = env.step(next(steps))[0]
         if turn < episode.turns:
@@ -138,15 +138,16 @@ def test_group_mates_go_on_after_one_succeeds_on_turn_two(tokenizer):
     assert garbage.turn_rewards == [-0.1] * 5 and garbage.total_reward == pytest.approx(-0.5)
     assert [e.group for e in eps] == [0, 0, 0] and [e.noise_seed for e in eps] == [7000, 7001, 7002]
     for e in eps:
-        assert e.input_ids.tolist() == chat_ids(tokenizer, e, SYSTEM)  # exactly the template's rendering
-        sampled = e.input_ids[e.policy_mask == 1].tolist()
+        assert e.ids == chat_ids(tokenizer, e, SYSTEM)  # exactly the template's rendering
+        sampled = [t for t, m in zip(e.ids, e.policy_mask) if m]
         replies = [tokenizer.encode(r[len("<think>"):], add_special_tokens=False) for r in e.responses]
         end = tokenizer.eos_token_id
         assert sampled == [t for reply in replies for t in reply + [end]]  # mask 1 = the policy's tokens only
         assert e.response_lengths == [len(r) + 1 for r in replies] and not e.cut
-        last = int(e.policy_mask.nonzero()[-1])
-        assert e.token_rewards[last] == pytest.approx(e.total_reward)
-        assert e.token_rewards.abs().sum() == pytest.approx(abs(e.total_reward))
+        rewards = rollout.collate([e], 0)["token_rewards"][0]
+        last = max(t for t, m in enumerate(e.policy_mask) if m)
+        assert rewards[last] == pytest.approx(e.total_reward)
+        assert rewards.abs().sum() == pytest.approx(abs(e.total_reward))
         assert e.first_prompt.endswith("<|im_start|>assistant\n<think>") and SYSTEM in e.first_prompt
         assert e.logprobs is None
     assert win.first_reasoning == " go right " and garbage.first_reasoning == "I refuse to use the format."
@@ -179,8 +180,8 @@ def test_malformed_output_is_penalised_never_crashes(tokenizer):
     (e,) = eps
     assert e.turns == 5 and e.num_actions == 0 and e.turn_rewards == [-0.1] * 5 and not e.cut
     assert e.response_lengths == [0, 1, len(script[2][0]), len(script[3][0]), len(script[4][0])]
-    assert e.input_ids.tolist() == chat_ids(tokenizer, e, SYSTEM)  # the cut turn got its end token, as mask 0
-    assert e.policy_mask.sum() == sum(e.response_lengths)
+    assert e.ids == chat_ids(tokenizer, e, SYSTEM)  # the cut turn got its end token, as mask 0
+    assert sum(e.policy_mask) == sum(e.response_lengths)
     assert e.first_reasoning == ""  # turn 1 produced nothing after the prefilled "<think>"
 
 
@@ -202,10 +203,10 @@ def test_collate_right_pads(tokenizer):
     eps = rollout.play(scripted(tokenizer, [["<answer>Left</answer>"], ["x</think><answer>Right</answer>"]]),
                        tokenizer, "frozenlake", [1], 2, env_kwargs=LAKE, max_turns=2, system=SYSTEM)
     batch = rollout.collate(eps, pad_id=-5)
-    lengths = [len(e.input_ids) for e in eps]
+    lengths = [len(e.ids) for e in eps]
     assert batch["input_ids"].shape == (2, max(lengths)) and "logprobs" not in batch
     for b, (e, n) in enumerate(zip(eps, lengths)):
-        assert batch["input_ids"][b, :n].tolist() == e.input_ids.tolist()
+        assert batch["input_ids"][b, :n].tolist() == e.ids
         assert (batch["input_ids"][b, n:] == -5).all() and batch["attention_mask"][b].sum() == n
         assert batch["policy_mask"][b, n:].sum() == 0
         assert batch["token_rewards"][b].sum() == pytest.approx(e.total_reward)
@@ -242,7 +243,7 @@ def test_sampling_logprobs_equal_a_forward_pass(tokenizer, device, temperature, 
     above = (probs * (probs > chosen)).sum(-1)  # [B, T-1]
     assert (above[mask] < top_p + 1e-5).all()
     for e in eps:  # every turn but the last ends with the end-of-turn token: sampled (mask 1) or appended (mask 0)
-        ids, m = e.input_ids.tolist(), e.policy_mask.tolist()
+        ids, m = e.ids, e.policy_mask
         run_ends = [i for i in range(1, len(m)) if m[i - 1] == 1 and m[i] == 0]
         assert len(run_ends) == e.turns - 1
         assert all(tokenizer.eos_token_id in (ids[i - 1], ids[i]) for i in run_ends)
@@ -253,9 +254,9 @@ def test_greedy_picks_the_argmax(tokenizer):
     policy = rollout.hf_policy(model, tokenizer, max_new_tokens=10, temperature=0)
     (e,) = rollout.play(policy, tokenizer, "frozenlake", [2], 1, max_turns=2, system=SYSTEM)
     table, recomputed = forward_logprobs(model, rollout.collate([e], 0), 1.0)
-    mask = e.policy_mask[1:] == 1
-    assert (table[0].argmax(-1)[mask] == e.input_ids[1:][mask]).all()
-    torch.testing.assert_close(e.logprobs[1:][mask], recomputed[0][mask], atol=1e-4, rtol=0)
+    mask = torch.tensor(e.policy_mask[1:]) == 1
+    assert (table[0].argmax(-1)[mask] == torch.tensor(e.ids[1:])[mask]).all()
+    torch.testing.assert_close(torch.tensor(e.logprobs[1:])[mask], recomputed[0][mask], atol=1e-4, rtol=0)
 
 
 def test_from_pretrained_round_trip_is_identical(tokenizer, tmp_path):
@@ -272,8 +273,8 @@ def test_from_pretrained_round_trip_is_identical(tokenizer, tmp_path):
         policy = rollout.hf_policy(m, t, max_new_tokens=16, temperature=0.9, top_p=0.95)
         runs.append(rollout.play(policy, t, "sokoban", [5, 6], 2, max_turns=2, system=SYSTEM))
     for a, b in zip(*runs):
-        assert a.input_ids.tolist() == b.input_ids.tolist() and a.responses == b.responses
-        torch.testing.assert_close(a.logprobs, b.logprobs)
+        assert a.ids == b.ids and a.responses == b.responses
+        torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs))
 
 
 def test_validate_after_learning_the_transcript(tokenizer):
