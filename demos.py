@@ -1,0 +1,241 @@
+"""What the tiny policy is shown and taught: its prompts, the solver's demonstrations, and behaviour cloning on them.
+
+A new top-level file because the warm start is a concept of its own. A random network never writes a valid action,
+so every turn would earn the format penalty and RL would see no reward spread (RAGEN-2, Sec. 3: no variance, no task
+gradient). The tiny policy (tiny.py) is therefore first trained on demonstrations, played through rollout.play so
+that the data is token for token the transcript the RL loop produces, by minimising the cross-entropy of the
+policy's own tokens (mask m = policy_mask):
+
+    L(theta) = - sum_{b,t} m[b,t] log pi_theta(y[b,t] | y[b,<t]) / sum_{b,t} m[b,t]
+
+What the tiny policy sees (`user_turn`). Its user turn is the grid and a line that names where the objects are and
+how far apart ("Player (1,0), goal (3,1). Goal: 2 Down, 1 Right."); Sokoban's line also says what lies next to the
+player ("Around: Up wall, Down floor, Left box, Right floor."). This is a perception aid: a 2-layer network trained
+for minutes reads neither coordinates off a grid nor their differences. Which way to go, where to stand to push and
+when to take two moves is left to the policy.
+
+What it is taught to say (`describe`, `demonstration`). Its reasoning restates the way (FrozenLake), or copies the
+ways to the box and target and then names the solver's next push and the way to the cell it is pushed from (Sokoban:
+"Box 1 Down, 1 Right. Target 0 Down, 1 Left. Push Left from 1 Down, 2 Right."), so each number it works out sits a
+few tokens after the ones it is worked out from; the answer gives the solver's next moves. Demonstrations are
+imperfect on purpose -- with probability `noise` a turn tries a random move, and a turn plays one or two moves (a
+fair coin) -- so the warm-started policy stays far from always succeeding and RL has room to improve.
+"""
+import math
+import random
+
+import torch
+
+import envs
+import ppo
+import rollout
+
+TINY_SYSTEM = "Reach the goal. Think in <think> </think>, then act in <answer> </answer>."
+DEMO_SEEDS = 1_000_000  # demonstrations use seeds from here on, away from the small seeds used for validation
+ROUND = 4  # batches of demonstrations played at once, then cut by length
+# the objects a positions line names, per world: (name, grid symbols that show it)
+OBJECTS = {"sokoban": (("Player", "PS"), ("box", "X√"), ("target", "O√S")),
+           "frozenlake": (("Player", "PX√"), ("goal", "G√"))}
+NEIGHBOURS = (("Up", -1, 0), ("Down", 1, 0), ("Left", 0, -1), ("Right", 0, 1))
+
+
+# ------------------------------------------------------------------------------------------- what the policy sees
+
+def _where(grid, symbols):
+    """(row, col) of every cell holding one of `symbols`: _where("#P\\nX_", "PS") == [(0, 1)]."""
+    return [(r, c) for r, row in enumerate(grid.split("\n")) for c, ch in enumerate(row) if ch in symbols]
+
+
+def _cells(env_name, grid):
+    """The cells of each object OBJECTS names, in its order: _cells("frozenlake", "P_\\n_G") == [[(0, 0)], [(1, 1)]]."""
+    return [_where(grid, symbols) for _, symbols in OBJECTS[env_name]]
+
+
+def _way(frm, to):
+    """How far cell `to` lies from `frm`, rows then columns, always both: _way((0, 2), (1, 1)) == '1 Down, 1 Left'."""
+    (dr, dc) = (to[0] - frm[0], to[1] - frm[1])
+    return f"{abs(dr)} {'Up' if dr < 0 else 'Down'}, {abs(dc)} {'Left' if dc < 0 else 'Right'}"
+
+
+def positions(env_name, obs):
+    """Where the objects of a grid are, and how far apart, as text (a way is always rows, then columns):
+
+    >>> positions("frozenlake", "P_\\n_G")
+    'Player (0,0), goal (1,1). Goal: 1 Down, 1 Right.'
+
+    Sokoban adds the way from the player to the box and from the box to the target (one-box rooms), then what lies
+    next to the player (`around`).
+    """
+    cells = _cells(env_name, obs)
+    at = [", ".join(f"({r},{c})" for r, c in found) or "none" for found in cells]
+    text = ", ".join(f"{name} {where}" for (name, _), where in zip(OBJECTS[env_name], at)) + "."
+    one_each = all(len(found) == 1 for found in cells)
+    if env_name == "frozenlake":
+        return text + f" Goal: {_way(cells[0][0], cells[1][0])}." if one_each else text
+    if one_each:
+        text += f" Box: {_way(cells[0][0], cells[1][0])}. Target: {_way(cells[1][0], cells[2][0])}."
+    return text + f" {around(obs)}" if len(cells[0]) == 1 else text
+
+
+def around(obs):
+    """What lies next to the Sokoban player; outside the grid counts as wall.
+
+    >>> around("###\\n#PX\\n#_#")
+    'Around: Up wall, Down floor, Left wall, Right box.'
+    """
+    rows = obs.split("\n")
+    (r, c), = _where(obs, "PS")
+
+    def cell(rr, cc):
+        inside = 0 <= rr < len(rows) and 0 <= cc < len(rows[rr])
+        return envs.Sokoban.SYMBOLS[rows[rr][cc]] if inside else "wall"
+
+    return "Around: " + ", ".join(f"{name} {cell(r + dr, c + dc)}" for name, dr, dc in NEIGHBOURS) + "."
+
+
+def user_turn(env_name):
+    """The tiny policy's user turn: the grid, then (Sokoban, FrozenLake) the positions line -- and nothing else, so
+    every turn of a world has the same shape and the newest line sits at a fixed distance before the reasoning that
+    reads it. Real models get rollout.user_message and the plain grid.
+
+    >>> user_turn("frozenlake")("P_\\n_G", 0.0, 10, 1)
+    'P_\\n_G\\nPlayer (0,0), goal (1,1). Goal: 1 Down, 1 Right.'
+    """
+    if env_name not in OBJECTS:
+        return lambda obs, turn_reward, actions_left, turn: obs
+    return lambda obs, turn_reward, actions_left, turn: obs + "\n" + positions(env_name, obs)
+
+
+def prompts(env_name):
+    """The prompt pieces rollout.play takes for the tiny policy: its one-line system prompt and its user turns."""
+    return {"system": TINY_SYSTEM, "user": user_turn(env_name)}
+
+
+# ------------------------------------------------------------------------------------------- what it is taught
+
+def _next_push(env, plan):
+    """(direction, (row, col) the player pushes from) of the first move of `plan` that moves a box, or None."""
+    state = env.state()
+    for action in plan:
+        nxt, _, _ = env.next_state(state, action)
+        if nxt[1] != state[1]:
+            return action, divmod(state[0], env.width)
+        state = nxt
+    return None
+
+
+def describe(env, plan):
+    """Reasoning for the current state and what `plan` (the solver's moves to come) does.
+
+    >>> env = envs.Sokoban(room="######\\n#P_XO#\\n######"); _ = env.reset(); describe(env, ["Right", "Right"])
+    'Box 0 Down, 2 Right. Target 0 Down, 1 Right. Push Right from 0 Down, 1 Right.'
+    """
+    if env.name == "sokoban":
+        push = _next_push(env, plan)
+        if not push:  # the solver found no plan: the box is stuck, and the turn tries a random move
+            return "Stuck."
+        player, boxes, targets = _cells(env.name, env.render())
+        ways = (f"Box {_way(player[0], boxes[0])}. Target {_way(boxes[0], targets[0])}. "
+                if len(boxes) == len(targets) == 1 else "")
+        return f"{ways}Push {push[0]} from {_way(player[0], push[1])}."
+    if env.name == "frozenlake":
+        (player,), (goal,) = _cells(env.name, env.render())
+        return f"Goal: {_way(player, goal)}."
+    if env.name == "bandit":
+        return f"{env.risky} expects {env.high_reward * env.high_prob:g}, {env.safe} pays {env.low_reward:g}."
+    raise ValueError(f"no demonstrations for world {env.name!r}; valid: sokoban, frozenlake, bandit")
+
+
+def demonstration(env, rng, noise=0.2, max_actions=2):
+    """One demonstration turn for the env's current state, continuing a prompt that ends with "<think>": with prob.
+    `noise` one random move ("Try Left."), else the solver's next 1 or `max_actions` moves (a fair coin).
+
+    >>> env = envs.Sokoban(room="#####\\n#PXO#\\n#####"); _ = env.reset()
+    >>> demonstration(env, random.Random(0), noise=0.0)
+    ' Box 0 Down, 1 Right. Target 0 Down, 1 Right. Push Right from 0 Down, 0 Right. </think> <answer> Right </answer>'
+    """
+    plan = envs.solve(env) or []
+    if not plan or rng.random() < noise:
+        moves = [rng.choice(env.actions)]
+        reasoning = f"{describe(env, plan)} Try {moves[0]}."
+    else:
+        moves = plan[:rng.choice((1, max_actions))]
+        reasoning = describe(env, plan)
+    return f" {reasoning} </think> <answer> {' || '.join(moves)} </answer>"
+
+
+def demo_policy(tokenizer, noise=0.2, max_actions=2, seed=0):
+    """A scripted policy for rollout.play: looks at each env, writes `demonstration(...)` and the end-of-turn token."""
+    rng = random.Random(seed)
+    end = rollout.end_of_turn_ids(tokenizer)[0]
+
+    def policy(prompt_ids, worlds):
+        return [rollout.Generation(tokenizer.encode(demonstration(env, rng, noise, max_actions),
+                                                    add_special_tokens=False) + [end]) for env in worlds]
+
+    return policy
+
+
+def demonstrations(tokenizer, env_name, seeds, env_kwargs=None, noise=0.2, seed=0, max_turns=5,
+                   max_actions_per_turn=2):
+    """Demonstration episodes (rollout.Episode) on `seeds`, one each, in the tiny policy's prompts."""
+    policy = demo_policy(tokenizer, noise=noise, max_actions=max_actions_per_turn, seed=seed)
+    return rollout.play(policy, tokenizer, env_name, seeds, 1, env_kwargs=env_kwargs, max_turns=max_turns,
+                        max_actions_per_turn=max_actions_per_turn, **prompts(env_name))
+
+
+# ------------------------------------------------------------------------------------------- behaviour cloning
+
+def demo_loss(model, batch):
+    """Mean cross-entropy of the policy's tokens (policy_mask) under teacher forcing; batch from rollout.collate.
+    Only the positions whose next token the policy wrote go through the output layer (ppo.policy_logprobs)."""
+    mask = batch["policy_mask"][:, 1:]                                                 # [B, T-1]
+    logp, _ = ppo.policy_logprobs(model, batch["input_ids"], mask)                     # [B, T-1]
+    return -ppo.masked_mean(logp, mask)
+
+
+def schedule(step, steps):
+    """The learning-rate factor: linear warm-up over the first 10% of steps, then cosine decay to 0.1.
+
+    >>> [round(schedule(s, 100), 3) for s in (0, 9, 10, 55, 99)]
+    [0.1, 1.0, 1.0, 0.55, 0.1]
+    """
+    warmup = max(1, steps // 10)
+    return min((step + 1) / warmup, 0.1 + 0.45 * (1 + math.cos(math.pi * max(0, step - warmup) /
+                                                                max(1, steps - warmup))))
+
+
+def imitate(model, tokenizer, env_name, env_kwargs=None, steps=800, batch_size=16, lr=1e-2, noise=0.2, seed=0,
+            turns=5, start=0, state=None, on_step=None):
+    """Behaviour cloning: `steps` AdamW steps, each on `batch_size` fresh demonstrations; returns the loss per step.
+
+    Whole episodes of up to `turns` turns (a network taught first turns only writes garbage from the third on), played
+    ROUND batches at a time and cut into batches after sorting by length (less padding to compute). To continue an
+    interrupted run, pass `start` (a multiple of ROUND) and the optimiser `state`; on_step(step, loss, optimizer) is
+    called after every step.
+    """
+    pad = rollout.pad_token_id(tokenizer)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+    if state is not None:
+        optimizer.load_state_dict(state)
+    model.train()
+    losses = []
+    for step in range(start, steps):
+        if step % ROUND == 0 or step == start:  # play ROUND batches at once and cut them by length
+            first = DEMO_SEEDS + (seed * steps + step - step % ROUND) * batch_size  # fresh layouts every round
+            played = sorted(demonstrations(tokenizer, env_name, range(first, first + ROUND * batch_size), env_kwargs,
+                                           noise, seed=first, max_turns=turns), key=lambda e: len(e.ids))
+            batches = [played[k:k + batch_size] for k in range(0, len(played), batch_size)]
+            random.Random(first).shuffle(batches)
+        for group in optimizer.param_groups:
+            group["lr"] = lr * schedule(step, steps)
+        loss = demo_loss(model, rollout.collate(batches[step % ROUND], pad))
+        optimizer.zero_grad()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        losses.append(loss.item())
+        if on_step is not None:
+            on_step(step, losses[-1], optimizer)
+    model.eval()
+    return losses
