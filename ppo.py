@@ -223,3 +223,36 @@ def critic_values(critic, input_ids, attention_mask):
     """Values [B, T]; values[:, t] scores the prefix ids[:, :t+1], i.e. the state before token t+1 is produced --
     the same alignment as logits, so pair values[:, :-1] with token_logprobs(logits[:, :-1], ids[:, 1:])."""
     return critic(input_ids, attention_mask)
+
+
+# ------------------------------------------------------------------------------------- log-probs where needed
+
+def policy_logprobs(model, input_ids, mask, with_entropy=False, chunk_elements=2 ** 25):
+    """log pi(ids[b, t+1] | ids[b, :t+1]) -- and the entropy of pi there -- only at the positions where
+    mask[b, t] = 1 -> ([B, T-1], [B, T-1] or None), 0 elsewhere. `input_ids` [B, T] is right-padded: a causal mask
+    already hides the padding at the end from every real token, so no attention mask is passed (the fast kernel).
+
+    The output layer is what costs memory: full logits are [B, T, V] floats (V = 151,936 for Qwen). Here the
+    transformer body runs once, its hidden states are gathered at the masked positions ([N, D]), and the output layer
+    runs on them in chunks of chunk_elements / V positions under torch.utils.checkpoint, so the backward pass keeps
+    only the [N, D] inputs and recomputes one chunk's [n, V] logits at a time. Equal to token_logprobs and
+    entropy_from_logits on the full logits (tests check it). Works for peft models (the adapters stay active).
+    """
+    lm = model.get_base_model() if hasattr(model, "get_base_model") else model
+    hidden = lm.get_decoder()(input_ids=input_ids).last_hidden_state[:, :-1]          # [B, T-1, D]
+    at = mask.bool()                                                                   # [B, T-1]
+    head = lm.get_output_embeddings()
+    size = max(1, chunk_elements // head.weight.shape[0])
+    parts = [torch.utils.checkpoint.checkpoint(_head_logprobs, head, h, y, with_entropy, use_reentrant=False)
+             for h, y in zip(hidden[at].split(size), input_ids[:, 1:][at].split(size))]  # [n, D], [n] each
+    out = []
+    for i in range(2 if with_entropy else 1):
+        values = torch.cat([p[i] for p in parts]) if parts else hidden.new_zeros(0, dtype=torch.float32)
+        out.append(torch.zeros(at.shape, dtype=values.dtype, device=values.device).masked_scatter(at, values))
+    return out[0], out[1] if with_entropy else None
+
+
+def _head_logprobs(head, hidden, targets, with_entropy):
+    logits = head(hidden)                                                              # [n, V]
+    logp = token_logprobs(logits, targets)                                             # [n]
+    return (logp, entropy_from_logits(logits)) if with_entropy else (logp,)
