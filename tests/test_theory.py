@@ -231,8 +231,8 @@ def computed_values():
     v["all_zero.topp_0.9.kept"] = names(snr_filter.select_groups([0.0, 0.0, 0.0], "topp", 0.9))
     # 5. GAE, KL, PPO losses
     r, val, m = torch.tensor([[0.0, 0.0, 1.0]]), torch.tensor([[0.2, 9.0, 0.6]]), torch.tensor([[1, 0, 1]])
-    adv1, ret1 = ppo.gae(r, val, m, 1.0, 1.0)
-    adv_half, _ = ppo.gae(r, val, m, 1.0, 0.5)
+    adv1, ret1 = ppo.gae(r, val, m, 1.0, 1.0, whiten=False)
+    adv_half, _ = ppo.gae(r, val, m, 1.0, 0.5, whiten=False)
     v.update({"gae.rewards": r[0].tolist(), "gae.values": val[0].tolist(), "gae.mask": m[0].tolist(),
               "gae.lam_1.adv": adv1[0].tolist(), "gae.lam_1.returns": ret1[0].tolist(),
               "gae.lam_0.5.adv": adv_half[0].tolist()})
@@ -259,7 +259,7 @@ def computed_values():
                                           torch.tensor([[1.0, -1.0]]), torch.ones(1, 2))
     v["ppo.clip_higher.loss"], v["ppo.clip_higher.clip_frac"] = loss.item(), stats["clip_frac"]
     one = torch.ones(1, 1)
-    v["ppo.value_loss"] = ppo.value_loss(1.5 * one, one, 2.0 * one, one).item()
+    v["ppo.value_loss"] = ppo.value_loss(1.5 * one, one, 2.0 * one, one, clip=0.2).item()
     loss_tbl, mask_tbl = torch.tensor([[1.0, 2.0, 3.0], [4.0, 0.0, 0.0]]), torch.tensor([[1, 1, 1], [1, 0, 0]])
     v["ppo.aggregate"] = [ppo.aggregate(loss_tbl, mask_tbl, mode).item() for mode in ppo.AGG_MODES]
     return v
