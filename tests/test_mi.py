@@ -170,6 +170,15 @@ def test_collapsed_policy_with_repeated_prompts_scores_the_chance_level():
         mi.collapse_metrics(np.zeros((2, 2)), [0, 1], prompt_keys=["a"])
 
 
+def test_single_prompt_gives_defined_values():
+    out = mi.collapse_metrics([[-2.0], [-5.0]], [0, 0], lengths=[2, 5])
+    assert out["mi_estimate"] == 0.0 and out["mi_seq_estimate"] == 0.0 == out["mi_upper_bound"]
+    assert out["retrieval_acc"] == 1.0 == out["retrieval_chance"]
+    assert out["conditional_entropy_seq"] == 3.5 == out["reasoning_entropy_seq"]
+    assert out["conditional_entropy"] == 1.0 and out["marginal_std_seq"] == 1.5
+    assert not any(k.startswith("retrieval_acc_top") for k in out)
+
+
 def test_bad_metric_input_raises():
     with pytest.raises(ValueError, match="owner"):
         mi.collapse_metrics(np.zeros((2, 2)), [0, 2])

@@ -81,7 +81,7 @@ def test_tiny_total_spread_keeps_the_best_group():
     assert select_groups([0.0, 0.004, 0.001], "topp", 0.9).tolist() == [False, True, False]
 
 
-def test_topp_at_one_keeps_every_group_with_spread_or_every_group_with_include_zero():
+def test_topp_at_one_keeps_every_remaining_group():
     scores = [5.0, 0.004, 0.0, 2.0]                  # the 0.004 tail is below the 0.01 slack
     for prob_mode in ("linear", "softmax"):
         keep = select_groups(scores, "topp", 1.0, prob_mode=prob_mode)
