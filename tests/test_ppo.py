@@ -172,6 +172,10 @@ def test_clip_higher_example():
     loss, stats = clipped_policy_loss(logp, torch.zeros(1, 2), torch.tensor([[1., -1.]]),
                                       torch.ones(1, 2))
     assert loss.item() == pytest.approx((-1.28 + 0.8) / 2)
+    for t, want in enumerate([-1.28, 0.8]):                        # each token on its own
+        alone = clipped_policy_loss(logp, torch.zeros(1, 2), torch.tensor([[1., -1.]]),
+                                    torch.eye(2)[t:t + 1])[0]
+        assert alone.item() == pytest.approx(want)
     assert stats["clip_frac"] == 1.0 and stats["clip_frac_lower"] == 0.0
     want_kl = ((0.5 - math.log(1.5)) + (-0.5 - math.log(0.5))) / 2
     assert stats["approx_kl"] == pytest.approx(want_kl, abs=1e-6)

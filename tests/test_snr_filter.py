@@ -428,26 +428,27 @@ def test_decomposition_equals_plain_backward_loop(models):
     adv = (rewards - rewards.mean(1, keepdim=True))[groups].reshape(-1).float()
     m = (pm[rows, 1:] * att[rows, 1:]).float()
     norms = []
-    for term in ("task", "kl", "entropy"):
+    for terms in (["task"], ["kl"], ["entropy"], ["kl", "entropy"]):   # the last: the regulariser
         policy.zero_grad()
         logits = policy(input_ids=ids[rows], attention_mask=att[rows]).logits[:, :-1]
         logp = token_logprobs(logits, ids[rows, 1:])
-        if term == "task":
+        loss = 0.0
+        if "task" in terms:
             loss, _ = clipped_policy_loss(logp, logp.detach(), adv[:, None].expand_as(logp), m)
-        elif term == "kl":
+        if "kl" in terms:
             with torch.no_grad():
                 ref_logits = ref(input_ids=ids[rows], attention_mask=att[rows]).logits[:, :-1]
                 ref_logp = token_logprobs(ref_logits, ids[rows, 1:])
-            loss = 0.5 * (kl_estimate(logp, ref_logp, "k3") * m).sum() / m.sum()
-        else:
+            loss = loss + 0.5 * (kl_estimate(logp, ref_logp, "k3") * m).sum() / m.sum()
+        if "entropy" in terms:
             logq = torch.log_softmax(logits.float(), -1)
-            loss = ((logq.exp() * logq).sum(-1) * m).sum() / m.sum()   # -entropy, token mean
+            loss = loss + ((logq.exp() * logq).sum(-1) * m).sum() / m.sum()   # -entropy
         loss.backward()
         grads = [p.grad for p in policy.parameters() if p.grad is not None]
         norms.append(math.sqrt(sum(g.pow(2).sum().item() for g in grads)))
     policy.zero_grad(set_to_none=True)
-    got = [out[1]["task_grad_norm"], out[1]["kl_grad_norm"], out[1]["entropy_grad_norm"]]
-    assert got == pytest.approx(norms, rel=1e-4)
+    keys = ["task_grad_norm", "kl_grad_norm", "entropy_grad_norm", "reg_grad_norm"]
+    assert [out[1][k] for k in keys] == pytest.approx(norms, rel=1e-4)
 
 
 def test_decomposition_reference_choices_and_no_side_effects(models):
