@@ -5,10 +5,11 @@ Each prompt (a seeded environment) is rolled out K times; episode i of group g g
     A_gi = (R_gi - mean_g R) / (std_g R + eps)       (GRPO, unbiased std)
     A_gi =  R_gi - mean_g R                          (Dr.GRPO, Liu et al. 2025: no std division)
 
-and every policy token of the episode shares A_gi. The loss is ppo.clipped_policy_loss with `seq-mean-token-mean`
-aggregation (`seq-mean-token-sum` for Dr.GRPO), plus an optional KL penalty kl_coef * KL(pi || ref) (RAGEN-2's main
-table uses none; its analysis runs use k3 at 0.001). Note the std division cancels the sqrt(Var(R|x)) scale of a
-group's task gradient (RAGEN-2, Sec. 3.2): a low-spread group is amplified to the size of a high-spread one.
+and every policy token of the episode shares A_gi. The loss is ppo.clipped_policy_loss (dual clip
+included) with `seq-mean-token-mean` aggregation (`seq-mean-token-sum` for Dr.GRPO), plus an
+optional KL penalty kl_coef * KL(pi || ref) (RAGEN-2's main table uses none; its analysis runs use
+k3 at 0.001). Note the std division cancels the sqrt(Var(R|x)) scale of a group's task gradient
+(RAGEN-2, Sec. 3.2): a low-spread group is amplified to the size of a high-spread one.
 """
 import torch
 
@@ -16,20 +17,20 @@ from ppo import aggregate, clipped_policy_loss, kl_estimate
 
 
 def group_advantages(rewards, normalize_std=True, eps=1e-6):
-    """[G, K] episode rewards -> [G, K] advantages. A group whose rewards are all equal (K = 1 included) gets exactly
-    0, never NaN: it carries no signal about which of its episodes was better.
+    """[G, K] episode rewards -> [G, K] advantages. A group whose rewards are all equal (K = 1
+    included) gets exactly 0, never NaN: it carries no signal about which episode was better.
 
-    >>> group_advantages(torch.tensor([[1., 0., 0., 0.], [2., 2., 2., 2.]]))   # mean 0.25, std 0.5
+    >>> group_advantages(torch.tensor([[1., 0., 0., 0.], [2., 2., 2., 2.]]))   # mean 1/4, std 1/2
     tensor([[ 1.5000, -0.5000, -0.5000, -0.5000],
             [ 0.0000,  0.0000,  0.0000,  0.0000]])
     """
     if rewards.dim() != 2:
         raise ValueError(f"rewards must be [groups, samples]; got shape {tuple(rewards.shape)}")
     rewards = rewards.to(torch.promote_types(rewards.dtype, torch.float32))
-    flat = (rewards == rewards[:, :1]).all(dim=1, keepdim=True)                # [G, 1] no spread
-    centred = rewards - rewards.mean(dim=1, keepdim=True)                      # [G, K]
+    flat = (rewards == rewards[:, :1]).all(dim=1, keepdim=True)            # [G, 1] no spread
+    centred = rewards - rewards.mean(dim=1, keepdim=True)                  # [G, K]
     if normalize_std and rewards.shape[1] > 1:
-        centred = centred / (rewards.std(dim=1, keepdim=True) + eps)           # unbiased std
+        centred = centred / (rewards.std(dim=1, keepdim=True) + eps)       # unbiased std
     return torch.where(flat, torch.zeros_like(centred), centred)
 
 
@@ -40,20 +41,24 @@ def episode_advantages_to_tokens(adv, mask):
     tensor([[ 0.,  2.,  2.],
             [-1.,  0.,  0.]])
     """
-    adv = adv[:, None].expand(mask.shape)                                       # [B, T]
-    return torch.where(mask.bool(), adv, torch.zeros_like(adv))                 # [B, T]
+    adv = adv[:, None].expand(mask.shape)                                  # [B, T]
+    return torch.where(mask.bool(), adv, torch.zeros_like(adv))            # [B, T]
 
 
 def grpo_loss(logp, old_logp, adv_tokens, mask, ref_logp=None, kl_coef=0.0, kl_kind="k3",
-              clip_low=0.2, clip_high=0.28, agg="seq-mean-token-mean"):
+              clip_low=0.2, clip_high=0.28, agg="seq-mean-token-mean", clip_c=3.0):
     """Clipped policy loss + kl_coef * agg(KL estimate vs. the reference policy) -> (loss, stats).
 
-    stats: "clip_frac", "approx_kl" (from ppo.clipped_policy_loss), "pg_loss", and "kl" when a KL term is used.
+    clip_c is the dual clip of ppo.clipped_policy_loss (None: off). stats: "clip_frac",
+    "clip_frac_lower", "approx_kl" (from ppo.clipped_policy_loss), "pg_loss", and "kl" when a KL
+    term is used.
 
-    >>> z = torch.zeros(1, 2); grpo_loss(z, z, torch.tensor([[1., 3.]]), torch.ones(1, 2))[0]   # r = 1: -mean(A)
+    >>> z = torch.zeros(1, 2)
+    >>> grpo_loss(z, z, torch.tensor([[1., 3.]]), torch.ones(1, 2))[0]   # r = 1: -mean(A)
     tensor(-2.)
     """
-    pg_loss, stats = clipped_policy_loss(logp, old_logp, adv_tokens, mask, clip_low, clip_high, agg)
+    pg_loss, stats = clipped_policy_loss(logp, old_logp, adv_tokens, mask, clip_low, clip_high, agg,
+                                         clip_c=clip_c)
     stats["pg_loss"] = pg_loss.item()
     if kl_coef == 0.0:
         return pg_loss, stats

@@ -1,24 +1,28 @@
-"""The diagnosis: mutual information between prompt and reasoning, estimated by cross-scoring (paper Sec. 2).
+"""The diagnosis: mutual information between prompt and reasoning, estimated by cross-scoring
+(paper Sec. 2).
 
-Entropy H(Z) of the reasoning Z cannot see template collapse, because it mixes two things (Shannon's chain rule):
+Entropy H(Z) of the reasoning Z cannot see template collapse, because it mixes two things
+(Shannon's chain rule):
 
     H(Z) = H(Z | X) + I(X; Z)
            within-input diversity + input dependence
 
-A collapsed policy keeps H(Z) high (fluent, varied text) while I(X; Z) falls to 0: the reasoning no longer depends on
-the prompt X. The paper therefore tracks I(X; Z) online. For N prompts x_j and M sampled reasonings z_m (owner[m] =
-the prompt that produced z_m) it scores every reasoning under every prompt of the batch with the current policy:
+A collapsed policy keeps H(Z) high (fluent, varied text) while I(X; Z) falls to 0: the reasoning no
+longer depends on the prompt X. The paper therefore tracks I(X; Z) online. For N prompts x_j and M
+sampled reasonings z_m (owner[m] = the prompt that produced z_m) it scores every reasoning under
+every prompt of the batch with the current policy:
 
-    L[m, j] = log p(z_m | x_j)                                  (teacher-forced, summed over z_m's tokens)
+    L[m, j] = log p(z_m | x_j)                       (teacher-forced, summed over z_m's tokens)
     matched_m  = L[m, owner[m]]
-    marginal_m = logsumexp_j L[m, j] - log N                    (p(z) = uniform mixture over the batch's prompts)
-    I(X; Z) ~= mean_m (matched_m - marginal_m)                  (<= log N, since logsumexp >= any single term)
+    marginal_m = logsumexp_j L[m, j] - log N         (p(z) = uniform mixture over the prompts)
+    I(X; Z) ~= mean_m (matched_m - marginal_m)       (<= log N: logsumexp >= any single term)
 
-Retrieval accuracy asks whether arg-max_j L[m, j] is owner[m]: near 1 when reasoning is grounded, chance 1/N under
-collapse (paper Fig. 6b). The MI z-score divides the MI estimate by the spread of the marginal (paper Fig. 9).
+Retrieval accuracy asks whether arg-max_j L[m, j] is owner[m] (or a prompt identical to it): near 1
+when reasoning is grounded, chance level under collapse (paper Fig. 6b). The MI z-score divides the
+MI estimate by the spread of the marginal (paper Fig. 9).
 
-Order of the file: closed-form entropies for discrete tables -> metrics from a score matrix -> EMA smoothing ->
-cross-scoring a Hugging Face causal LM.
+Order of the file: closed-form entropies for discrete tables -> metrics from a score matrix -> EMA
+smoothing -> cross-scoring a Hugging Face causal LM.
 """
 import copy
 import math
@@ -26,7 +30,7 @@ import math
 import numpy as np
 import torch
 
-# ----------------------------------------------------------------------------------------------------------------------
+# -------------------------------------------------------------------------------------------------
 # Closed form: discrete distributions, natural log (nats), 0 log 0 = 0
 
 
@@ -62,7 +66,11 @@ def _table_and_prior(p_z_given_x, p_x):
 
 
 def entropy(p):
-    """H(Z) = -sum_z p(z) log p(z) in nats for a 1-D distribution. entropy([0.5, 0.5, 0]) = log 2 = 0.6931."""
+    """H(Z) = -sum_z p(z) log p(z) in nats for a 1-D distribution.
+
+    >>> round(entropy([0.5, 0.5, 0.0]), 4)     # log 2; the zero adds nothing
+    0.6931
+    """
     p = _as_float64(p)
     if p.ndim != 1:
         raise ValueError(f"entropy expects a 1-D distribution, got shape {p.shape}")
@@ -71,29 +79,36 @@ def entropy(p):
 
 
 def conditional_entropy(p_z_given_x, p_x=None):
-    """H(Z | X) = sum_x p(x) H(Z | X = x); p_z_given_x is [N inputs, K outputs], p_x defaults to uniform."""
+    """H(Z | X) = sum_x p(x) H(Z | X = x); p_z_given_x is [N inputs, K outputs], p_x defaults to
+    uniform.
+
+    >>> round(conditional_entropy([[.5, .5, 0], [0, .5, .5], [.5, 0, .5]]), 4)   # log 2
+    0.6931
+    """
     table, prior = _table_and_prior(p_z_given_x, p_x)
     return float(prior @ _neg_xlogx(table).sum(axis=1))
 
 
 def mutual_information(p_z_given_x, p_x=None):
-    """I(X; Z) = sum_x p(x) KL(p(z|x) || p(z)) with p(z) = sum_x p(x) p(z|x); equals H(Z) - H(Z | X).
+    """I(X; Z) = sum_x p(x) KL(p(z|x) || p(z)) with p(z) = sum_x p(x) p(z|x); equals
+    H(Z) - H(Z | X).
 
-    Worked example (three prompts, three possible reasonings, uniform prompts): two policies with the SAME entropy
-    H(Z) = log 3 = 1.0986 nats.
+    Three prompts, three possible reasonings, uniform prompts: two policies with the SAME entropy
+    H(Z) = log 3 = 1.0986 nats, told apart only by mutual information.
 
-        grounded = [[.5, .5, 0], [0, .5, .5], [.5, 0, .5]]    H(Z|X) = log 2 = 0.6931   I(X;Z) = log 1.5 = 0.4055
-        template = [[1/3, 1/3, 1/3]] * 3                      H(Z|X) = log 3 = 1.0986   I(X;Z) = 0
-
-    Entropy cannot tell them apart; mutual information can. Chain rule: 1.0986 = 0.6931 + 0.4055 = 1.0986 + 0.
+    >>> grounded = [[.5, .5, 0], [0, .5, .5], [.5, 0, .5]]    # H(Z|X) = log 2
+    >>> template = [[1 / 3] * 3] * 3                          # H(Z|X) = log 3
+    >>> round(mutual_information(grounded), 4), round(mutual_information(template), 4)
+    (0.4055, 0.0)
     """
     table, prior = _table_and_prior(p_z_given_x, p_x)
     marginal = prior @ table  # [K]
-    ratio = np.where(table > 0, table / np.where(marginal > 0, marginal, 1.0), 1.0)  # [N, K]; p(z|x) > 0 => p(z) > 0
-    return max(0.0, float(prior @ (table * np.log(ratio)).sum(axis=1)))  # clamp -1e-17 rounding to 0
+    safe = np.where(marginal > 0, marginal, 1.0)                           # p(z|x) > 0 => p(z) > 0
+    ratio = np.where(table > 0, table / safe, 1.0)                         # [N, K]
+    return max(0.0, float(prior @ (table * np.log(ratio)).sum(axis=1)))   # clamp -1e-17 rounding
 
 
-# ----------------------------------------------------------------------------------------------------------------------
+# -------------------------------------------------------------------------------------------------
 # From a cross-score matrix to the paper's metrics
 
 
@@ -101,7 +116,8 @@ def _as_scores(scores, owner, lengths):
     """Validate and convert to float64 / int64 torch tensors on the CPU."""
     scores = torch.as_tensor(_as_float64(scores))
     if scores.ndim != 2 or scores.shape[0] == 0 or scores.shape[1] == 0:
-        raise ValueError(f"scores must have shape [M samples, N prompts] with M, N >= 1, got {tuple(scores.shape)}")
+        raise ValueError(f"scores must have shape [M samples, N prompts] with M, N >= 1, got "
+                         f"{tuple(scores.shape)}")
     if torch.isnan(scores).any() or (scores == math.inf).any():
         raise ValueError("scores must be log-likelihoods: no NaN and no +inf (-inf is allowed)")
     num_samples, num_prompts = scores.shape
@@ -111,56 +127,106 @@ def _as_scores(scores, owner, lengths):
         raise ValueError(f"owner must hold {num_samples} prompt indices in [0, {num_prompts})")
     owner = owner.long()
     if not torch.isfinite(scores.gather(1, owner[:, None])).all():
-        raise ValueError("each sample's matched score scores[m, owner[m]] must be finite (its owner produced it)")
-    lengths = torch.ones(num_samples, dtype=torch.float64) if lengths is None else torch.as_tensor(_as_float64(lengths))
+        raise ValueError("each sample's matched score scores[m, owner[m]] must be finite "
+                         "(its owner produced it)")
+    if lengths is None:
+        lengths = torch.ones(num_samples, dtype=torch.float64)
+    lengths = torch.as_tensor(_as_float64(lengths))
     if lengths.shape != (num_samples,) or (lengths < 0).any():
         raise ValueError(f"lengths must hold {num_samples} non-negative token counts")
     return scores, owner, lengths
 
 
-def retrieval_credit(scores, owner, k=1):
-    """Per-sample chance that the owner is among the k best-scoring prompts, ties broken uniformly at random.
+def _key_ids(prompt_keys, num_prompts):
+    """One int per prompt column, equal for equal keys; None -> every column its own prompt."""
+    if prompt_keys is None:
+        return torch.arange(num_prompts)
+    keys = list(prompt_keys)
+    if len(keys) != num_prompts:
+        raise ValueError(f"prompt_keys must hold one key per prompt column ({num_prompts}), got "
+                         f"{len(keys)}")
+    ids = {}
+    return torch.tensor([ids.setdefault(key, len(ids)) for key in keys])
 
-    With g prompts scoring strictly above the owner and t prompts tied with it (owner included), the owner lands
-    uniformly in ranks g+1 .. g+t, so the credit is clip((k - g) / t, 0, 1) -- exact, deterministic, and exactly 1/N
-    for every sample of a fully collapsed policy (all N scores equal). Example: scores [[-1, -1, -3]], owner [0]
-    -> 0.5 for k = 1 (tie of two at the top), 1.0 for k = 2.
+
+def retrieval_credit(scores, owner, k=1, prompt_keys=None):
+    """Per-sample chance that one of the k best-scoring prompts is the sample's own, ties broken
+    uniformly at random -> [M] float64.
+
+    Columns with equal `prompt_keys` are identical prompts and count as one target (as in the
+    official metric): any column with the owner's key is a hit. With s the best score among the
+    owner's a columns, g columns scoring strictly above s, and t columns tied at s (a' of them the
+    owner's), a uniformly random order of the tie puts an own column within the first k with
+    probability
+
+        1 - C(t - a', k - g) / C(t, k - g)        (0 when k <= g),
+
+    which is clip((k - g) / t, 0, 1) when every prompt is distinct. A fully collapsed policy (all N
+    scores equal) thus gets exactly c / N at k = 1, c = the number of columns with its prompt.
+
+    >>> retrieval_credit(torch.tensor([[-1., -1., -3.]]), [0])         # a tie of two at the top
+    tensor([0.5000], dtype=torch.float64)
+    >>> retrieval_credit(torch.tensor([[-1., -1., -3.]]), [0], k=2)
+    tensor([1.], dtype=torch.float64)
+    >>> retrieval_credit(torch.tensor([[-1., -1., -3.]]), [0], prompt_keys=["a", "a", "b"])
+    tensor([1.], dtype=torch.float64)
     """
-    scores = torch.as_tensor(scores)
-    owner = torch.as_tensor(owner).long()
-    matched = scores.gather(1, owner[:, None])  # [M, 1]
-    above = (scores > matched).sum(1).to(torch.float64)  # [M]
-    tied = (scores == matched).sum(1).to(torch.float64)  # [M], >= 1 (the owner itself)
-    return ((k - above) / tied).clamp(0.0, 1.0)  # [M]
+    scores = torch.as_tensor(scores, dtype=torch.float64)                  # [M, N]
+    owner = torch.as_tensor(owner).long()                                  # [M]
+    key = _key_ids(prompt_keys, scores.shape[1])                           # [N]
+    own = key[None, :] == key[owner][:, None]                              # [M, N] own prompt
+    best_own = torch.where(own, scores, -math.inf).max(1).values[:, None]  # [M, 1]
+    above = (scores > best_own).sum(1)                                     # [M] g
+    tie = scores == best_own                                               # [M, N]
+    tied, tied_own = tie.sum(1), (tie & own).sum(1)                        # [M] t, a' >= 1
+    j = (k - above).clamp(min=0)                                           # [M] places left
+    j = torch.minimum(j, tied - tied_own + 1)          # past this the ratio below is 0 anyway
+    miss = torch.ones(scores.shape[0], dtype=torch.float64)                # C(t-a', j) / C(t, j)
+    for i in range(int(j.max()) if len(j) else 0):
+        factor = (tied - tied_own - i).double() / (tied - i).double()
+        miss = torch.where(i < j, miss * factor, miss)
+    return torch.where(j > 0, 1.0 - miss, torch.zeros_like(miss))
 
 
-def collapse_metrics(scores, owner, lengths=None, topk=(2, 5)):
+def collapse_metrics(scores, owner, lengths=None, topk=(2, 4, 8), prompt_keys=None):
     """The paper's MI diagnostics from cross-scores (definitions in the module docstring).
 
-    scores [M, N]: summed log-likelihoods log p(z_m | x_j); owner [M]: prompt index of each sample; lengths [M]: token
-    counts of z_m (None = all 1), used for the per-token matrix scores / max(length, 1) (an empty reasoning scores 0).
+    scores [M, N]: summed log-likelihoods log p(z_m | x_j); owner [M]: prompt index of each sample;
+    lengths [M]: token counts of z_m (None = all 1), used for the per-token matrix
+    scores / max(length, 1) (an empty reasoning scores 0); prompt_keys: one hashable per prompt
+    column, equal keys for identical prompts (e.g. the prompt texts; None = all distinct).
     numpy or torch input. Returns plain floats:
-      mi_estimate / mi_seq_estimate        mean(matched - marginal) on the per-token / summed matrix (<= log N)
-      mi_zscore / mi_zscore_seq            that mean / (population std of marginal + 1e-3)
-      marginal_std / marginal_std_seq      the std in that denominator (for mi_zscore_ema)
-      conditional_entropy (_seq)           -mean(matched)
-      reasoning_entropy (_seq)             -mean(marginal)
-      retrieval_acc, retrieval_acc_top{k}  owner ranked first / within the top k (k < N), ties share credit
-      retrieval_chance = 1/N, mi_upper_bound = log N, num_samples = M, num_prompts = N
+      mi_estimate / mi_seq_estimate    mean(matched - marginal) on the per-token / summed matrix
+      mi_zscore / mi_zscore_seq        that mean / (population std of marginal + 1e-3)
+      marginal_std / marginal_std_seq  the std in that denominator (for mi_zscore_ema)
+      conditional_entropy (_seq)       -mean(matched)
+      reasoning_entropy (_seq)         -mean(marginal)
+      retrieval_acc                    the best-scoring prompt is the owner's (retrieval_credit)
+      retrieval_acc_top{k}             the owner's prompt is within the top k, for each k < N
+      retrieval_chance                 retrieval_acc of a collapsed policy: mean over samples of
+                                       (columns holding the owner's prompt) / N; 1/N if distinct
+      mi_upper_bound = log N, num_samples = M, num_prompts = N
+    The MI and entropy estimates use all N columns, identical ones included (the uniform mixture
+    over the batch's prompt groups).
 
-    Worked example: scores [[-1, -3], [-4, -2], [-2, -2]], owner [0, 1, 0], N = 2 (lengths None: both matrices
-    agree). matched = [-1, -2, -2]; marginal = [-1.5662, -2.5662, -2.0]; matched - marginal = [0.5662, 0.5662, 0.0],
-    so mi_seq_estimate = 0.3775 (<= log 2 = 0.6931), conditional_entropy = 1.6667, reasoning_entropy = 2.0441,
-    retrieval_acc = (1 + 1 + 0.5) / 3 = 0.8333 (the third sample ties both prompts: half credit).
+    >>> out = collapse_metrics([[-1., -3.], [-4., -2.], [-2., -2.]], [0, 1, 0])
+    >>> names = "mi_seq_estimate", "conditional_entropy", "reasoning_entropy", "retrieval_acc"
+    >>> [round(out[n], 4) for n in names]    # gaps (0.5662, 0.5662, 0); the last sample ties
+    [0.3775, 1.6667, 2.0441, 0.8333]
+    >>> keys = ["x", "y", "x"]                             # prompts 0 and 2: the same text
+    >>> out = collapse_metrics([[-1., -3., -1.], [-4., -2., -4.]], [2, 1], prompt_keys=keys)
+    >>> out["retrieval_acc"], out["retrieval_chance"]      # one target; chance (2/3 + 1/3) / 2
+    (1.0, 0.5)
     """
     scores, owner, lengths = _as_scores(scores, owner, lengths)
     num_samples, num_prompts = scores.shape
+    key = _key_ids(prompt_keys, num_prompts)                               # [N]
     log_n = math.log(num_prompts)
     out = {}
-    per_token = scores / lengths.clamp(min=1.0)[:, None]  # [M, N]
+    per_token = scores / lengths.clamp(min=1.0)[:, None]                   # [M, N]
     for suffix, table in (("", per_token), ("_seq", scores)):
-        matched = table.gather(1, owner[:, None])[:, 0]  # [M]
-        marginal = torch.logsumexp(table, dim=1) - log_n  # [M]
+        matched = table.gather(1, owner[:, None])[:, 0]                    # [M]
+        marginal = torch.logsumexp(table, dim=1) - log_n                   # [M]
         estimate = (matched - marginal).mean().item()
         spread = marginal.std(correction=0).item() if num_samples > 1 else 0.0
         out["mi_estimate" if not suffix else "mi_seq_estimate"] = estimate
@@ -168,23 +234,28 @@ def collapse_metrics(scores, owner, lengths=None, topk=(2, 5)):
         out["marginal_std" + suffix] = spread
         out["conditional_entropy" + suffix] = -matched.mean().item()
         out["reasoning_entropy" + suffix] = -marginal.mean().item()
-    # Ranking is the same on both matrices (one positive factor per row), so retrieval uses the summed one.
-    out["retrieval_acc"] = retrieval_credit(scores, owner, 1).mean().item()
+    # The ranking is the same on both matrices (one positive factor per row): use the summed one.
+    out["retrieval_acc"] = retrieval_credit(scores, owner, 1, prompt_keys).mean().item()
     for k in topk:
         if k < num_prompts:
-            out[f"retrieval_acc_top{k}"] = retrieval_credit(scores, owner, k).mean().item()
-    out.update(retrieval_chance=1.0 / num_prompts, mi_upper_bound=log_n,
+            credit = retrieval_credit(scores, owner, k, prompt_keys)
+            out[f"retrieval_acc_top{k}"] = credit.mean().item()
+    copies = (key[owner][:, None] == key[None, :]).sum(1).double()         # [M]
+    out.update(retrieval_chance=(copies / num_prompts).mean().item(), mi_upper_bound=log_n,
                num_samples=float(num_samples), num_prompts=float(num_prompts))
     return out
 
 
-# ----------------------------------------------------------------------------------------------------------------------
+# -------------------------------------------------------------------------------------------------
 # Smoothing over training steps
 
 
 def ema(previous, value, decay=0.9):
-    """Exponential moving average, state in -> state out: None initialises with value. ema(None, 2.0) = 2.0;
-    ema(2.0, 4.0) = 0.9 * 2 + 0.1 * 4 = 2.2."""
+    """Exponential moving average, state in -> state out: None initialises with value.
+
+    >>> ema(None, 2.0), round(ema(2.0, 4.0), 4)     # 0.9 * 2 + 0.1 * 4
+    (2.0, 2.2)
+    """
     if not 0.0 <= decay < 1.0:
         raise ValueError(f"decay must be in [0, 1), got {decay}")
     return float(value) if previous is None else decay * previous + (1.0 - decay) * float(value)
@@ -193,9 +264,15 @@ def ema(previous, value, decay=0.9):
 def mi_zscore_ema(metrics, std_ema=None, decay=0.9, seq=False):
     """mi_zscore with the denominator's std smoothed across steps: returns (zscore, new std_ema).
 
-    metrics is a collapse_metrics dict; pass the returned std_ema back at the next step. Example: first step with
-    mi_estimate 0.2 and marginal_std 0.5 -> (0.2 / 0.501, 0.5); next step mi 0.3, std 1.5 -> std_ema 0.6 and
-    zscore 0.3 / 0.601 = 0.4992.
+    metrics is a collapse_metrics dict; pass the returned std_ema back at the next step. The EMA is
+    updated before it divides, and starts at the first step's std (as the reference does).
+
+    >>> z, s = mi_zscore_ema({"mi_estimate": 0.2, "marginal_std": 0.5})
+    >>> round(z, 4), s                                     # 0.2 / (0.5 + 1e-3)
+    (0.3992, 0.5)
+    >>> z, s = mi_zscore_ema({"mi_estimate": 0.3, "marginal_std": 1.5}, s)
+    >>> round(z, 4), round(s, 4)                           # s = 0.9 * 0.5 + 0.1 * 1.5
+    (0.4992, 0.6)
     """
     suffix = "_seq" if seq else ""
     std_ema = ema(std_ema, metrics["marginal_std" + suffix], decay)
@@ -203,47 +280,57 @@ def mi_zscore_ema(metrics, std_ema=None, decay=0.9, seq=False):
     return estimate / (std_ema + 1e-3), std_ema
 
 
-# ----------------------------------------------------------------------------------------------------------------------
-# Cross-scoring a causal language model: L[m, j] = log p(z_m | x_j) for every (reasoning, prompt) pair
+# -------------------------------------------------------------------------------------------------
+# Cross-scoring a causal language model: L[m, j] = log p(z_m | x_j) for every (reasoning, prompt)
 
 
 def _encode(tokenizer, texts, what):
     if not isinstance(texts, (list, tuple)) or not all(isinstance(t, str) for t in texts):
         raise ValueError(f"{what} must be a list of strings")
-    return [list(ids) for ids in tokenizer(list(texts), add_special_tokens=False)["input_ids"]] if texts else []
+    if not texts:
+        return []
+    return [list(ids) for ids in tokenizer(list(texts), add_special_tokens=False)["input_ids"]]
 
 
 def _token_logprobs(logits, targets):
-    """log softmax(logits)[target] without materialising the log-softmax: [B, T, V], [B, T] -> [B, T] float32."""
+    """log softmax(logits)[target] without materialising the log-softmax: [B, T, V], [B, T] ->
+    [B, T] float32."""
     logits = logits.float()
     return logits.gather(-1, targets[..., None])[..., 0] - torch.logsumexp(logits, dim=-1)
 
 
 @torch.inference_mode()
 def cross_scores(model, tokenizer, prompts, reasonings, batch_size=8):
-    """Score every reasoning under every prompt: returns (scores_sum [M, N] float32, lengths [M] int64), on the CPU.
+    """Score every reasoning under every prompt: returns (scores_sum [M, N] float32, lengths [M]
+    int64), on the CPU.
 
-    scores_sum[m, j] = sum_t log p(z_m,t | x_j, z_m,<t) under `model` (teacher forcing, no gradients), lengths[m] =
-    number of tokens of z_m. Each text is tokenized once without added special tokens (the prompt already carries
-    what the chat template put there) and the reasoning's tokens are appended to the prompt's, so the token boundary
-    is the same for every pair. An empty reasoning scores 0 with length 0.
+    scores_sum[m, j] = sum_t log p(z_m,t | x_j, z_m,<t) under `model` (teacher forcing, no
+    gradients), lengths[m] = number of tokens of z_m. Each text is tokenized once without added
+    special tokens (the prompt already carries what the chat template put there) and the
+    reasoning's tokens are appended to the prompt's, so the token boundary is the same for every
+    pair. An empty reasoning scores 0 with length 0.
 
-    Cost: each prompt is encoded once; its key/value cache is then repeated over a batch of at most `batch_size`
-    reasonings (right-padded, attention-masked), so the work grows with N x (reasoning tokens) instead of
-    N x (prompt + reasoning tokens). Peak memory is one batch's logits, [batch_size, longest reasoning, vocab].
-    Grouping by prompt means prompts of different lengths never share a batch and need no padding.
+    Cost: each prompt is encoded once; its key/value cache is then repeated over a batch of at most
+    `batch_size` reasonings (right-padded, attention-masked), so the work grows with
+    N x (reasoning tokens) instead of N x (prompt + reasoning tokens). Peak memory is one batch's
+    logits, [batch_size, longest reasoning, vocab]. Grouping by prompt means prompts of different
+    lengths never share a batch and need no padding.
     """
     if not isinstance(batch_size, int) or batch_size < 1:
         raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
-    prompt_ids, reasoning_ids = _encode(tokenizer, prompts, "prompts"), _encode(tokenizer, reasonings, "reasonings")
+    prompt_ids = _encode(tokenizer, prompts, "prompts")
+    reasoning_ids = _encode(tokenizer, reasonings, "reasonings")
     if any(len(ids) == 0 for ids in prompt_ids):
-        raise ValueError("every prompt must have at least one token (its last position predicts the reasoning)")
+        raise ValueError("every prompt must have at least one token (its last position predicts "
+                         "the reasoning)")
     device = next(model.parameters()).device
-    lengths = torch.tensor([len(ids) for ids in reasoning_ids], dtype=torch.long)  # [M]
+    lengths = torch.tensor([len(ids) for ids in reasoning_ids], dtype=torch.long)   # [M]
     scores = torch.zeros(len(reasoning_ids), len(prompt_ids), dtype=torch.float32)  # [M, N]
-    # Batch reasonings of similar length together (less padding), once for all prompts; empty ones keep score 0.
-    order = sorted((m for m in range(len(reasoning_ids)) if reasoning_ids[m]), key=lambda m: len(reasoning_ids[m]))
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0  # any id: padding is masked out
+    # Batch reasonings of similar length together (less padding), once for all prompts; empty ones
+    # keep score 0.
+    order = sorted((m for m in range(len(reasoning_ids)) if reasoning_ids[m]),
+                   key=lambda m: len(reasoning_ids[m]))
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0   # masked out
     batches = []
     for start in range(0, len(order), batch_size):
         batch = order[start:start + batch_size]
@@ -251,29 +338,29 @@ def cross_scores(model, tokenizer, prompts, reasonings, batch_size=8):
         tokens = torch.full((len(batch), width), pad_id, dtype=torch.long)  # [B, R], right-padded
         for r, m in enumerate(batch):
             tokens[r, :len(reasoning_ids[m])] = torch.tensor(reasoning_ids[m])
-        real = torch.arange(width)[None] < lengths[batch][:, None]  # [B, R]
+        real = torch.arange(width)[None] < lengths[batch][:, None]         # [B, R]
         batches.append((batch, tokens.to(device), real.to(device)))
 
     was_training = model.training
     model.eval()  # no dropout while scoring
     try:
         for j, ids in enumerate(prompt_ids):
-            prompt = torch.tensor([ids], device=device)  # [1, P]
+            prompt = torch.tensor([ids], device=device)                    # [1, P]
             out = model(input_ids=prompt, use_cache=True, logits_to_keep=1)
-            first_logp = torch.log_softmax(out.logits[0, -1].float(), dim=-1)  # [V]: predicts every z's first token
+            first_logp = torch.log_softmax(out.logits[0, -1].float(), dim=-1)   # [V]: z's 1st token
             for batch, tokens, real in batches:
                 rows = len(batch)
-                total = first_logp[tokens[:, 0]]  # [B]
+                total = first_logp[tokens[:, 0]]                           # [B]
                 if tokens.shape[1] > 1:
                     # Feed z_0 .. z_{R-2} after the cached prompt; position t predicts z_{t+1}.
-                    cache = copy.deepcopy(out.past_key_values)  # the forward pass below grows the cache in place
+                    cache = copy.deepcopy(out.past_key_values)  # the pass below grows it in place
                     cache.batch_repeat_interleave(rows)
                     mask = torch.cat([torch.ones(rows, len(ids), dtype=torch.long, device=device),
-                                      real[:, :-1].long()], dim=1)  # [B, P + R - 1]
-                    logits = model(input_ids=tokens[:, :-1], attention_mask=mask, past_key_values=cache,
-                                   use_cache=True).logits  # [B, R - 1, V]
-                    logp = _token_logprobs(logits, tokens[:, 1:])  # [B, R - 1]
-                    total = total + (logp * real[:, 1:]).sum(dim=1)  # padded targets count 0
+                                      real[:, :-1].long()], dim=1)         # [B, P + R - 1]
+                    logits = model(input_ids=tokens[:, :-1], attention_mask=mask,
+                                   past_key_values=cache, use_cache=True).logits   # [B, R - 1, V]
+                    logp = _token_logprobs(logits, tokens[:, 1:])          # [B, R - 1]
+                    total = total + (logp * real[:, 1:]).sum(dim=1)        # padding counts 0
                 scores[batch, j] = total.cpu()
     finally:
         model.train(was_training)

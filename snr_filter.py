@@ -1,27 +1,34 @@
-"""SNR-aware filtering: reward spread bounds the task gradient, so update only on the prompt groups that have it.
+"""SNR-aware filtering: reward spread bounds the task gradient, so update only on the prompt groups
+that have it.
 
-The mechanism (RAGEN-2, Sec. 3.1-3.2, Fig. 4). For a prompt x, a sampled reasoning-and-answer z with total reward R and
-the baseline b = E[R | x], the task gradient is
+The mechanism (RAGEN-2, Sec. 3.1-3.2, Fig. 4). For a prompt x, a sampled reasoning-and-answer z
+with total reward R and the baseline b = E[R | x], the task gradient is
 
     g_task(x) = E_z[(R - b) grad log pi(z|x)]
     ||g_task(x)|| <= sqrt(Var(R|x)) * sqrt(E_z ||grad log pi(z|x)||^2)            (Cauchy-Schwarz)
 
-so a prompt whose rollouts all earn the same reward gives no task signal, while the KL and entropy terms of the loss
-push with a force that does not depend on rewards at all. On low-spread prompts the regulariser drives the update
-(low signal-to-noise ratio) towards input-agnostic templates.
+so a prompt whose rollouts all earn the same reward gives no task signal, while the KL and entropy
+terms of the loss push with a force that does not depend on rewards at all. On low-spread prompts
+the regulariser drives the update (low signal-to-noise ratio) towards input-agnostic templates.
 
-The remedy (Sec. 3.3, Fig. 5). Score each prompt group by the spread of its K rollouts' total rewards (format
-penalties included) and update only on the best groups; dropped groups never reach the advantage computation:
+The remedy (Sec. 3.3, Fig. 5). Score each prompt group by the spread of its K rollouts' total
+rewards (format penalties included) and update only on the best groups; dropped groups never reach
+the advantage computation. Zero-spread groups are set aside first (unless include_zero), then:
 
-    Top-P linear:  sort groups by score (descending), keep the smallest prefix whose summed score reaches p*total - 0.01
-    Top-P softmax: the same prefix rule on softmax(scores), the prefix's probability mass reaching p
-    Top-K:         keep the max(1, int(k * G)) best groups
+    Top-P linear:  rank groups by score (descending), keep the smallest prefix whose summed score
+                   reaches p * total - 0.01
+    Top-P softmax: the same prefix rule on the softmax of the remaining scores, the prefix's
+                   probability mass reaching p
+    Top-P, p = 1:  every remaining group (with include_zero: every group, the no-filter baseline)
+    Top-K:         keep the max(1, int(k * G)) best remaining groups
 
-Worked example (Fig. 5): A = 9, B = 1, C = 5, p = 0.9: target 0.9 * 15 - 0.01 = 13.49, A + C = 14 >= 13.49, so A and
-C are kept and B is dropped. Paper recommendation: p = 0.9; [0.8, 0.98] works best; <= 0.6 is too aggressive.
+Worked example (Fig. 5): A = 9, B = 1, C = 5, p = 0.9: target 0.9 * 15 - 0.01 = 13.49, and
+A + C = 14 >= 13.49, so A and C are kept and B is dropped. Paper recommendation: p = 0.9;
+[0.8, 0.98] works best; <= 0.6 is too aggressive.
 
-Shapes: G prompt groups, K rollouts per group, B = G * K sequences stored group-major (rows g*K .. g*K + K - 1 belong
-to group g), T tokens, D parameters. Inputs may be numpy arrays, lists or torch tensors; outputs are torch tensors.
+Shapes: G prompt groups, K rollouts per group, B = G * K sequences stored group-major (rows
+g*K .. g*K + K - 1 belong to group g), T tokens, D parameters. Inputs may be numpy arrays, lists or
+torch tensors; outputs are torch tensors.
 """
 import math
 import numbers
@@ -43,12 +50,13 @@ def _as_float64(x, name):
     return x
 
 
-# ------------------------------------------------------------------------------------------------ reward spread
+# ---------------------------------------------------------------------------------- reward spread
 
 def group_scores(rewards, kind="std"):
-    """Spread of each group's total rewards [G, K] -> [G] float64: the unbiased std (`kind="std"`, the reference's
-    score) or the unbiased variance (`kind="var"`). A group whose rewards are all equal -- including K = 1 -- scores
-    exactly 0 (never NaN, never float round-off), so "zero-variance group" is an exact test.
+    """Spread of each group's total rewards [G, K] -> [G] float64: the unbiased std (`kind="std"`,
+    the reference's score) or the unbiased variance (`kind="var"`). A group whose rewards are all
+    equal -- including K = 1 -- scores exactly 0 (never NaN, never float round-off), so
+    "zero-variance group" is an exact test.
 
     >>> group_scores([[0., 1.], [1., 1.]])                # std of (0, 1) = sqrt(1/2)
     tensor([0.7071, 0.0000], dtype=torch.float64)
@@ -57,212 +65,249 @@ def group_scores(rewards, kind="std"):
     """
     if kind not in SCORE_KINDS:
         raise ValueError(f"unknown score kind {kind!r}; choose one of {SCORE_KINDS}")
-    r = _as_float64(rewards, "rewards")                                        # [G, K]
+    r = _as_float64(rewards, "rewards")                                    # [G, K]
     if r.dim() != 2 or r.shape[1] == 0:
         raise ValueError(f"rewards must be [G, K] with K >= 1; got shape {tuple(r.shape)}")
-    constant = (r.max(1).values == r.min(1).values)                            # [G] no spread at all
+    constant = (r.max(1).values == r.min(1).values)                        # [G] no spread at all
     if r.shape[1] == 1:
-        var = torch.zeros(r.shape[0], dtype=torch.float64, device=r.device)     # [G]
+        var = torch.zeros(r.shape[0], dtype=torch.float64, device=r.device)  # [G]
     else:
-        var = r.var(dim=1, correction=1)                                       # [G]
+        var = r.var(dim=1, correction=1)                                   # [G]
     var = torch.where(constant, torch.zeros_like(var), var)
     return var.sqrt() if kind == "std" else var
 
 
-# ----------------------------------------------------------------------------------------------- the sqrt(RV) bound
+# ------------------------------------------------------------------------------ the sqrt(RV) bound
 
 def task_gradient_bound(rewards, score_grads):
-    """For one group of K samples with rewards [K] and score-function gradients grad log pi(z_k) [K, D], returns
-    (norm, bound) as floats:
+    """For one group of K samples with rewards [K] and score-function gradients grad log pi(z_k)
+    [K, D], returns (norm, bound) as floats:
 
-        norm  = || 1/K sum_k (r_k - rbar) grad log pi(z_k) ||         (group-mean-baseline policy gradient)
-        bound = sqrt(RV) * sqrt(1/K sum_k ||grad log pi(z_k)||^2),    RV = 1/K sum_k (r_k - rbar)^2
+        norm  = || 1/K sum_k (r_k - rbar) grad log pi(z_k) ||     (group-mean-baseline gradient)
+        bound = sqrt(RV) * sqrt(1/K sum_k ||grad log pi(z_k)||^2),   RV = 1/K sum_k (r_k - rbar)^2
 
-    RV is the population variance (divide by K), which makes norm <= bound exactly Cauchy-Schwarz on the finite sums,
-    with equality when every grad log pi(z_k) = c (r_k - rbar) u for one vector u. Equal rewards give (0, 0).
+    RV is the population variance (divide by K), which makes norm <= bound exactly Cauchy-Schwarz
+    on the finite sums, with equality when every grad log pi(z_k) = c (r_k - rbar) u for one vector
+    u. Equal rewards give (0, 0).
 
-    >>> task_gradient_bound([0., 2.], [[-1., 0.], [1., 0.]])   # tight: grads proportional to r - rbar = (-1, 1)
+    >>> task_gradient_bound([0., 2.], [[-1., 0.], [1., 0.]])   # tight: grads along r - rbar
     (1.0, 1.0)
     """
-    r = _as_float64(rewards, "rewards")                                        # [K]
-    s = _as_float64(score_grads, "score_grads")                                # [K, D]
+    r = _as_float64(rewards, "rewards")                                    # [K]
+    s = _as_float64(score_grads, "score_grads")                            # [K, D]
     if r.dim() != 1 or s.dim() != 2 or s.shape[0] != r.shape[0] or r.numel() == 0:
-        raise ValueError(f"need rewards [K] and score_grads [K, D]; got {tuple(r.shape)} and {tuple(s.shape)}")
-    centred = r - r.mean()                                                     # [K]
-    grad = (centred[:, None] * s).mean(0)                                      # [D]
-    rv = (centred ** 2).mean()                                                 # population variance
+        raise ValueError(f"need rewards [K] and score_grads [K, D]; got {tuple(r.shape)} and "
+                         f"{tuple(s.shape)}")
+    centred = r - r.mean()                                                 # [K]
+    grad = (centred[:, None] * s).mean(0)                                  # [D]
+    rv = (centred ** 2).mean()                                             # population variance
     bound = rv.sqrt() * (s ** 2).sum(1).mean().sqrt()
     return grad.norm().item(), bound.item()
 
 
-# ------------------------------------------------------------------------------------- buckets and decomposition
+# -------------------------------------------------------------------- buckets and decomposition
 
 def rv_buckets(scores, n_buckets=6):
-    """Split groups into `n_buckets` equal-count buckets by score, lowest first (Fig. 4's Q1..Q6) -> list of index
-    tensors. Sorting is stable (ties keep index order); sizes differ by at most one, the earlier buckets taking the
-    extra groups; with fewer groups than buckets the last buckets are empty.
+    """Split groups into equal-count buckets by score, lowest first (Fig. 4's Q1..Q6) -> list of
+    index tensors. As in the official gradient analysis there are n = min(n_buckets, G) buckets of
+    G // n groups each, the remainder G % n going to the last (highest-spread) bucket: no bucket is
+    empty, and fewer groups than buckets give one bucket per group. Sorting is stable (ties keep
+    index order).
 
     >>> [b.tolist() for b in rv_buckets([3., 0., 2., 0., 1.], n_buckets=3)]
-    [[1, 3], [4, 2], [0]]
+    [[1], [3], [4, 2, 0]]
+    >>> [len(b) for b in rv_buckets(list(range(8)))]            # 8 groups in 6 buckets
+    [1, 1, 1, 1, 1, 3]
     """
-    s = _as_float64(scores, "scores")                                          # [G]
+    s = _as_float64(scores, "scores")                                      # [G]
     if s.dim() != 1:
         raise ValueError(f"scores must be [G]; got shape {tuple(s.shape)}")
-    if not isinstance(n_buckets, int) or n_buckets < 1:
+    if isinstance(n_buckets, bool) or not isinstance(n_buckets, int) or n_buckets < 1:
         raise ValueError(f"n_buckets must be a positive int; got {n_buckets!r}")
-    order = torch.sort(s, stable=True).indices                                 # [G] ascending
-    return list(torch.tensor_split(order, n_buckets))
+    order = torch.sort(s, stable=True).indices                             # [G] ascending
+    G = len(order)
+    n = min(n_buckets, G)
+    if n == 0:
+        return []
+    size = G // n
+    return list(torch.split(order, [size] * (n - 1) + [G - size * (n - 1)]))
 
 
 def _grad_norm_and_grads(loss, params):
-    """One backward pass of `loss` into fresh gradient tensors (the parameters' .grad stays untouched)."""
+    """One backward pass of `loss` into fresh gradient tensors (the parameters' .grad untouched)."""
     grads = torch.autograd.grad(loss, params, retain_graph=True, allow_unused=True)
     grads = [torch.zeros_like(p) if g is None else g for p, g in zip(params, grads)]
     return math.sqrt(sum(g.double().pow(2).sum() for g in grads).item()), grads
 
 
-def gradient_decomposition(model, input_ids, attention_mask, policy_mask, rewards, *, old_logp=None,
-                           ref_model=None, ref_logp=None, n_buckets=6, normalize_std=False, eps=1e-6,
-                           kl_kind="k3", kl_coef=1.0, entropy_coef=1.0, clip_low=0.2, clip_high=0.28,
+def gradient_decomposition(model, input_ids, attention_mask, policy_mask, rewards, *,
+                           old_logp=None, ref_model=None, ref_logp=None, n_buckets=6,
+                           normalize_std=False, eps=1e-6, kl_kind="k3", kl_coef=1.0,
+                           entropy_coef=1.0, clip_low=0.2, clip_high=0.28, clip_c=3.0,
                            agg="token-mean"):
     """Norms of the task, KL and entropy gradients per reward-spread bucket -- the data of Fig. 4.
 
-    Inputs: a Hugging Face causal LM; input_ids, attention_mask, policy_mask [B, T] (policy_mask marks the policy's own
-    tokens); rewards [G, K] total reward per trajectory with B = G * K in group-major order; optional old_logp and
-    ref_logp [B, T - 1], aligned with ids[:, 1:] (old_logp defaults to the current log-probs, i.e. the first PPO epoch).
+    Inputs: a Hugging Face causal LM; input_ids, attention_mask, policy_mask [B, T] (policy_mask
+    marks the policy's own tokens); rewards [G, K] total reward per trajectory with B = G * K in
+    group-major order; optional old_logp and ref_logp [B, T - 1], aligned with ids[:, 1:] (old_logp
+    defaults to the current log-probs, i.e. the first PPO epoch).
 
-    Per bucket of groups (rv_buckets on the std of rewards) one forward pass, then three separate backward passes
-    (torch.autograd.grad; no optimiser step, the parameters and their .grad are left as they were):
-      task     clipped_policy_loss with the group-mean baseline A = r - mean_g(r) (grpo.group_advantages) on every
-               policy token of the trajectory. No std division by default, so the sqrt(RV) scaling shows;
-               normalize_std=True gives GRPO's A = (r - mean) / (std + eps), which removes that scaling for every
-               group with spread.
-      kl       kl_coef * aggregate(kl_estimate(logp, ref_logp, kl_kind)). The reference is `ref_logp`, else
-               `ref_model`, else the policy itself at this moment -- then the KL term sits at its minimum and its
-               gradient is exactly 0 (as at step 1 of training, before the policy has moved from its reference).
-      entropy  -entropy_coef * aggregate(token entropy) (the entropy bonus enters the loss with a minus sign).
-    Returns one dict per non-empty bucket (lowest spread first): bucket, groups, n_groups, mean_std, mean_var,
-    task_grad_norm, kl_grad_norm, entropy_grad_norm, reg_grad_norm (norm of the KL + entropy gradient).
+    Per bucket of groups (rv_buckets on the std of rewards) one forward pass, then three separate
+    backward passes (torch.autograd.grad; no optimiser step, the parameters and their .grad are
+    left as they were):
+      task     clipped_policy_loss with the group-mean baseline A = r - mean_g(r)
+               (grpo.group_advantages) on every policy token of the trajectory. No std division by
+               default, so the sqrt(RV) scaling shows; normalize_std=True gives GRPO's
+               A = (r - mean) / (std + eps), which removes that scaling for every group with spread.
+      kl       kl_coef * aggregate(kl_estimate(logp, ref_logp, kl_kind)). The reference is
+               `ref_logp`, else `ref_model`, else the policy itself at this moment -- then the KL
+               term sits at its minimum and its gradient is exactly 0 (as at step 1 of training,
+               before the policy has moved from its reference).
+      entropy  -entropy_coef * aggregate(token entropy) (the entropy bonus enters the loss with a
+               minus sign).
+    Returns one dict per bucket (lowest spread first): bucket, groups, n_groups, mean_std,
+    mean_var, task_grad_norm, kl_grad_norm, entropy_grad_norm, reg_grad_norm (norm of the
+    KL + entropy gradient).
+
+    Pseudocode (theory.md, Sec. 3):
+        std <- group_scores(rewards); A <- group_advantages(rewards)
+        for each bucket in rv_buckets(std):
+            logits <- model(bucket's sequences)
+            for term in (task, kl, entropy): norm of autograd.grad(term's loss, parameters)
     """
-    r = _as_float64(rewards, "rewards")                                        # [G, K]
+    r = _as_float64(rewards, "rewards")                                    # [G, K]
     if r.dim() != 2:
         raise ValueError(f"rewards must be [G, K]; got shape {tuple(r.shape)}")
     G, K = r.shape
     B, T = input_ids.shape
     if B != G * K or attention_mask.shape != (B, T) or policy_mask.shape != (B, T):
-        raise ValueError(f"need input_ids, attention_mask, policy_mask [B, T] with B = G * K = {G * K}; got "
-                         f"{tuple(input_ids.shape)}, {tuple(attention_mask.shape)}, {tuple(policy_mask.shape)}")
-    std = group_scores(r, "std")                                               # [G]
-    adv = group_advantages(r, normalize_std=normalize_std, eps=eps)           # [G, K] group-mean baseline
-    adv = adv.reshape(B).float().to(input_ids.device)                          # [B] one advantage per sequence
-    mask = (policy_mask[:, 1:].bool() & attention_mask[:, 1:].bool()).float()  # [B, T-1] trained tokens
+        raise ValueError(f"need input_ids, attention_mask, policy_mask [B, T] with B = G * K = "
+                         f"{G * K}; got {tuple(input_ids.shape)}, {tuple(attention_mask.shape)}, "
+                         f"{tuple(policy_mask.shape)}")
+    std = group_scores(r, "std")                                           # [G]
+    adv = group_advantages(r, normalize_std=normalize_std, eps=eps)       # [G, K] r - mean_g (r)
+    adv = adv.reshape(B).float().to(input_ids.device)                      # [B] one per sequence
+    trained = policy_mask[:, 1:].bool() & attention_mask[:, 1:].bool()     # [B, T-1]
+    mask = trained.float()                                                 # [B, T-1]
     params = [p for p in model.parameters() if p.requires_grad]
 
     results = []
     for i, groups in enumerate(rv_buckets(std, n_buckets)):
-        if len(groups) == 0:
-            continue
-        rows = (groups[:, None] * K + torch.arange(K, device=groups.device)).reshape(-1)  # [b] bucket's sequences
+        rows = (groups[:, None] * K + torch.arange(K, device=groups.device)).reshape(-1)  # [b]
         rows = rows.to(input_ids.device)
-        ids, m = input_ids[rows], mask[rows]                                   # [b, T], [b, T-1]
-        logits = model(input_ids=ids, attention_mask=attention_mask[rows]).logits[:, :-1]  # [b, T-1, V]
-        logp = token_logprobs(logits, ids[:, 1:])                              # [b, T-1]
-        old = logp.detach() if old_logp is None else old_logp[rows]            # [b, T-1]
+        ids, m, att = input_ids[rows], mask[rows], attention_mask[rows]    # [b, T], [b, T-1]
+        logits = model(input_ids=ids, attention_mask=att).logits[:, :-1]   # [b, T-1, V]
+        logp = token_logprobs(logits, ids[:, 1:])                          # [b, T-1]
+        old = logp.detach() if old_logp is None else old_logp[rows]        # [b, T-1]
         if ref_logp is not None:
-            ref = ref_logp[rows]                                               # [b, T-1]
+            ref = ref_logp[rows]                                           # [b, T-1]
         elif ref_model is not None:
             with torch.no_grad():
-                ref_logits = ref_model(input_ids=ids, attention_mask=attention_mask[rows]).logits[:, :-1]
-                ref = token_logprobs(ref_logits, ids[:, 1:])                   # [b, T-1]
+                ref_logits = ref_model(input_ids=ids, attention_mask=att).logits[:, :-1]
+                ref = token_logprobs(ref_logits, ids[:, 1:])               # [b, T-1]
         else:
-            ref = logp.detach()                                                # [b, T-1]
+            ref = logp.detach()                                            # [b, T-1]
 
         task_loss, _ = clipped_policy_loss(logp, old, adv[rows][:, None].expand_as(logp), m,
-                                           clip_low=clip_low, clip_high=clip_high, agg=agg)
+                                           clip_low=clip_low, clip_high=clip_high, agg=agg,
+                                           clip_c=clip_c)
         kl_loss = kl_coef * aggregate(kl_estimate(logp, ref, kl_kind), m, agg)
         entropy_loss = -entropy_coef * aggregate(entropy_from_logits(logits), m, agg)
 
         task_norm, _ = _grad_norm_and_grads(task_loss, params)
         kl_norm, kl_grads = _grad_norm_and_grads(kl_loss, params)
         entropy_norm, entropy_grads = _grad_norm_and_grads(entropy_loss, params)
-        reg_sq = sum((a.double() + b.double()).pow(2).sum() for a, b in zip(kl_grads, entropy_grads))
-        reg_norm = math.sqrt(reg_sq.item())
+        reg_sq = sum((k.double() + e.double()).pow(2).sum()
+                     for k, e in zip(kl_grads, entropy_grads))
         results.append({
             "bucket": i, "groups": groups.tolist(), "n_groups": len(groups),
             "mean_std": std[groups].mean().item(), "mean_var": (std[groups] ** 2).mean().item(),
-            "task_grad_norm": task_norm, "kl_grad_norm": kl_norm, "entropy_grad_norm": entropy_norm,
-            "reg_grad_norm": reg_norm,
+            "task_grad_norm": task_norm, "kl_grad_norm": kl_norm,
+            "entropy_grad_norm": entropy_norm, "reg_grad_norm": math.sqrt(reg_sq.item()),
         })
     return results
 
 
-# ------------------------------------------------------------------------------------------------------ the filter
+# ------------------------------------------------------------------------------------- the filter
 
 def select_groups(scores, mode, value=None, include_zero=False, prob_mode="linear"):
-    """Which groups to train on -> bool mask [G]. Groups are ranked by score, descending; ties keep index order (lower
-    index first), so the result is deterministic. The mode picks a prefix of that ranking:
+    """Which groups to train on -> bool mask [G].
 
-      "none"     every group (`value` ignored)
-      "topp"     prob_mode "linear":  smallest non-empty prefix whose summed score reaches value * total - 0.01
-                 prob_mode "softmax": smallest non-empty prefix whose softmax(scores) mass reaches value
-      "topk"     the max(1, int(value * G)) best groups
+    Zero-score groups (no task gradient) are set aside first unless include_zero=True; the others
+    are ranked by score, descending, ties to the lower index (deterministic), and the mode keeps a
+    prefix of that ranking:
 
-    value must lie in (0, 1] for "topp" and "topk". Zero-score groups (no task gradient) are then removed from the
-    prefix unless include_zero=True, so an all-zero batch keeps nothing: an all-False mask means the caller skips the
-    update. With include_zero=True zero-score groups stay where the prefix reaches them: in "linear" mode only when
-    every score is 0 (they add nothing to the sum), in "softmax" mode when their mass is needed (exp(0) / Z each), in
-    "topk" mode when fewer non-zero groups than the count exist. The 0.01 slack only absorbs round-off: the best
-    group is always in the prefix, however small the total.
+      "none"  every group (`value` ignored)
+      "topp"  value = 1: every ranked group (with include_zero: every group -- the official
+                         no-filter baseline; without: every group with spread)
+              prob_mode "linear":  smallest prefix whose summed score reaches value * total - 0.01;
+                                   zero scores add nothing, so they are never part of it
+              prob_mode "softmax": softmax over the ranked groups' scores only, then the smallest
+                                   prefix whose mass reaches value
+      "topk"  the max(1, int(value * G)) best ranked groups (G counts every group)
 
-    >>> select_groups([9., 1., 5.], "topp", 0.9)           # Fig. 5: target 13.49, A + C = 14 reaches it
+    value must lie in (0, 1] for "topp" and "topk". An all-False mask means the caller skips the
+    update (an all-zero batch gives it in every mode but "none" and topp at 1 with include_zero).
+    The 0.01 slack only absorbs round-off: the best group with spread is always kept, however
+    small the total (the official code keeps nothing when value * total <= 0.01).
+
+    >>> select_groups([9., 1., 5.], "topp", 0.9)           # Fig. 5: target 13.49, A + C = 14
     tensor([ True, False,  True])
-    >>> select_groups([0., 0., 3., 1.], "topk", 0.75)      # int(0.75 * 4) = 3 best, the zero-score one dropped
+    >>> select_groups([0., 0., 3., 1.], "topk", 0.75)      # int(0.75 * 4) = 3, only two have spread
     tensor([False, False,  True,  True])
+    >>> select_groups([3., 2., 0., 0., 0., 0., 0., 0.], "topp", 0.7, prob_mode="softmax")
+    tensor([ True, False, False, False, False, False, False, False])
     """
     if mode not in MODES:
         raise ValueError(f"unknown filter mode {mode!r}; choose one of {MODES}")
     if prob_mode not in PROB_MODES:
         raise ValueError(f"unknown prob_mode {prob_mode!r}; choose one of {PROB_MODES}")
-    s = _as_float64(scores, "scores")                                          # [G]
+    s = _as_float64(scores, "scores")                                      # [G]
     if s.dim() != 1 or (s < 0).any():
-        raise ValueError(f"scores must be a [G] vector of non-negative spreads; got shape {tuple(s.shape)}")
+        raise ValueError(f"scores must be a [G] vector of non-negative spreads; got shape "
+                         f"{tuple(s.shape)}")
     G = s.shape[0]
     if mode == "none":
         return torch.ones(G, dtype=torch.bool, device=s.device)
     if isinstance(value, bool) or not isinstance(value, numbers.Real) or not 0.0 < value <= 1.0:
         raise ValueError(f"{mode} value must be a number in (0, 1]; got {value!r}")
 
-    order = torch.sort(s, descending=True, stable=True).indices                # [G] best first
-    ranked = s[order]                                                          # [G]
+    candidates = torch.ones_like(s, dtype=torch.bool) if include_zero else s > 0      # [G]
+    idx = candidates.nonzero()[:, 0]                                       # [E] ascending index
+    order = idx[torch.sort(s[idx], descending=True, stable=True).indices]  # [E] best first
+    ranked = s[order]                                                      # [E]
     if mode == "topk":
-        n_keep = min(G, max(1, int(value * G)))
+        n_keep = min(len(order), max(1, int(value * G)))
+    elif value >= 1.0:
+        n_keep = len(order)
     elif prob_mode == "linear":
-        reached = ranked.cumsum(0) >= value * ranked.sum() - 0.01            # [G]; the full prefix always reaches
-        n_keep = int(reached.nonzero()[0]) + 1
+        reached = (ranked.cumsum(0) >= value * ranked.sum() - 0.01).nonzero()   # prefixes
+        n_keep = int(reached[0]) + 1 if len(reached) else len(order)
     else:
-        mass = torch.softmax(ranked, 0).cumsum(0)                              # [G]
-        reached = (mass >= value - 1e-12).nonzero()                            # tolerance: mass 1.0 may round below
-        n_keep = int(reached[0]) + 1 if len(reached) else G
+        mass = torch.softmax(ranked, 0).cumsum(0)                          # [E]
+        reached = (mass >= value - 1e-12).nonzero()                        # mass 1 may round below
+        n_keep = int(reached[0]) + 1 if len(reached) else len(order)
 
-    keep = torch.zeros(G, dtype=torch.bool, device=s.device)                   # [G]
+    keep = torch.zeros(G, dtype=torch.bool, device=s.device)               # [G]
     keep[order[:n_keep]] = True
-    if not include_zero:
+    if mode == "topp" and prob_mode == "linear" and value < 1.0:
         keep &= s > 0
     return keep
 
 
 def filter_stats(scores, mask):
-    """Statistics of one filtering step, as Python numbers for logging (Fig. 11's kept ratio and zero-variance count):
-    kept_ratio, num_kept, num_zero_var, zero_var_frac, mean_score_kept, mean_score_dropped. An empty side has mean
-    0.0 (never NaN).
+    """Statistics of one filtering step, as Python numbers for logging (Fig. 11's kept ratio and
+    zero-variance count): kept_ratio, num_kept, num_zero_var, zero_var_frac, mean_score_kept,
+    mean_score_dropped. An empty side has mean 0.0 (never NaN).
 
-    >>> filter_stats([9., 1., 5., 0.], [True, False, True, False])["mean_score_dropped"]   # (1 + 0) / 2
+    >>> filter_stats([9., 1., 5., 0.], [True, False, True, False])["mean_score_dropped"]   # 1/2
     0.5
     """
-    s = _as_float64(scores, "scores")                                          # [G]
-    keep = torch.as_tensor(mask, dtype=torch.bool, device=s.device)            # [G]
+    s = _as_float64(scores, "scores")                                      # [G]
+    keep = torch.as_tensor(mask, dtype=torch.bool, device=s.device)        # [G]
     if s.dim() != 1 or keep.shape != s.shape:
-        raise ValueError(f"scores and mask must both be [G]; got {tuple(s.shape)} and {tuple(keep.shape)}")
+        raise ValueError(f"scores and mask must both be [G]; got {tuple(s.shape)} and "
+                         f"{tuple(keep.shape)}")
     G = max(s.shape[0], 1)
     zero = int((s == 0).sum())
     return {

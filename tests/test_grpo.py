@@ -1,4 +1,5 @@
-"""grpo.py: group-relative advantages and the GRPO loss, checked against known values and exact expectations."""
+"""grpo.py: group-relative advantages and the GRPO loss, against known values and exact
+expectations."""
 import itertools
 
 import numpy as np
@@ -13,7 +14,8 @@ from ppo import aggregate, kl_estimate, token_logprobs
 def test_group_advantages_known_values():
     adv = group_advantages(torch.tensor([[1., 0., 0., 0.], [2., 2., 2., 2.]]))
     # mean 0.25, unbiased std sqrt((0.5625 + 3 * 0.0625) / 3) = 0.5
-    torch.testing.assert_close(adv, torch.tensor([[1.5, -0.5, -0.5, -0.5], [0., 0., 0., 0.]]), atol=1e-5, rtol=0)
+    want = torch.tensor([[1.5, -0.5, -0.5, -0.5], [0., 0., 0., 0.]])
+    torch.testing.assert_close(adv, want, atol=1e-5, rtol=0)
     assert (adv[1] == 0).all()
 
 
@@ -21,9 +23,10 @@ def test_group_advantages_matches_numpy_and_dr_grpo():
     g = torch.Generator().manual_seed(0)
     r = torch.randn(5, 6, generator=g)
     x = r.numpy().astype(np.float64)
-    want = (x - x.mean(1, keepdims=True)) / (x.std(1, ddof=1, keepdims=True) + 1e-6)
+    centred = x - x.mean(1, keepdims=True)
+    want = centred / (x.std(1, ddof=1, keepdims=True) + 1e-6)
     np.testing.assert_allclose(group_advantages(r).numpy(), want, rtol=1e-5, atol=1e-5)
-    np.testing.assert_allclose(group_advantages(r, normalize_std=False).numpy(), x - x.mean(1, keepdims=True),
+    np.testing.assert_allclose(group_advantages(r, normalize_std=False).numpy(), centred,
                                rtol=1e-5, atol=1e-6)
 
 
@@ -35,8 +38,8 @@ def test_group_advantages_equal_groups_and_single_sample_are_exact_zero():
 
 
 @settings(max_examples=100, deadline=None)
-@given(st.lists(st.lists(st.sampled_from([-1.0, -0.1, 0.0, 0.1, 1.0, 10.0]), min_size=4, max_size=4),
-                min_size=1, max_size=5), st.booleans())
+@given(st.lists(st.lists(st.sampled_from([-1.0, -0.1, 0.0, 0.1, 1.0, 10.0]), min_size=4,
+                         max_size=4), min_size=1, max_size=5), st.booleans())
 def test_group_advantages_never_nan_and_centred(rows, norm):
     adv = group_advantages(torch.tensor(rows), normalize_std=norm)
     assert torch.isfinite(adv).all()
@@ -49,7 +52,8 @@ def test_group_advantages_bad_shape():
 
 
 def test_episode_advantages_to_tokens_example():
-    got = episode_advantages_to_tokens(torch.tensor([2., -1.]), torch.tensor([[0, 1, 1], [1, 0, 0]]))
+    mask = torch.tensor([[0, 1, 1], [1, 0, 0]])
+    got = episode_advantages_to_tokens(torch.tensor([2., -1.]), mask)
     assert got.tolist() == [[0., 2., 2.], [-1., 0., 0.]]
 
 
@@ -62,7 +66,18 @@ def test_grpo_loss_ratio_one_and_aggregation():
     adv = episode_advantages_to_tokens(torch.tensor([1.0, -2.0]), mask)
     lp = torch.zeros(2, 3)
     assert grpo_loss(lp, lp, adv, mask)[0].item() == pytest.approx((-1 + 2) / 2)
-    assert grpo_loss(lp, lp, adv, mask, agg="seq-mean-token-sum")[0].item() == pytest.approx((-3 + 2) / 2)
+    dr = grpo_loss(lp, lp, adv, mask, agg="seq-mean-token-sum")[0]
+    assert dr.item() == pytest.approx((-3 + 2) / 2)
+
+
+def test_grpo_loss_passes_the_dual_clip_through():
+    logp, old = torch.log(torch.tensor([[4.0, 4.0]])), torch.zeros(1, 2)
+    adv, mask = torch.tensor([[-1.0, 1.0]]), torch.ones(1, 2)
+    loss, stats = grpo_loss(logp, old, adv, mask)                  # max(4, 1.28) capped at c = 3
+    assert loss.item() == pytest.approx((3.0 - 1.28) / 2)
+    assert stats["clip_frac_lower"] == 0.5
+    assert grpo_loss(logp, old, adv, mask, clip_c=None)[0].item() == pytest.approx((4 - 1.28) / 2)
+    assert grpo_loss(logp, old, adv, mask, clip_c=2.0)[0].item() == pytest.approx((2 - 1.28) / 2)
 
 
 def test_grpo_loss_kl_term():
@@ -74,14 +89,16 @@ def test_grpo_loss_kl_term():
     loss, stats = grpo_loss(logp, old, adv, mask, ref_logp=ref, kl_coef=0.5)
     kl = aggregate(kl_estimate(logp, ref, "k3"), mask, "seq-mean-token-mean")
     assert loss.item() == pytest.approx(base.item() + 0.5 * kl.item(), abs=1e-6)
-    assert stats["kl"] == pytest.approx(kl.item()) and stats["pg_loss"] == pytest.approx(base.item())
+    assert stats["kl"] == pytest.approx(kl.item())
+    assert stats["pg_loss"] == pytest.approx(base.item())
     with pytest.raises(ValueError, match="ref_logp"):
         grpo_loss(logp, old, adv, mask, kl_coef=0.1)
 
 
 def test_dr_grpo_group_gradient_exact_enumeration():
-    """Softmax bandit, groups of K samples, Dr.GRPO advantage R_i - mean(R): enumerating all n^K groups,
-    E[-grad loss] = (1 - 1/K) sum_a pi_a (R_a - Rbar)(e_a - pi) (the sample's own reward sits in its baseline)."""
+    """Softmax bandit, groups of K samples, Dr.GRPO advantage R_i - mean(R): enumerating all n^K
+    groups, E[-grad loss] = (1 - 1/K) sum_a pi_a (R_a - Rbar)(e_a - pi) (the sample's own reward
+    sits in its baseline)."""
     n, K = 3, 3
     g = torch.Generator().manual_seed(2)
     theta = torch.randn(n, generator=g, dtype=torch.float64)
@@ -91,7 +108,7 @@ def test_dr_grpo_group_gradient_exact_enumeration():
 
     th = theta.clone().requires_grad_()
     expected_loss = 0.0
-    for group in itertools.product(range(n), repeat=K):           # every group of K single-token episodes
+    for group in itertools.product(range(n), repeat=K):   # every group of K single-token episodes
         a = torch.tensor(group)
         prob = pi[a].prod()
         adv = group_advantages(R[a].view(1, K), normalize_std=False).view(K, 1)
