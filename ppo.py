@@ -267,7 +267,8 @@ class Critic(nn.Module):
     def __init__(self, body, hidden_size):
         super().__init__()
         self.body = body
-        self.head = nn.Linear(hidden_size, 1, device=next(body.parameters()).device)
+        device = next(body.parameters(), torch.empty(0)).device  # a body without own weights (LoRA): CPU
+        self.head = nn.Linear(hidden_size, 1, device=device)
         nn.init.zeros_(self.head.weight)
         nn.init.zeros_(self.head.bias)
 

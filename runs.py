@@ -53,6 +53,8 @@ def main(Args, train, validate, argv):
         if run is None:
             return 0
         if args.steps == 0:
+            print(f"evaluating {args.model} on {args.env}: {args.val_seeds} held-out seeds, one rollout each, "
+                  f"temperature {args.val_temperature}; results in {args.out}")
             record(run, {"step": 0, "val_success": validate(run)})
         else:
             if run.step == 0 and args.val_every:  # the starting point, to judge what training adds
@@ -453,32 +455,33 @@ def reference(run):
 
 # ------------------------------------------------------------------------------------------------ GPU memory
 
-def gpu_memory_settings(a, policy, device, budget=0.85):
-    """Choose --micro-batch and --grad-checkpointing when not given: the largest micro-batch (up to the mini-batch)
-    whose update fits `budget` of the GPU's memory at the worst-case transcript length, without checkpointing if
-    possible. Memory = weights, gradients and AdamW state of what trains (x2 for PPO's critic) + activations of one
-    micro-batch, estimated from the model's shapes."""
-    cfg = policy.config.get_text_config()
+def gpu_memory_settings(a, policy, device):
+    """--micro-batch and --grad-checkpointing when not given, for the GPU's memory (memory_plan), said aloud."""
     total = torch.cuda.get_device_properties(device).total_memory
     n_all = sum(p.numel() for p in policy.parameters())
     n_train = sum(p.numel() for p in policy.parameters() if p.requires_grad)
+    a.micro_batch, a.grad_checkpointing, longest = memory_plan(a, policy.config.get_text_config(), n_all, n_train,
+                                                                 total)
+    print(f"memory: {total / 2 ** 30:.0f} GiB GPU; chose --micro-batch {a.micro_batch}"
+          f"{' --grad-checkpointing' if a.grad_checkpointing else ''} for transcripts up to {longest} tokens")
+
+
+def memory_plan(a, cfg, n_all, n_train, total, budget=0.85):
+    """(micro_batch, grad_checkpointing, longest): the largest micro-batch (up to the mini-batch) whose update fits
+    `budget` of `total` bytes at the worst-case transcript length, without checkpointing when possible. Memory =
+    fp32 weights, plus gradients and AdamW state of what trains (x2 for PPO's critic, + a reference copy), plus the
+    bf16 activations of one micro-batch, estimated from the model's shapes. Settings given by the user are kept."""
     models = 2 if a.algo == "ppo" else 1
     static = models * (4 * n_all + 12 * n_train) + (4 * n_all if a.kl_coef and not a.lora else 0)
     longest = 400 + a.max_turns * (a.max_new_tokens + 300)  # prompt + turns x (reply + observation), in tokens
-    width = cfg.hidden_size * 16 + cfg.intermediate_size * 4  # bytes of bf16 activations per token and layer, roughly
-    per_seq = {False: models * cfg.num_hidden_layers * longest * width,
-               True: models * longest * (cfg.num_hidden_layers * cfg.hidden_size * 2 + width)}
-    chosen = None
-    for ckpt in ([a.grad_checkpointing] if a.grad_checkpointing is not None else [False, True]):
+    per_token = 2 * (cfg.hidden_size * 8 + cfg.intermediate_size * 2)  # bytes a layer keeps per token, roughly
+    per_seq = {False: models * cfg.num_hidden_layers * longest * per_token,  # every layer's activations
+               True: models * longest * (cfg.num_hidden_layers * cfg.hidden_size * 2 + per_token)}  # inputs only
+    for ckpt in [a.grad_checkpointing] if a.grad_checkpointing is not None else [False, True]:
         fit = int((budget * total - static) // per_seq[ckpt])
-        if fit >= 1:
-            chosen = (min(fit, a.mini_batch_size) if a.micro_batch is None else a.micro_batch, ckpt)
-            break
-    if chosen is None:
-        chosen = (a.micro_batch or 1, True)
-    a.micro_batch, a.grad_checkpointing = chosen
-    print(f"memory: {total / 2 ** 30:.0f} GiB GPU; chose --micro-batch {a.micro_batch}"
-          f"{' --grad-checkpointing' if a.grad_checkpointing else ''} for transcripts up to {longest} tokens")
+        if fit >= 1 or a.micro_batch is not None:
+            return a.micro_batch or min(fit, a.mini_batch_size), ckpt, longest
+    return 1, True, longest
 
 
 # ------------------------------------------------------------------------------------------------ the run folder

@@ -187,7 +187,7 @@ def diagnose(run, episodes):
     with run.ctx:
         scores, lengths = mi.cross_scores(run.policy, run.tokenizer, prompts, [e.first_reasoning for e in picked],
                                           batch_size=a.micro_batch)
-    metrics = mi.collapse_metrics(scores, [e.group for e in picked], lengths)  # MERGE: prompt_keys=prompts
+    metrics = mi.collapse_metrics(scores, [e.group for e in picked], lengths, prompt_keys=prompts)
     metrics["mi_zscore_ema"], run.state["std_ema"] = mi.mi_zscore_ema(metrics, run.state.get("std_ema"))
     keep = ("mi_estimate", "mi_seq_estimate", "mi_zscore", "mi_zscore_seq", "mi_zscore_ema", "retrieval_acc",
             "retrieval_acc_top2", "conditional_entropy", "reasoning_entropy", "conditional_entropy_seq",
@@ -239,43 +239,48 @@ def update_policy(run, episodes, rewards, shuffle):
         episode_adv = grpo.group_advantages(rewards, normalize_std=a.algo == "grpo").reshape(-1)   # [B]
         b_adv = grpo.episode_advantages_to_tokens(episode_adv.to(b_mask.device), b_mask)          # [B, T-1]
 
-    # 6. the update: each mini-batch one optimiser step, its gradient summed over micro-batches
-    logs = {k: [] for k in ("pg_loss", "entropy_loss", "kl_loss", "value_loss", "clip_frac", "approx_kl",
-                            "grad_norm", "token_entropy")}
+    # 6. the update: each mini-batch one optimiser step, its gradient summed over micro-batches; every logged
+    # loss is the mini-batch's (micro-batches weighted by their share), averaged over the optimiser steps
+    logs = {k: [] for k in ("pg_loss", "entropy_loss", "clip_frac", "clip_frac_lower", "approx_kl", "grad_norm")
+            + ("kl_loss",) * (b_ref is not None) + ("value_loss",) * (run.critic is not None)}
     for _ in range(a.epochs):
         order = torch.randperm(B, generator=shuffle)
         for mb_rows in order.split(a.mini_batch_size):
             for opt in run.optimizers:
                 opt.zero_grad(set_to_none=True)
+            sums = dict.fromkeys(logs, 0.0)
             for rows, width in pieces(b_, mb_rows, a.micro_batch):
                 mb = {k: v[rows, :width] for k, v in b_.items() if v.dim() == 2}
                 mask = b_mask[rows, :width - 1]                                        # [b, w-1]
+                w, w_tokens = share(b_mask, mb_rows, rows, agg), share(b_mask, mb_rows, rows, "token-mean")
                 logp, entropy = policy_pass(run, mb, with_entropy=True)                # [b, w-1]
                 pg_loss, stats = ppo.clipped_policy_loss(logp, b_old[rows, :width - 1], b_adv[rows, :width - 1],
-                                                         mask, a.clip_low, a.clip_high, agg)  # MERGE: clip_c
+                                                         mask, a.clip_low, a.clip_high, agg, a.clip_c or None)
                 entropy_loss = ppo.aggregate(entropy, mask, agg)
                 loss = pg_loss - a.entropy_coef * entropy_loss
                 if b_ref is not None:
                     kl_loss = ppo.aggregate(ppo.kl_estimate(logp, b_ref[rows, :width - 1], a.kl_kind), mask, agg)
                     loss = loss + a.kl_coef * kl_loss
-                    logs["kl_loss"].append(kl_loss.item())
-                (share(b_mask, mb_rows, rows, agg) * loss).backward()
+                    sums["kl_loss"] += w * kl_loss.item()
+                (w * loss).backward()
                 if run.critic is not None:
                     values = critic_pass(run, mb)                                      # [b, w-1]
                     v_loss = ppo.value_loss(values, b_values[rows, :width - 1], b_returns[rows, :width - 1], mask,
                                             a.value_clip)
-                    (share(b_mask, mb_rows, rows, "token-mean") * v_loss).backward()
-                    logs["value_loss"].append(v_loss.item())
-                logs["pg_loss"].append(pg_loss.item())
-                logs["entropy_loss"].append(entropy_loss.item())
-                logs["clip_frac"].append(stats["clip_frac"])
-                logs["approx_kl"].append(stats["approx_kl"])
-            logs["grad_norm"].append(float(torch.nn.utils.clip_grad_norm_(run.policy_params, a.grad_clip)))
+                    (w_tokens * v_loss).backward()
+                    sums["value_loss"] += w_tokens * v_loss.item()
+                sums["pg_loss"] += w * pg_loss.item()
+                sums["entropy_loss"] += w * entropy_loss.item()
+                for k in ("clip_frac", "clip_frac_lower", "approx_kl"):
+                    sums[k] += w_tokens * stats[k]
+            sums["grad_norm"] = float(torch.nn.utils.clip_grad_norm_(run.policy_params, a.grad_clip))
             if run.critic is not None:
                 torch.nn.utils.clip_grad_norm_(run.critic_params, a.grad_clip)
             for opt in run.optimizers:
                 opt.step()
-    out = {k: float(np.mean(v)) for k, v in logs.items() if v}
+            for k, v in sums.items():
+                logs[k].append(v)
+    out = {k: float(np.mean(v)) for k, v in logs.items()}
     out["token_entropy"] = ppo.masked_mean(b_entropy, b_mask).item()
     out["optimizer_steps"] = a.epochs * len(order.split(a.mini_batch_size))
     return out

@@ -1,0 +1,291 @@
+"""runs.py: flags, the run folder, checkpoints and resume. A run survives a kill at every moment that matters and
+resumes exactly; bad input is one line and exit code 2, leaving nothing behind; running out of memory is exit 3."""
+import builtins
+import dataclasses
+import errno
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+import runs
+import tiny
+import train
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SMALL = ["--model", "tiny", "--no-warm-start", "--groups", "2", "--group-size", "2", "--max-turns", "2",
+         "--max-new-tokens", "8", "--val-seeds", "1", "--mi-samples", "4", "--no-plot", "--filter", "none"]
+
+
+def records(out):
+    with open(os.path.join(out, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f]
+
+
+def same_metrics(a, b):
+    """Two runs' metrics agree on everything but timings. The MI metrics of a re-loaded model may differ in the last
+    float32 bits of a summed log-likelihood (1e-6), far below any meaningful change."""
+    assert [r["step"] for r in a] == [r["step"] for r in b]
+    for x, y in zip(a, b):
+        assert set(x) == set(y)
+        for k in x:
+            if k.startswith("time_"):
+                continue
+            if k.startswith(("mi_", "reasoning_entropy", "conditional_entropy")):
+                assert x[k] == pytest.approx(y[k], rel=1e-3, abs=1e-6), k
+            else:
+                assert x[k] == y[k], k
+
+
+def fails(argv, capsys, words, code=2):
+    assert train.main(argv) == code
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and err.startswith("error:") and words in err, err
+    return err
+
+
+# ------------------------------------------------------------------------------------------------ flags
+
+def test_help_is_one_line_per_flag_with_its_default(capsys):
+    with pytest.raises(SystemExit):
+        runs.build_parser(train.Args).parse_args(["--help"])
+    lines = capsys.readouterr().out.splitlines()
+    options = lines[[i for i, line in enumerate(lines) if line.startswith("options")][0] + 1:]
+    assert all(line.lstrip().startswith("-") and len(line) <= 118 for line in options)  # no wrapped lines
+    assert len(options) == len(dataclasses.fields(train.Args)) + 1  # every flag, and --help
+    text = "\n".join(options)
+    assert "--env {sokoban,frozenlake,bandit}" in text and "[0.9]" in text and "[sokoban]" in text
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["--env", "chess"], "--env"),
+    (["--top-p", "1.5"], "--top-p"),
+    (["--top-p", "0"], "--top-p"),
+    (["--steps", "-1"], "--steps"),
+    (["--step", "3"], "--step"),  # no prefix matching: --step is not --steps
+    (["--groups", "0"], "--groups"),
+    (["--seed", "-1"], "--seed"),
+    (["--seed", str(2 ** 32)], "--seed"),
+    (["--lr", "-1"], "learning rates"),
+    (["--lr", "nan"], "finite"),
+    (["--max-new-tokens", "0"], "--max-new-tokens"),
+    (["--mi-samples", "0"], "--mi-samples"),
+    (["--gamma", "5"], "--gamma"),
+    (["--lam", "-3"], "--lam"),
+    (["--clip-c", "0.5"], "--clip-c"),
+    (["--model", "./no/such/folder"], "no such folder"),
+    (["--model", "tinny"], "did you mean --model tiny"),
+    (["--model", "no-such-org/no-such-model"], "not in the local Hugging Face cache"),
+    (["--resume", "/no/such/run"], "--resume"),
+    (["--env", "frozenlake", "--success-rate", "2"], "success_rate"),
+])
+def test_bad_arguments_print_one_line_exit_2_and_leave_nothing(tmp_path, argv, words, capsys):
+    out = tmp_path / "never"
+    started = time.time()
+    fails(["--steps", "1", "--no-warm-start", "--out", str(out)] + argv, capsys, words)
+    assert not out.exists()  # a failed start leaves no folder behind
+    assert time.time() - started < 20  # fails fast: no network retries (a bound far above the ~1 s it takes)
+
+
+def test_bad_arguments_from_the_shell_give_no_traceback():
+    proc = subprocess.run([sys.executable, "train.py", "--top-p", "7"], cwd=ROOT, capture_output=True, text=True,
+                          env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert proc.returncode == 2
+    assert "Traceback" not in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
+
+
+def test_unusable_out_folders(tmp_path, capsys):
+    a_file = tmp_path / "file"
+    a_file.write_text("x")
+    fails(SMALL + ["--steps", "1", "--out", str(a_file)], capsys, "cannot write there")
+    fails(SMALL + ["--steps", "1", "--out", str(a_file / "run")], capsys, "cannot write there")
+    out = str(tmp_path / "run")
+    assert train.main(SMALL + ["--steps", "1", "--out", out, "--mi-every", "0"]) == 0
+    capsys.readouterr()
+    fails(SMALL + ["--steps", "1", "--out", out], capsys, "already holds a run")  # never overwritten
+    assert [r["step"] for r in records(out)] == [0, 1]
+    with runs.lock_folder(out):  # another process is using it
+        fails(["--resume", out, "--steps", "2"], capsys, "in use by another")
+
+
+# ------------------------------------------------------------------------------------------------ resume
+
+def test_resume_continues_exactly_like_an_uninterrupted_run(tmp_path):
+    common = SMALL + ["--algo", "ppo", "--mi-every", "1", "--val-every", "2"]
+    straight, broken = str(tmp_path / "straight"), str(tmp_path / "broken")
+    assert train.main(common + ["--steps", "3", "--out", straight]) == 0
+    assert train.main(common + ["--steps", "2", "--out", broken]) == 0      # "interrupted" after step 2
+    assert train.main(["--resume", broken, "--steps", "3"]) == 0
+    same_metrics(records(straight), records(broken))
+
+
+def test_resume_keeps_the_runs_settings_and_leaves_a_finished_run_alone(tmp_path, capsys):
+    out = str(tmp_path / "run")
+    assert train.main(SMALL + ["--steps", "2", "--out", out, "--mi-every", "0"]) == 0
+    capsys.readouterr()
+    fails(["--resume", out, "--env", "bandit"], capsys, "--env bandit differs from the run's sokoban")
+    fails(["--resume", out, "--seed", "3"], capsys, "--seed 3 differs")
+    fails(["--resume", out, "--out", str(tmp_path / "elsewhere")], capsys, "stays in its folder")
+    fails(["--resume", out, "--steps", "1"], capsys, "below the 2 steps")
+    before = records(out)
+    assert train.main(["--resume", out]) == 0  # finished: nothing run, nothing appended
+    assert "is complete (2 of 2 steps)" in capsys.readouterr().out and records(out) == before
+    assert json.load(open(os.path.join(out, "config.json")))["env"] == "sokoban"
+
+
+@pytest.mark.parametrize("damage, words", [
+    (lambda d: open(os.path.join(d, "config.json"), "w").write("{not json"), "config.json is damaged"),
+    (lambda d: open(os.path.join(d, "config.json"), "w").write("[1, 2]"), "not a run's config"),
+    (lambda d: json.dump({**json.load(open(os.path.join(d, "config.json"))), "groups": "two"},
+                         open(os.path.join(d, "config.json.x"), "w")) or os.replace(
+        os.path.join(d, "config.json.x"), os.path.join(d, "config.json")), "not a int"),
+    (lambda d: open(os.path.join(d, "checkpoint", "trainer_state.pt"), "r+b").truncate(100), "damaged"),
+    (lambda d: open(os.path.join(d, "checkpoint", "model.safetensors"), "r+b").truncate(100), "cannot load"),
+])
+def test_a_damaged_run_folder_is_one_line(tmp_path, capsys, damage, words):
+    out = str(tmp_path / "run")
+    assert train.main(SMALL + ["--steps", "1", "--out", out, "--mi-every", "0"]) == 0
+    capsys.readouterr()
+    damage(out)
+    fails(["--resume", out, "--steps", "2"], capsys, words)
+    assert os.path.isdir(out)  # a resumed run's folder is never removed
+
+
+class Killed(BaseException):
+    """Stands for kill -9: nothing after the moment it is raised runs (no except clause catches a BaseException
+    that is not KeyboardInterrupt, and what `finally` blocks do is only closing files, which a kill also does)."""
+
+
+def test_a_kill_at_every_file_operation_then_resume_is_exact(tmp_path, monkeypatch):
+    """Every rename of a 3-step run -- the config, the first checkpoint, each rotation (checkpoint -> .old,
+    .tmp -> checkpoint) -- is a moment a kill can hit. Kill at each, resume, and the metrics equal the
+    uninterrupted run's: nothing lost, nothing logged twice, never a crash on the leftovers."""
+    common = SMALL + ["--algo", "grpo", "--mi-every", "1", "--val-every", "2", "--steps", "3"]
+    straight = str(tmp_path / "straight")
+    assert train.main(common + ["--out", straight]) == 0
+    replace = os.replace
+    kill_at = 1
+    while True:
+        calls = [0]
+
+        def dying_replace(src, dst):
+            calls[0] += 1
+            if calls[0] == kill_at:
+                raise Killed
+            return replace(src, dst)
+
+        out = str(tmp_path / f"kill{kill_at}")
+        monkeypatch.setattr(runs.os, "replace", dying_replace)
+        try:
+            finished = train.main(common + ["--out", out]) == 0
+        except Killed:
+            finished = False
+        monkeypatch.setattr(runs.os, "replace", replace)
+        if finished:
+            break  # kill_at is past the run's last rename: every moment was covered
+        if os.path.isfile(os.path.join(out, "config.json")):
+            assert train.main(["--resume", out]) == 0
+        else:  # killed while starting: there is no run yet (in this simulation start() removes its folder)
+            assert train.main(common + ["--out", out]) == 0
+        same_metrics(records(straight), records(out))
+        assert sorted(os.listdir(out)) == [".lock", "checkpoint", "config.json", "metrics.jsonl"]
+        kill_at += 1
+    assert kill_at >= 8  # config + 3 saves of 1-3 renames each
+
+
+def test_kill_9_of_a_real_run_then_resume_is_exact(tmp_path):
+    common = SMALL + ["--algo", "ppo", "--mi-every", "2", "--val-every", "0", "--steps", "6"]
+    straight, killed = str(tmp_path / "straight"), str(tmp_path / "killed")
+    proc = subprocess.Popen([sys.executable, "train.py"] + common + ["--out", killed], cwd=ROOT,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    metrics = os.path.join(killed, "metrics.jsonl")
+    deadline = time.time() + 120
+    while time.time() < deadline and proc.poll() is None:
+        if os.path.isfile(metrics) and len(open(metrics).read().splitlines()) >= 3:
+            break
+        time.sleep(0.01)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert train.main(common + ["--out", straight]) == 0
+    assert train.main(["--resume", killed]) == 0
+    same_metrics(records(straight), records(killed))
+
+
+def test_a_full_disk_keeps_the_previous_checkpoint(tmp_path, capsys, monkeypatch):
+    out = str(tmp_path / "run")
+    save = torch.save
+
+    def full_at_step_2(obj, path, *args, **kwargs):
+        if isinstance(obj, dict) and obj.get("step") == 2:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return save(obj, path, *args, **kwargs)
+
+    monkeypatch.setattr(runs.torch, "save", full_at_step_2)
+    fails(SMALL + ["--steps", "3", "--out", out, "--mi-every", "0"], capsys, "no space left on the device")
+    assert runs.checkpoint_step(runs.recover_checkpoint(out)) == 1 and not os.path.exists(out + "/checkpoint.tmp")
+    monkeypatch.setattr(runs.torch, "save", save)
+    assert train.main(["--resume", out]) == 0 and [r["step"] for r in records(out)] == [0, 1, 2, 3]
+
+
+def test_out_of_memory_is_one_line_naming_the_phase(tmp_path, capsys, monkeypatch):
+    out = str(tmp_path / "run")
+    update = train.update_policy
+
+    def oom_at_step_2(run, *args):
+        if run.step == 1:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 6.8 GiB")
+        return update(run, *args)
+
+    monkeypatch.setattr(train, "update_policy", oom_at_step_2)
+    fails(SMALL + ["--steps", "3", "--out", out, "--mi-every", "0"], capsys, "out of GPU memory during the update",
+          code=3)
+    assert runs.checkpoint_step(runs.recover_checkpoint(out)) == 1  # the last checkpoint is intact
+
+
+# ------------------------------------------------------------------------------------------------ the same result
+
+def test_the_same_result_whether_the_warm_start_was_built_or_loaded(tmp_path, monkeypatch):
+    monkeypatch.setattr(tiny, "WARM_START_STEPS", 4)
+    common = ["--model", "tiny", "--env", "bandit", "--groups", "2", "--group-size", "4", "--val-seeds", "2",
+              "--mi-samples", "4", "--no-plot", "--steps", "2", "--tiny-cache", str(tmp_path / "cache")]
+    assert train.main(common + ["--out", str(tmp_path / "built")]) == 0  # builds the warm start in-process
+    assert train.main(common + ["--out", str(tmp_path / "loaded")]) == 0  # loads it
+    same_metrics(records(tmp_path / "built"), records(tmp_path / "loaded"))
+
+
+def test_evaluating_a_checkpoint_is_one_command(tmp_path, capsys):
+    out, ev = str(tmp_path / "run"), str(tmp_path / "eval")
+    assert train.main(SMALL + ["--algo", "grpo", "--steps", "1", "--out", out, "--mi-every", "0"]) == 0
+    ckpt = os.path.join(out, "checkpoint")
+    assert train.main(["--env", "sokoban", "--model", ckpt, "--steps", "0", "--val-seeds", "2", "--max-turns", "2",
+                       "--max-new-tokens", "8", "--out", ev]) == 0
+    assert "2 held-out seeds, one rollout each, temperature 0.5" in capsys.readouterr().out
+    (r,) = records(ev)
+    assert r["step"] == 0 and 0.0 <= r["val_success"] <= 1.0
+    tok = runs.load_policy(train.Args(), ckpt, torch.device("cpu"))[1]  # the tiny tokenizer, unchanged
+    text = "<think> P at row 2 </think> <answer> Up || Left </answer>"
+    assert tok.decode(tok.encode(text, add_special_tokens=False)) == text
+
+
+# ------------------------------------------------------------------------------------------------ GPU memory
+
+def test_memory_plan_fits_the_budget_and_prefers_no_checkpointing():
+    from transformers import Qwen2Config
+    qwen05 = Qwen2Config(hidden_size=896, intermediate_size=4864, num_hidden_layers=24)  # Qwen2.5-0.5B's shapes
+    n = 494_000_000
+    a = train.Args(max_new_tokens=400)
+    mb24, ckpt24, longest = runs.memory_plan(a, qwen05, n, n, 24 * 2 ** 30)
+    mb80, ckpt80, _ = runs.memory_plan(a, qwen05, n, n, 80 * 2 ** 30)
+    assert longest == 400 + 5 * 700 and ckpt24 and mb24 >= 1  # 24 GB: checkpointing needed
+    assert (mb80, ckpt80) >= (mb24, False) or not ckpt80  # 80 GB: at least as large a micro-batch
+    lora = dataclasses.replace(a, lora=16)
+    mb_lora, ckpt_lora, _ = runs.memory_plan(lora, qwen05, n, 4_000_000, 24 * 2 ** 30)
+    assert (mb_lora, not ckpt_lora) >= (mb24, not ckpt24)  # adapters only: less static memory, more room
+    given = dataclasses.replace(a, micro_batch=3, grad_checkpointing=False)
+    assert runs.memory_plan(given, qwen05, n, n, 24 * 2 ** 30)[:2] == (3, False)  # the user's choice stays
