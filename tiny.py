@@ -36,7 +36,7 @@ import envs
 import rollout
 
 FORMAT_VERSION = 6  # bump when demonstrations, tokenizer or default sizes / training settings change: no stale cache
-WARM_START_STEPS = 800
+WARM_START_STEPS = 600
 SAVE_EVERY = 100  # warm-start steps between saves of its progress (a multiple of demos.ROUND)
 BUILD_THREADS = 2  # the warm start's torch threads, fixed so that the build does not depend on the core count
 TAGS = ("<think>", "</think>", "<answer>", "</answer>", "||")
@@ -155,14 +155,16 @@ def checksums(folder):
 
 
 def load_tiny(env_name, env_kwargs=None, cache_dir=".cache/tiny", rebuild=False, warm_start=True,
-              steps=WARM_START_STEPS, seed=0, progress=True, **sizes):
+              steps=None, seed=0, progress=True, **sizes):
     """(model, tokenizer) for `env_name`: warm-started on demonstrations on first use, then loaded from the cache.
 
-    warm_start=False gives the untrained network (nothing cached); rebuild=True trains again even when cached.
+    warm_start=False gives the untrained network (nothing cached); rebuild=True trains again even when cached;
+    steps defaults to WARM_START_STEPS.
     The folder holds warm_start.json (steps, seconds, losses, checksums). `sizes` go to build_model.
     """
     if env_name not in envs.ENVS:
         raise ValueError(f"unknown environment {env_name!r}; valid: {', '.join(sorted(envs.ENVS))}")
+    steps = steps or WARM_START_STEPS
     tokenizer = build_tokenizer()
     if not warm_start:
         return build_model(tokenizer, seed=seed, **sizes), tokenizer

@@ -7,11 +7,14 @@ loop fed to the policy -- the same batch size, the same (growing) prompt lengths
 the same number of calls -- through a bare model.generate with the same stop token. Both count the tokens actually
 produced (up to and including the end-of-turn token), so the ratio is generated tokens per second, loop over plain.
 
-The policy is the tiny Qwen2 (tiny.build_model) with random weights: it never writes a valid action, so every
-episode takes the format penalty each turn and runs all max_turns turns, and it rarely emits the end-of-turn token,
-so most turns run to the token limit.
+The loop keeps each episode's key/value cache between turns and encodes only the new tokens; the plain replay
+encodes every turn's whole prompt, as a bare generate call must. The policy has random weights: it never writes a
+valid action, so every episode takes the format penalty each turn and runs all max_turns turns, and it rarely emits
+the end-of-turn token, so most turns run to the token limit. On a GPU, --qwen 0.5b uses Qwen2.5-0.5B's shapes
+(bench_gpu.qwen_shaped) in bfloat16 autocast.
 
-    python bench/bench_rollout.py              # 4 groups x 8 rollouts, 5 turns, 48 tokens per turn, Sokoban
+    python bench/bench_rollout.py              # tiny Qwen2, 4 groups x 8 rollouts, 5 turns, 48 tokens per turn
+    python bench/bench_rollout.py --qwen 0.5b --groups 8 --group-size 16 --max-new-tokens 128   # on a GPU
     python bench/bench_rollout.py --quick      # tiny sizes, 1 repeat: proves the script still runs
 
 Last line: RESULT rollout <loop tokens/s / plain generate tokens/s> (target >= 0.8).
@@ -24,6 +27,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import rollout  # noqa: E402
+import demos  # noqa: E402
 import tiny  # noqa: E402
 from bench_cross_scores import median_seconds  # noqa: E402
 
@@ -52,10 +56,16 @@ def plain_generate(model, calls, max_new_tokens, stop_ids, pad):
         for b, p in enumerate(prompt_ids):
             ids[b, width - len(p):] = torch.tensor(p)
             attention[b, width - len(p):] = 1
-        out = model.generate(input_ids=ids, attention_mask=attention, max_new_tokens=max_new_tokens,
+        out = model.generate(input_ids=ids.to(model.device), attention_mask=attention.to(model.device),
+                             max_new_tokens=max_new_tokens,
                              do_sample=True, top_k=0, eos_token_id=stop_ids, pad_token_id=pad)
         tokens += produced(out[:, width:], stop_ids)
     return tokens
+
+
+def plain_in(ctx, *args):
+    with ctx:
+        return plain_generate(*args)
 
 
 def main():
@@ -69,6 +79,7 @@ def main():
     parser.add_argument("--hidden", type=int, default=128)
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--qwen", default=None, help="Qwen2.5 shapes instead of the tiny model (0.5b, 1.5b, 3b)")
     parser.add_argument("--quick", action="store_true", help="tiny sizes, 1 repeat")
     args = parser.parse_args()
     if args.quick:
@@ -76,9 +87,17 @@ def main():
         args.hidden, args.layers, args.repeats = 32, 1, 1
     torch.set_num_threads(args.threads)
 
-    tokenizer = tiny.build_tokenizer()
-    model = tiny.build_model(tokenizer, hidden_size=args.hidden, num_layers=args.layers,
-                             intermediate_size=2 * args.hidden).eval()
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if args.qwen:
+        from bench_gpu import qwen_shaped
+        model, tokenizer = qwen_shaped(args.qwen, device)
+        model.eval()
+    else:
+        tokenizer = tiny.build_tokenizer()
+        model = tiny.build_model(tokenizer, hidden_size=args.hidden, num_layers=args.layers,
+                                 intermediate_size=2 * args.hidden).eval().to(device)
+    ctx = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else torch.autocast(
+        "cpu", enabled=False)
     policy = rollout.hf_policy(model, tokenizer, args.max_new_tokens)
     stop_ids, pad = rollout.end_of_turn_ids(tokenizer), rollout.pad_token_id(tokenizer)
     seeds = list(range(args.groups))
@@ -86,18 +105,20 @@ def main():
 
     def loop():
         calls.clear()
-        episodes = rollout.play(recording(policy, calls), tokenizer, args.env, seeds, args.group_size,
-                                max_turns=args.turns, system=tiny.TINY_SYSTEM)
+        with ctx:
+            episodes = rollout.play(recording(policy, calls), tokenizer, args.env, seeds, args.group_size,
+                                    max_turns=args.turns, system=demos.TINY_SYSTEM)
         return sum(sum(e.response_lengths) for e in episodes)
 
     torch.manual_seed(0)
     loop()  # warm-up; also fills `calls` for the first plain replay
     (t_loop, t_plain), (loop_tokens, plain_tokens) = median_seconds([
-        loop, lambda: plain_generate(model, calls, args.max_new_tokens, stop_ids, pad)], args.repeats)
+        loop, lambda: plain_in(ctx, model, calls, args.max_new_tokens, stop_ids, pad)], args.repeats)
     loop_rate, plain_rate = loop_tokens / t_loop, plain_tokens / t_plain
     prompt_lengths = [len(c[0]) for c in calls]
 
-    print(f"tiny Qwen2 (random weights): hidden {args.hidden}, {args.layers} layers, vocab {len(tokenizer)}; "
+    print(f"{'Qwen2.5-' + args.qwen + ' shapes' if args.qwen else f'tiny Qwen2: hidden {args.hidden}, {args.layers} layers'}"
+          f" (random weights) on {device}, vocab {len(tokenizer)}; "
           f"torch threads {torch.get_num_threads()}; {args.env}, {args.groups} groups x {args.group_size} rollouts, "
           f"{len(calls)} calls of <= {args.max_new_tokens} new tokens, prompt lengths {prompt_lengths}; "
           f"median of {args.repeats}")
