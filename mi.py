@@ -292,11 +292,16 @@ def _encode(tokenizer, texts, what):
     return [list(ids) for ids in tokenizer(list(texts), add_special_tokens=False)["input_ids"]]
 
 
-def _token_logprobs(logits, targets):
-    """log softmax(logits)[target] without materialising the log-softmax: [B, T, V], [B, T] ->
-    [B, T] float32."""
-    logits = logits.float()
-    return logits.gather(-1, targets[..., None])[..., 0] - torch.logsumexp(logits, dim=-1)
+def _token_logprobs(lm, hidden, targets, chunk_elements=2 ** 25):
+    """log softmax(output layer(hidden))[target], the output layer applied to a few positions at a time, so no
+    [B, T, V] logits exist (V = 151,936 for Qwen): [B, T, D], [B, T] -> [B, T] float32."""
+    head = lm.get_output_embeddings()
+    size = max(1, chunk_elements // head.weight.shape[0])
+    flat, out = hidden.reshape(-1, hidden.shape[-1]), []                       # [B*T, D]
+    for h, y in zip(flat.split(size), targets.reshape(-1).split(size)):
+        logits = head(h).float()                                                # [n, V]
+        out.append(logits.gather(-1, y[:, None])[:, 0] - torch.logsumexp(logits, dim=-1))
+    return torch.cat(out).view(targets.shape)
 
 
 @torch.inference_mode()
@@ -312,8 +317,9 @@ def cross_scores(model, tokenizer, prompts, reasonings, batch_size=8):
 
     Cost: each prompt is encoded once; its key/value cache is then repeated over a batch of at most
     `batch_size` reasonings (right-padded, attention-masked), so the work grows with
-    N x (reasoning tokens) instead of N x (prompt + reasoning tokens). Peak memory is one batch's
-    logits, [batch_size, longest reasoning, vocab]. Grouping by prompt means prompts of different
+    N x (reasoning tokens) instead of N x (prompt + reasoning tokens). The output layer runs on a
+    few positions at a time (_token_logprobs), so peak memory is the batch's hidden states, not
+    [batch_size, longest reasoning, vocab] logits. Grouping by prompt means prompts of different
     lengths never share a batch and need no padding.
     """
     if not isinstance(batch_size, int) or batch_size < 1:
@@ -342,6 +348,7 @@ def cross_scores(model, tokenizer, prompts, reasonings, batch_size=8):
         batches.append((batch, tokens.to(device), real.to(device)))
 
     was_training = model.training
+    lm = model.get_base_model() if hasattr(model, "get_base_model") else model  # a peft model: its LM, adapters on
     model.eval()  # no dropout while scoring
     try:
         for j, ids in enumerate(prompt_ids):
@@ -357,9 +364,9 @@ def cross_scores(model, tokenizer, prompts, reasonings, batch_size=8):
                     cache.batch_repeat_interleave(rows)
                     mask = torch.cat([torch.ones(rows, len(ids), dtype=torch.long, device=device),
                                       real[:, :-1].long()], dim=1)         # [B, P + R - 1]
-                    logits = model(input_ids=tokens[:, :-1], attention_mask=mask,
-                                   past_key_values=cache, use_cache=True).logits   # [B, R - 1, V]
-                    logp = _token_logprobs(logits, tokens[:, 1:])          # [B, R - 1]
+                    hidden = lm.get_decoder()(input_ids=tokens[:, :-1], attention_mask=mask,
+                                              past_key_values=cache, use_cache=True).last_hidden_state
+                    logp = _token_logprobs(lm, hidden, tokens[:, 1:])      # [B, R - 1]
                     total = total + (logp * real[:, 1:]).sum(dim=1)        # padding counts 0
                 scores[batch, j] = total.cpu()
     finally:

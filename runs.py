@@ -164,7 +164,8 @@ def check_args(a):
     need(a.groups >= 1 and a.group_size >= 1, "--groups and --group-size must be >= 1")
     need(a.max_turns >= 1 and a.max_actions_per_turn >= 1, "--max-turns and --max-actions-per-turn must be >= 1")
     need(a.mini_batch_size >= 1 and a.epochs >= 1, "--mini-batch-size and --epochs must be >= 1")
-    need(a.micro_batch is None or a.micro_batch >= 1, "--micro-batch must be >= 1")
+    need(all(x is None or x >= 1 for x in (a.micro_batch, a.rollout_batch)), "--micro-batch and --rollout-batch "
+                                                                                "must be >= 1")
     need(all(x is None or x > 0 for x in (a.lr, a.critic_lr)), "learning rates must be > 0")
     need(0 <= a.gamma <= 1 and 0 <= a.lam <= 1, f"--gamma and --lam must be in [0, 1], got {a.gamma}, {a.lam}")
     need(0 < a.clip_low < 1 and a.clip_high > 0, "need 0 < --clip-low < 1 and --clip-high > 0")
@@ -284,7 +285,7 @@ def load(a, device):
     policy, tokenizer, prompt = load_policy(a, source, device)
     if a.lora and not hasattr(policy, "disable_adapter"):
         policy = add_lora(policy, a)
-    if device.type == "cuda" and (a.micro_batch is None or a.grad_checkpointing is None):
+    if device.type == "cuda" and None in (a.micro_batch, a.grad_checkpointing, a.rollout_batch):
         gpu_memory_settings(a, policy, device)
     if a.grad_checkpointing:
         enable = getattr(policy, "activation_checkpointing_enable", None) or policy.gradient_checkpointing_enable
@@ -456,32 +457,45 @@ def reference(run):
 # ------------------------------------------------------------------------------------------------ GPU memory
 
 def gpu_memory_settings(a, policy, device):
-    """--micro-batch and --grad-checkpointing when not given, for the GPU's memory (memory_plan), said aloud."""
+    """--micro-batch, --grad-checkpointing and --rollout-batch when not given, for the GPU's memory (memory_plan)."""
     total = torch.cuda.get_device_properties(device).total_memory
     n_all = sum(p.numel() for p in policy.parameters())
     n_train = sum(p.numel() for p in policy.parameters() if p.requires_grad)
-    a.micro_batch, a.grad_checkpointing, longest = memory_plan(a, policy.config.get_text_config(), n_all, n_train,
-                                                                 total)
+    plan = memory_plan(a, policy.config.get_text_config(), n_all, n_train, total)
+    a.micro_batch, a.grad_checkpointing, a.rollout_batch, longest = plan
     print(f"memory: {total / 2 ** 30:.0f} GiB GPU; chose --micro-batch {a.micro_batch}"
-          f"{' --grad-checkpointing' if a.grad_checkpointing else ''} for transcripts up to {longest} tokens")
+          f"{' --grad-checkpointing' if a.grad_checkpointing else ''} --rollout-batch {a.rollout_batch} "
+          f"for transcripts up to {longest} tokens")
 
 
 def memory_plan(a, cfg, n_all, n_train, total, budget=0.85):
-    """(micro_batch, grad_checkpointing, longest): the largest micro-batch (up to the mini-batch) whose update fits
-    `budget` of `total` bytes at the worst-case transcript length, without checkpointing when possible. Memory =
-    fp32 weights, plus gradients and AdamW state of what trains (x2 for PPO's critic, + a reference copy), plus the
-    bf16 activations of one micro-batch, estimated from the model's shapes. Settings given by the user are kept."""
+    """(micro_batch, grad_checkpointing, rollout_batch, longest) for `budget` of `total` bytes at the worst-case
+    transcript length `longest`, estimated from the model's shapes; settings the user gave are kept.
+    Always resident: fp32 weights and AdamW state of what trains (x2 for PPO's critic, + a reference copy).
+    Update: + gradients + bf16 activations of one micro-batch; the largest micro-batch (up to the mini-batch)
+    that fits, without checkpointing when possible. Rollouts: + the bf16 key/value cache of the episodes sampled
+    at once; as many whole groups as fit."""
     models = 2 if a.algo == "ppo" else 1
-    static = models * (4 * n_all + 12 * n_train) + (4 * n_all if a.kl_coef and not a.lora else 0)
+    resident = models * (4 * n_all + 8 * n_train) + (4 * n_all if a.kl_coef and not a.lora else 0)
+    free = budget * total - resident
     longest = 400 + a.max_turns * (a.max_new_tokens + 300)  # prompt + turns x (reply + observation), in tokens
-    per_token = 2 * (cfg.hidden_size * 8 + cfg.intermediate_size * 2)  # bytes a layer keeps per token, roughly
-    per_seq = {False: models * cfg.num_hidden_layers * longest * per_token,  # every layer's activations
-               True: models * longest * (cfg.num_hidden_layers * cfg.hidden_size * 2 + per_token)}  # inputs only
-    for ckpt in [a.grad_checkpointing] if a.grad_checkpointing is not None else [False, True]:
-        fit = int((budget * total - static) // per_seq[ckpt])
-        if fit >= 1 or a.micro_batch is not None:
-            return a.micro_batch or min(fit, a.mini_batch_size), ckpt, longest
-    return 1, True, longest
+    # bytes a layer keeps for backward per token under bf16 autocast: the fp32 residual stream and norms, the bf16
+    # inputs of every projection, attention's q, k, v and output, the MLP's gate, up and activation
+    per_token = 24 * cfg.hidden_size + 8 * cfg.intermediate_size
+    per_seq = {False: cfg.num_hidden_layers * longest * per_token,  # every layer's activations
+               True: longest * (cfg.num_hidden_layers * cfg.hidden_size * 4 + per_token)}  # layer inputs only
+    grads = models * 4 * n_train
+    micro, ckpt = a.micro_batch, a.grad_checkpointing
+    for option in [ckpt] if ckpt is not None else [False, True]:
+        fit = int((free - grads) // per_seq[option])
+        if fit >= 1 or micro is not None or option:
+            micro, ckpt = micro or max(1, min(fit, a.mini_batch_size)), option
+            break
+    kv_heads, head_dim = cfg.num_key_value_heads, cfg.hidden_size // cfg.num_attention_heads
+    kv_per_seq = longest * cfg.num_hidden_layers * 2 * kv_heads * head_dim * 2 + 4 * cfg.vocab_size
+    episodes = a.groups * a.group_size
+    rollout = a.rollout_batch or max(a.group_size, min(episodes, int((free - 2 * n_all) // kv_per_seq)))
+    return micro, ckpt, rollout, longest
 
 
 # ------------------------------------------------------------------------------------------------ the run folder

@@ -89,6 +89,7 @@ class Args:
     lora_alpha: float = arg(None, "LoRA alpha (2 x rank)")
     lora_targets: str = arg("all-linear", "LoRA target modules: all-linear or names, comma-separated")
     micro_batch: int = arg(None, "trajectories per forward/backward pass (CPU: the mini-batch; GPU: by memory)")
+    rollout_batch: int = arg(None, "episodes sampled at once (all; GPU: by memory)")
     grad_checkpointing: bool = arg(None, "recompute activations in backward (GPU: on when memory needs it)")
     threads: int = arg(None, "CPU threads for torch (1 for tiny, else all cores)")
     rebuild_tiny: bool = arg(False, "tiny: redo the warm start instead of using the cache")
@@ -159,13 +160,21 @@ def train(run):
 # ------------------------------------------------------------------------------------------------ the steps
 
 def collect_rollouts(run, seeds, group_size, temperature, top_p):
-    """Step 1: len(seeds) groups x group_size episodes, sampled in eval mode (no dropout) under the run's dtype."""
+    """Step 1: len(seeds) groups x group_size episodes, sampled in eval mode (no dropout) under the run's dtype,
+    at most --rollout-batch episodes at a time (on a GPU their key/value caches are what fills the memory)."""
     a = run.args
-    policy = rollout.hf_policy(run.policy, run.tokenizer, a.max_new_tokens, temperature, top_p)
     run.policy.eval()
-    with run.ctx:
-        return rollout.play(policy, run.tokenizer, a.env, seeds, group_size, runs.env_kwargs(a), a.max_turns,
-                            a.max_actions_per_turn, **run.prompt)
+    per_call = max(1, (a.rollout_batch or len(seeds) * group_size) // group_size)  # whole groups at a time
+    episodes = []
+    for first in range(0, len(seeds), per_call):
+        policy = rollout.hf_policy(run.policy, run.tokenizer, a.max_new_tokens, temperature, top_p)
+        with run.ctx:
+            played = rollout.play(policy, run.tokenizer, a.env, seeds[first:first + per_call], group_size,
+                                  runs.env_kwargs(a), a.max_turns, a.max_actions_per_turn, **run.prompt)
+        for e in played:
+            e.group += first
+        episodes += played
+    return episodes
 
 
 def rollout_stats(episodes, rewards):
@@ -280,6 +289,8 @@ def update_policy(run, episodes, rewards, shuffle):
                 opt.step()
             for k, v in sums.items():
                 logs[k].append(v)
+    for opt in run.optimizers:  # no gradients kept while the next rollouts sample
+        opt.zero_grad(set_to_none=True)
     out = {k: float(np.mean(v)) for k, v in logs.items()}
     out["token_entropy"] = ppo.masked_mean(b_entropy, b_mask).item()
     out["optimizer_steps"] = a.epochs * len(order.split(a.mini_batch_size))

@@ -78,14 +78,16 @@ def one_row(args):
     if device.type == "cuda" and args.budget_gb and (a.micro_batch is None or a.grad_checkpointing is None):
         n_all = sum(p.numel() for p in model.parameters())
         n_train = n_all if not args.lora else n_all // 100  # adapters: about 1% at rank 16 on all linear layers
-        a.micro_batch, a.grad_checkpointing, _ = runs.memory_plan(a, model.config, n_all, n_train,
-                                                                  args.budget_gb * 2 ** 30)
+        a.micro_batch, a.grad_checkpointing, a.rollout_batch, _ = runs.memory_plan(
+            a, model.config, n_all, n_train, args.budget_gb * 2 ** 30)
     runs.load_policy = lambda a_, source, device_: (model, tokenizer, {})
     row = {"size": args.size, "algo": args.algo, "lora": args.lora, "max_new_tokens": args.max_new_tokens,
            "budget_gb": args.budget_gb, "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu"}
     code = train.main(flags + (["--micro-batch", str(a.micro_batch)] if a.micro_batch else [])
+                      + (["--rollout-batch", str(a.rollout_batch)] if a.rollout_batch else [])
                       + (["--grad-checkpointing"] if a.grad_checkpointing else ["--no-grad-checkpointing"]))
-    row.update(micro_batch=a.micro_batch, grad_checkpointing=bool(a.grad_checkpointing), exit_code=code)
+    row.update(micro_batch=a.micro_batch, grad_checkpointing=bool(a.grad_checkpointing),
+               rollout_batch=a.rollout_batch, exit_code=code)
     metrics = os.path.join(flags[flags.index("--out") + 1], "metrics.jsonl")
     if code == 0 and os.path.isfile(metrics):
         m = json.loads(open(metrics).read().splitlines()[-1])

@@ -280,12 +280,13 @@ def test_memory_plan_fits_the_budget_and_prefers_no_checkpointing():
     qwen05 = Qwen2Config(hidden_size=896, intermediate_size=4864, num_hidden_layers=24)  # Qwen2.5-0.5B's shapes
     n = 494_000_000
     a = train.Args(max_new_tokens=400)
-    mb24, ckpt24, longest = runs.memory_plan(a, qwen05, n, n, 24 * 2 ** 30)
-    mb80, ckpt80, _ = runs.memory_plan(a, qwen05, n, n, 80 * 2 ** 30)
+    mb24, ckpt24, roll24, longest = runs.memory_plan(a, qwen05, n, n, 24 * 2 ** 30)
+    mb80, ckpt80, roll80, _ = runs.memory_plan(a, qwen05, n, n, 80 * 2 ** 30)
     assert longest == 400 + 5 * 700 and ckpt24 and mb24 >= 1  # 24 GB: checkpointing needed
-    assert (mb80, ckpt80) >= (mb24, False) or not ckpt80  # 80 GB: at least as large a micro-batch
+    assert not ckpt80 or mb80 >= mb24  # 80 GB: no checkpointing, or at least as large a micro-batch
+    assert 16 <= roll24 < 128 and roll24 <= roll80 <= 128 and roll24 % 16 == 0  # whole groups of 16
     lora = dataclasses.replace(a, lora=16)
-    mb_lora, ckpt_lora, _ = runs.memory_plan(lora, qwen05, n, 4_000_000, 24 * 2 ** 30)
-    assert (mb_lora, not ckpt_lora) >= (mb24, not ckpt24)  # adapters only: less static memory, more room
-    given = dataclasses.replace(a, micro_batch=3, grad_checkpointing=False)
-    assert runs.memory_plan(given, qwen05, n, n, 24 * 2 ** 30)[:2] == (3, False)  # the user's choice stays
+    mb_lora, ckpt_lora, roll_lora, _ = runs.memory_plan(lora, qwen05, n, 4_000_000, 24 * 2 ** 30)
+    assert (not ckpt_lora, mb_lora) >= (not ckpt24, mb24) and roll_lora >= roll24  # adapters: more room
+    given = dataclasses.replace(a, micro_batch=3, grad_checkpointing=False, rollout_batch=32)
+    assert runs.memory_plan(given, qwen05, n, n, 24 * 2 ** 30)[:3] == (3, False, 32)  # the user's choice stays
