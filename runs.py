@@ -63,15 +63,18 @@ def main(Args, train, validate, argv):
         finish(run)
         return 0
     except UsageError as e:
+        close(run)  # the progress bar ends its line first
         print(f"error: {e}", file=sys.stderr)
         return 2
     except torch.OutOfMemoryError as e:
+        close(run)
         phase = next((PHASES[f.name] for f in reversed(traceback.extract_tb(e.__traceback__)) if f.name in PHASES),
                      "loading the models")
         print(f"error: out of GPU memory during {phase}; the last checkpoint is intact. Try --micro-batch 1, "
               f"--grad-checkpointing, --lora 16, fewer --groups / --group-size or --max-new-tokens", file=sys.stderr)
         return 3
     except KeyboardInterrupt:
+        close(run)
         if run is not None and run.step > 0:
             print(f"\ninterrupted; continue with: python train.py --resume {run.args.out}", file=sys.stderr)
         else:
@@ -621,11 +624,10 @@ def finish(run):
 def close(run):
     if run is None:
         return
-    for handle in (run.log, run.lock):
+    for handle in (run.bar, run.log, run.lock):
         if handle is not None:
             handle.close()
-    if run.bar is not None:
-        run.bar.close()
+    run.bar = run.log = run.lock = None
 
 
 # ------------------------------------------------------------------------------------------------ checkpoints

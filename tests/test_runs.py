@@ -42,11 +42,15 @@ def same_metrics(a, b):
                 assert x[k] == y[k], k
 
 
-def fails(argv, capsys, words, code=2):
+def fails(argv, capsys, words, code=2, started=False):
+    """The command exits with `code` and one error line; before training started (no progress bar yet) that line
+    is all there is on stderr."""
     assert train.main(argv) == code
     err = capsys.readouterr().err.strip()
-    assert len(err.splitlines()) == 1 and err.startswith("error:") and words in err, err
-    return err
+    last = err.splitlines()[-1]
+    assert last.startswith("error:") and words in last and "Traceback" not in err, err
+    assert started or len(err.splitlines()) == 1, err
+    return last
 
 
 # ------------------------------------------------------------------------------------------------ flags
@@ -227,7 +231,8 @@ def test_a_full_disk_keeps_the_previous_checkpoint(tmp_path, capsys, monkeypatch
         return save(obj, path, *args, **kwargs)
 
     monkeypatch.setattr(runs.torch, "save", full_at_step_2)
-    fails(SMALL + ["--steps", "3", "--out", out, "--mi-every", "0"], capsys, "no space left on the device")
+    fails(SMALL + ["--steps", "3", "--out", out, "--mi-every", "0"], capsys, "no space left on the device",
+          started=True)
     assert runs.checkpoint_step(runs.recover_checkpoint(out)) == 1 and not os.path.exists(out + "/checkpoint.tmp")
     monkeypatch.setattr(runs.torch, "save", save)
     assert train.main(["--resume", out]) == 0 and [r["step"] for r in records(out)] == [0, 1, 2, 3]
@@ -237,14 +242,14 @@ def test_out_of_memory_is_one_line_naming_the_phase(tmp_path, capsys, monkeypatc
     out = str(tmp_path / "run")
     update = train.update_policy
 
-    def oom_at_step_2(run, *args):
+    def update_policy(run, *args):  # named like the phase it stands for: the message names the phase
         if run.step == 1:
             raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 6.8 GiB")
         return update(run, *args)
 
-    monkeypatch.setattr(train, "update_policy", oom_at_step_2)
+    monkeypatch.setattr(train, "update_policy", update_policy)
     fails(SMALL + ["--steps", "3", "--out", out, "--mi-every", "0"], capsys, "out of GPU memory during the update",
-          code=3)
+          code=3, started=True)
     assert runs.checkpoint_step(runs.recover_checkpoint(out)) == 1  # the last checkpoint is intact
 
 
