@@ -87,25 +87,32 @@ def main(Args, train, validate, argv):
 # ------------------------------------------------------------------------------------------------ command line
 
 def build_parser(Args, defaults=True):
-    """One flag per Args field, its help the field's, defaults shown; defaults=False leaves out the flags not given.
-    No abbreviations: --step is an error, not --steps."""
+    """One flag per Args field, one line of help each with the default in brackets; a boolean field is --name and
+    --no-name (hidden). defaults=False leaves out the flags not given (for --resume). No abbreviations: --step is an error,
+    not --steps."""
     class Parser(argparse.ArgumentParser):
         def error(self, message):  # argparse would print the usage too; one line is enough
             raise UsageError(message)
 
-    parser = Parser(description="RAGEN-2 in miniature: PPO / GRPO with SNR-aware filtering and the MI diagnosis.",
-                    allow_abbrev=False, argument_default=None if defaults else argparse.SUPPRESS,
-                    formatter_class=lambda prog: argparse.HelpFormatter(prog, max_help_position=30, width=118))
+    parser = Parser(prog="train.py", usage="python train.py [flags]", allow_abbrev=False,
+                    description="RAGEN-2 in miniature: PPO / GRPO with SNR-aware filtering and the MI diagnosis. "
+                                "Defaults in brackets; every on/off flag also has a --no- form.",
+                    argument_default=None if defaults else argparse.SUPPRESS,
+                    formatter_class=lambda prog: argparse.HelpFormatter(prog, max_help_position=30, width=110))
     for f in dataclasses.fields(Args):
-        flag = "--" + f.name.replace("_", "-")
+        flag, dest = "--" + f.name.replace("_", "-"), f.name
         default = f.default if defaults else argparse.SUPPRESS
-        text = f.metadata["help"] + ("" if f.default is None or f.type is bool else f" [{f.default}]")
+        shown = "" if f.default is None else f" [{ {True: 'on', False: 'off'}.get(f.default, f.default)}]"
         if f.type is bool:
-            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=default, help=text)
+            parser.add_argument(flag, action="store_true", dest=dest, default=default,
+                                help=f.metadata["help"] + shown)
+            parser.add_argument("--no-" + flag[2:], action="store_false", dest=dest, help=argparse.SUPPRESS)
         else:
             choices = f.metadata.get("choices")
-            parser.add_argument(flag, type=f.type, default=default, choices=choices, help=text,
-                                metavar="{" + ",".join(choices) + "}" if choices else f.type.__name__.upper())
+            listed = not choices or all(c in f.metadata["help"] for c in choices)
+            text = f.metadata["help"] + ("" if listed else f": {', '.join(choices)}") + shown
+            parser.add_argument(flag, type=f.type, dest=dest, default=default, choices=choices, help=text,
+                                metavar=f.type.__name__.upper())
     return parser
 
 
@@ -266,7 +273,7 @@ def resolve_defaults(a, device):
     a.critic_lr = a.critic_lr or (1e-3 if tiny_model else 1e-5)
     a.max_new_tokens = a.max_new_tokens or (64 if tiny_model else 400)
     a.dtype = a.dtype or ("bfloat16" if device.type == "cuda" else "float32")
-    a.lora_alpha = a.lora_alpha or 2.0 * a.lora
+    a.lora_alpha = a.lora_alpha or (2.0 * a.lora if a.lora else None)
     if a.threads is None and device.type == "cpu":
         a.threads = 1 if tiny_model else (os.cpu_count() or 1)
     if a.threads:
@@ -359,7 +366,7 @@ def load_hf(source, attn_implementation=None):
                                  f"reached (no network, or HF_HUB_OFFLINE is set)") from None
     try:
         return load_hf_files(folder if local else source, attn_implementation)
-    except (OSError, ValueError) as e:
+    except Exception as e:  # a missing, truncated or foreign file: whatever the loader raises, one line
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise UsageError(f"--model {source}: cannot load it ({first})") from None
 
@@ -476,7 +483,7 @@ def memory_plan(a, cfg, n_all, n_train, total, budget=0.85):
     transcript length `longest`, estimated from the model's shapes; settings the user gave are kept.
     Always resident: fp32 weights and AdamW state of what trains (x2 for PPO's critic, + a reference copy).
     Update: + gradients + bf16 activations of one micro-batch; the largest micro-batch (up to the mini-batch)
-    that fits, without checkpointing when possible. Rollouts: + the bf16 key/value cache of the episodes sampled
+    that fits, without checkpointing when 4 sequences fit that way. Rollouts: + the bf16 key/value cache of the episodes sampled
     at once; as many whole groups as fit."""
     models = 2 if a.algo == "ppo" else 1
     resident = models * (4 * n_all + 8 * n_train) + (4 * n_all if a.kl_coef and not a.lora else 0)
@@ -491,13 +498,15 @@ def memory_plan(a, cfg, n_all, n_train, total, budget=0.85):
     micro, ckpt = a.micro_batch, a.grad_checkpointing
     for option in [ckpt] if ckpt is not None else [False, True]:
         fit = int((free - grads) // per_seq[option])
-        if fit >= 1 or micro is not None or option:
+        # without checkpointing only when a few sequences fit: it saves ~30% compute, not worth a 1-2 micro-batch
+        if fit >= min(4, a.mini_batch_size) or micro is not None or option or ckpt is not None:
             micro, ckpt = micro or max(1, min(fit, a.mini_batch_size)), option
             break
     kv_heads, head_dim = cfg.num_key_value_heads, cfg.hidden_size // cfg.num_attention_heads
     kv_per_seq = longest * cfg.num_hidden_layers * 2 * kv_heads * head_dim * 2 + 4 * cfg.vocab_size
     episodes = a.groups * a.group_size
-    rollout = a.rollout_batch or max(a.group_size, min(episodes, int((free - 2 * n_all) // kv_per_seq)))
+    fit = min(episodes, int((free - 2 * n_all) // kv_per_seq))  # the bf16 weights autocast caches: 2 n_all
+    rollout = a.rollout_batch or max(a.group_size, fit // a.group_size * a.group_size)
     return micro, ckpt, rollout, longest
 
 

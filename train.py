@@ -53,13 +53,13 @@ class Args:
     max_turns: int = arg(5, "turns per episode")
     max_actions_per_turn: int = arg(2, "actions the policy may take per turn")
     # the algorithm
-    algo: str = arg("ppo", "ppo (critic + GAE), grpo (group-normalised), drgrpo (no std division)",
+    algo: str = arg("ppo", "ppo: critic + GAE; grpo: group-normalised; drgrpo: no std division",
                     choices=tuple(AGGREGATION))
     filter: str = arg("topp", "SNR-aware filter on the groups' reward std", choices=snr_filter.MODES)
     top_p: float = arg(0.9, "topp: keep the best groups until this fraction of the summed std")
     top_k: float = arg(0.5, "topk: keep max(1, int(top_k * groups)) best groups")
     filter_prob_mode: str = arg("linear", "topp: on the std itself or on its softmax", choices=snr_filter.PROB_MODES)
-    include_zero: bool = arg(False, "let zero-spread groups be kept (they carry no task gradient)")
+    include_zero: bool = arg(False, "let zero-spread groups be kept (no task gradient)")
     groups: int = arg(8, "prompt groups (env seeds) per step")
     group_size: int = arg(16, "rollouts per group")
     steps: int = arg(100, "training steps")
@@ -67,9 +67,9 @@ class Args:
     critic_lr: float = arg(None, "critic learning rate (1e-5; tiny: 1e-3)")
     clip_low: float = arg(0.2, "PPO ratio clip below 1")
     clip_high: float = arg(0.28, "PPO ratio clip above 1")
-    clip_c: float = arg(3.0, "dual clip: cap of the loss for negative advantages, in units of -A (0 = off)")
+    clip_c: float = arg(3.0, "dual clip: loss cap for negative advantages, times -A (0 = off)")
     value_clip: float = arg(0.5, "critic value clip")
-    kl_coef: float = arg(0.0, "coefficient of the KL penalty to the initial policy (0 = no reference)")
+    kl_coef: float = arg(0.0, "KL penalty to the initial policy (0 = none, no reference model)")
     kl_kind: str = arg("k3", "KL estimator", choices=ppo.KL_KINDS)
     entropy_coef: float = arg(0.001, "entropy bonus coefficient")
     gamma: float = arg(1.0, "GAE discount")
@@ -82,7 +82,7 @@ class Args:
     sample_top_p: float = arg(1.0, "nucleus sampling of the rollouts (1 = off)")
     max_new_tokens: int = arg(None, "token limit per turn (400; tiny: 64)")
     # the model, memory and speed
-    model: str = arg(None, "Hugging Face id or local folder, or tiny (Qwen2.5-0.5B-Instruct on a GPU, else tiny)")
+    model: str = arg(None, "Hugging Face id, folder or tiny (GPU: Qwen2.5-0.5B-Instruct; else tiny)")
     dtype: str = arg(None, "bfloat16 (autocast over fp32 weights; GPU default) or float32",
                      choices=("float32", "bfloat16"))
     lora: int = arg(0, "LoRA rank: train adapters instead of all weights (0 = off)")
@@ -90,7 +90,7 @@ class Args:
     lora_targets: str = arg("all-linear", "LoRA target modules: all-linear or names, comma-separated")
     micro_batch: int = arg(None, "trajectories per forward/backward pass (CPU: the mini-batch; GPU: by memory)")
     rollout_batch: int = arg(None, "episodes sampled at once (all; GPU: by memory)")
-    grad_checkpointing: bool = arg(None, "recompute activations in backward (GPU: on when memory needs it)")
+    grad_checkpointing: bool = arg(None, "recompute activations in backward (GPU: on if memory needs it)")
     threads: int = arg(None, "CPU threads for torch (1 for tiny, else all cores)")
     rebuild_tiny: bool = arg(False, "tiny: redo the warm start instead of using the cache")
     warm_start: bool = arg(True, "tiny: warm-start on solver demonstrations (off: a random network)")

@@ -60,10 +60,10 @@ def test_help_is_one_line_per_flag_with_its_default(capsys):
         runs.build_parser(train.Args).parse_args(["--help"])
     lines = capsys.readouterr().out.splitlines()
     options = lines[[i for i, line in enumerate(lines) if line.startswith("options")][0] + 1:]
-    assert all(line.lstrip().startswith("-") and len(line) <= 118 for line in options)  # no wrapped lines
+    assert all(line.lstrip().startswith("-") and len(line) <= 110 for line in options)  # no wrapped lines
     assert len(options) == len(dataclasses.fields(train.Args)) + 1  # every flag, and --help
     text = "\n".join(options)
-    assert "--env {sokoban,frozenlake,bandit}" in text and "[0.9]" in text and "[sokoban]" in text
+    assert "environment: sokoban, frozenlake, bandit [sokoban]" in text and "[0.9]" in text and "[on]" in text
 
 
 @pytest.mark.parametrize("argv, words", [
