@@ -292,7 +292,7 @@ def _encode(tokenizer, texts, what):
     return [list(ids) for ids in tokenizer(list(texts), add_special_tokens=False)["input_ids"]]
 
 
-def _token_logprobs(lm, hidden, targets, chunk_elements=2 ** 25):
+def _token_logprobs(lm, hidden, targets, chunk_elements=2 ** 24):
     """log softmax(output layer(hidden))[target], the output layer applied to a few positions at a time, so no
     [B, T, V] logits exist (V = 151,936 for Qwen): [B, T, D], [B, T] -> [B, T] float32."""
     head = lm.get_output_embeddings()

@@ -1,18 +1,22 @@
 """The paper's training-curve figures, drawn from the metrics.jsonl of one or several run folders.
 
 A new top-level file because reading logs back is a concept of its own: train.py writes one JSON object per step,
-this file turns those into PNGs, overlaying runs (for example Top-P filtering against no filtering):
+this file turns those into PNGs. Runs given the same label (several seeds of one setting) are drawn as their mean
+with a band of +- one standard error; runs with their own labels are overlaid in distinct styles.
 
-    success.png      train success and validation success per step              (RAGEN-2 Fig. 7 / 11d)
-    collapse.png     MI z-score and retrieval accuracy next to the entropies    (Fig. 6, 9, 13: MI moves, entropy does not)
-    filter.png       kept ratio and zero-variance group fraction                (Fig. 11a-b)
-    length.png       response length per turn                                   (Fig. 8)
+    success.png   train success (smoothed over 5 steps) and validation success from step 0, the warm start (Fig. 7)
+    collapse.png  what healthy and collapsed reasoning look like (Fig. 1, 6, 8): the MI estimate under its log N
+                  ceiling, retrieval accuracy over its chance level, H(Z) and H(Z|X) (the MI is the gap between
+                  them), and the policy's token entropy -- what entropy monitoring alone would see
+    filter.png    kept ratio and zero-variance group fraction (Fig. 11a-b)
+    length.png    response length per turn (Fig. 8)
 
-    python plots.py runs/sokoban-ppo-topp-* runs/sokoban-ppo-none-*        # PNGs into the first run folder
+    python plots.py runs/sokoban-ppo-topp-* runs/sokoban-ppo-none-*       # PNGs into the first run folder
     python plots.py RUN [RUN ...] --out figures/
 """
 import argparse
 import json
+import math
 import os
 import sys
 
@@ -20,15 +24,25 @@ import matplotlib
 
 matplotlib.use("Agg")  # files only, no screen needed
 import matplotlib.pyplot as plt  # noqa: E402
+from matplotlib.ticker import MaxNLocator  # noqa: E402
 
+# figure -> panels: (keys drawn, title, y label, y range: (low, high) or None for automatic)
 FIGURES = {
-    "success": [("train_success", "train success"), ("val_success", "validation success")],
-    "collapse": [("mi_zscore", "MI z-score"), ("retrieval_acc", "retrieval accuracy"),
-                 ("conditional_entropy", "conditional entropy H(Z|X) (nats/token)"),
-                 ("reasoning_entropy", "reasoning entropy H(Z) (nats/token)")],
-    "filter": [("kept_ratio", "kept ratio (groups)"), ("zero_var_frac", "zero-variance group fraction")],
-    "length": [("response_length", "response length (tokens per turn)")],
+    "success": [(["train_success"], "train success (5-step mean)", "success rate", (0, 1.02)),
+                (["val_success"], "validation success (step 0: before RL)", "success rate", (0, 1.02))],
+    "collapse": [(["mi_estimate"], "MI estimate I(X;Z)  (dashed: log N ceiling)", "nats per token", "mi"),
+                 (["retrieval_acc"], "retrieval accuracy  (dashed: chance)", "fraction retrieved", (0, 1.02)),
+                 (["reasoning_entropy", "conditional_entropy"], "H(Z) solid, H(Z|X) dashed", "nats per token",
+                  "zero"),
+                 (["token_entropy"], "policy token entropy", "nats per token", "zero")],
+    "filter": [(["kept_ratio"], "kept ratio (groups)", "fraction of groups", (0, 1.02)),
+               (["zero_var_frac"], "zero-variance groups", "fraction of groups", (0, 1.02))],
+    "length": [(["response_length"], "response length", "tokens per turn", "zero")],
 }
+REFERENCE = {"mi_estimate": "mi_upper_bound", "retrieval_acc": "retrieval_chance"}  # dashed lines
+SMOOTH = {"train_success": 5}
+STYLES = ["-", "--", "-.", ":"]
+MARKERS = ["o", "s", "^", "D", "v", "P"]
 
 
 def read_metrics(run_dir):
@@ -43,28 +57,83 @@ def read_metrics(run_dir):
     return records
 
 
-def series(records, key):
-    """(steps, values) of the records that hold `key` (diagnostics and validation are not logged every step)."""
-    pairs = [(r["step"], r[key]) for r in records if r.get(key) is not None]
-    return [p[0] for p in pairs], [p[1] for p in pairs]
+def series(records, key, smooth=1):
+    """(steps, values) of the records that hold `key` (diagnostics and validation are not logged every step);
+    smooth > 1 averages each value with the smooth - 1 before it.
+
+    >>> series([{"step": 1, "a": 1.0}, {"step": 2}, {"step": 3, "a": 3.0}], "a", smooth=2)
+    ([1, 3], [1.0, 2.0])
+    """
+    pairs = [(r["step"], r[key]) for r in records if isinstance(r.get(key), (int, float))]
+    steps, values = [p[0] for p in pairs], [p[1] for p in pairs]
+    if smooth > 1:
+        values = [sum(values[max(0, i - smooth + 1):i + 1]) / len(values[max(0, i - smooth + 1):i + 1])
+                  for i in range(len(values))]
+    return steps, values
 
 
-def plot_runs(run_dirs, out_dir, labels=None):
-    """Write one PNG per figure of FIGURES into out_dir, every run overlaid; returns the paths written."""
+def mean_and_se(runs, key, smooth=1):
+    """Over runs (lists of records), at the steps every run logged `key`: (steps, means, standard errors).
+
+    >>> mean_and_se([[{"step": 1, "a": 1.0}], [{"step": 1, "a": 3.0}]], "a")
+    ([1], [2.0], [1.0])
+    """
+    per_run = [dict(zip(*series(r, key, smooth))) for r in runs]
+    steps = sorted(set.intersection(*(set(d) for d in per_run))) if per_run else []
+    means, ses = [], []
+    for s in steps:
+        xs = [d[s] for d in per_run]
+        m = sum(xs) / len(xs)
+        sd = math.sqrt(sum((x - m) ** 2 for x in xs) / (len(xs) - 1)) if len(xs) > 1 else 0.0
+        means.append(m)
+        ses.append(sd / math.sqrt(len(xs)))
+    return steps, means, ses
+
+
+def draw_panel(ax, groups, keys, title, ylabel, yrange):
+    """One panel: every label's mean (+- SE band when it holds several runs) for each key, references dashed."""
+    top = 0.0
+    for i, (label, runs) in enumerate(groups.items()):
+        color = f"C{i % 10}"
+        for k, key in enumerate(keys):
+            steps, means, ses = mean_and_se(runs, key, SMOOTH.get(key, 1))
+            if not steps:
+                continue
+            style = STYLES[k] if len(keys) > 1 else STYLES[i % len(STYLES)]
+            ax.plot(steps, means, style, color=color, marker=MARKERS[i % len(MARKERS)] if len(steps) < 40 else None,
+                    markersize=3, label=label if k == 0 else None, alpha=0.9)
+            if len(runs) > 1:
+                ax.fill_between(steps, [m - s for m, s in zip(means, ses)], [m + s for m, s in zip(means, ses)],
+                                color=color, alpha=0.15, linewidth=0)
+            top = max(top, max(m + s for m, s in zip(means, ses)))
+            if key in REFERENCE:
+                ref_steps, refs, _ = mean_and_se(runs, REFERENCE[key])
+                if ref_steps:
+                    ax.plot(ref_steps, refs, ":", color=color, linewidth=1)
+                    top = max(top, max(refs))
+    ax.set_title(title, fontsize=9)
+    ax.set_xlabel("step")
+    ax.set_ylabel(ylabel)
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    if isinstance(yrange, tuple):
+        ax.set_ylim(*yrange)
+    elif top > 0:  # "zero" and "mi": from 0, so small noise does not look like a trend
+        ax.set_ylim(0, 1.1 * top)
+    ax.grid(alpha=0.3)
+
+
+def plot_runs(run_dirs, out_dir, labels=None, figures=FIGURES):
+    """One PNG per figure into out_dir; runs sharing a label are averaged. Returns the paths written."""
     labels = labels or [os.path.basename(os.path.normpath(d)) for d in run_dirs]
-    runs = [(label, read_metrics(d)) for label, d in zip(labels, run_dirs)]
+    groups = {}
+    for label, d in zip(labels, run_dirs):
+        groups.setdefault(label, []).append(read_metrics(d))
     os.makedirs(out_dir, exist_ok=True)
     paths = []
-    for name, panels in FIGURES.items():
-        fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.4), squeeze=False)
-        for ax, (key, title) in zip(axes[0], panels):
-            for label, records in runs:
-                steps, values = series(records, key)
-                if steps:
-                    ax.plot(steps, values, marker="." if len(steps) < 30 else None, label=label)
-            ax.set_title(title, fontsize=9)
-            ax.set_xlabel("step")
-            ax.grid(alpha=0.3)
+    for name, panels in figures.items():
+        fig, axes = plt.subplots(1, len(panels), figsize=(4.0 * len(panels), 3.3), squeeze=False)
+        for ax, panel in zip(axes[0], panels):
+            draw_panel(ax, groups, *panel)
         axes[0][0].legend(fontsize=7)
         fig.tight_layout()
         path = os.path.join(out_dir, f"{name}.png")

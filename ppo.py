@@ -294,7 +294,7 @@ def critic_values(critic, input_ids, attention_mask):
 
 # ------------------------------------------------------------------------------------- log-probs where needed
 
-def policy_logprobs(model, input_ids, mask, with_entropy=False, chunk_elements=2 ** 25):
+def policy_logprobs(model, input_ids, mask, with_entropy=False, chunk_elements=2 ** 24):
     """log pi(ids[b, t+1] | ids[b, :t+1]) -- and the entropy of pi there -- only at the positions where
     mask[b, t] = 1 -> ([B, T-1], [B, T-1] or None), 0 elsewhere. `input_ids` [B, T] is right-padded: a causal mask
     already hides the padding at the end from every real token, so no attention mask is passed (the fast kernel).

@@ -21,6 +21,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import mi  # noqa: E402
+import ppo  # noqa: E402
 
 
 def build_word_tokenizer(vocab_size):
@@ -57,7 +58,7 @@ def naive_scores(model, tokenizer, prompts, reasonings, batch_size):
             target[r, len(prompt_ids[j]) - 1:len(s) - 1] = 1.0
         mask = (torch.arange(width)[None] < torch.tensor([len(s) for s in seqs])[:, None]).long()  # [B, T]
         logits = model(input_ids=ids, attention_mask=mask).logits[:, :-1]  # [B, T - 1, V]
-        logp = mi._token_logprobs(logits, ids[:, 1:])  # [B, T - 1]
+        logp = ppo.token_logprobs(logits, ids[:, 1:])  # [B, T - 1]
         for r, (m, j) in enumerate(chunk):
             scores[m, j] = (logp[r] * target[r]).sum()
     return scores
@@ -68,7 +69,7 @@ def policy_forward(model, tokenizer, prompts, reasonings, owner):
     """One forward pass over the batch's own (prompt + reasoning) sequences, with their token log-probs."""
     ids = torch.tensor([tokenizer(prompts[j] + " " + z, add_special_tokens=False)["input_ids"]
                         for z, j in zip(reasonings, owner)])  # [M, T], equal lengths here
-    return mi._token_logprobs(model(input_ids=ids).logits[:, :-1], ids[:, 1:])  # [M, T - 1]
+    return ppo.token_logprobs(model(input_ids=ids).logits[:, :-1], ids[:, 1:])  # [M, T - 1]
 
 
 def median_seconds(fns, repeats):

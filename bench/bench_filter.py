@@ -1,8 +1,8 @@
 """Filter savings: update time on the groups Top-P keeps vs on all groups, against the fraction of episodes kept.
 
 RAGEN-2 (Sec. 3.3, Fig. 5) drops the prompt groups with little reward spread before the update; it reports 26-41% less
-compute per step. train.learn removes the dropped groups before collation, so the update (old log-probs, advantages,
-clipped loss, backward, optimiser steps) should cost in proportion to what is kept:
+compute per step. train.py removes the dropped groups before collation, so the update (old log-probs, advantages,
+clipped loss, backward, optimiser steps; train.update_policy) should cost in proportion to what is kept:
 
     time ratio = t(update on kept groups) / t(update on all groups)   ~   kept fraction = kept episodes / all episodes
 
@@ -26,12 +26,12 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import ppo  # noqa: E402
 import rollout  # noqa: E402
 import snr_filter  # noqa: E402
 import tiny  # noqa: E402
 import train  # noqa: E402
 from bench_cross_scores import median_seconds  # noqa: E402
+from bench_step import make_run  # noqa: E402
 
 
 def synthetic_rewards(groups, group_size, generator):
@@ -61,13 +61,9 @@ def synthetic_episodes(rewards, turns, template_len, response_len, vocab, genera
                 n = int(torch.randint(response_len // 2, response_len + 1, (1,), generator=generator))
                 ids += torch.randint(1, vocab, (template_len + n,), generator=generator).tolist()
                 mask += [0.0] * template_len + [1.0] * n
-            mask_t = torch.tensor(mask)  # [T]
-            token_rewards = torch.zeros_like(mask_t)  # [T]
-            token_rewards[len(mask) - 1] = float(rewards[g, k])
-            episodes.append(rollout.Episode(
-                input_ids=torch.tensor(ids), policy_mask=mask_t, token_rewards=token_rewards, logprobs=None,
-                total_reward=float(rewards[g, k]), success=False, turns=turns, num_actions=0, response_lengths=[],
-                cut=False, group=g, seed=g, noise_seed=g * 1000 + k, first_prompt="", first_reasoning=""))
+            episodes.append(rollout.Episode(env=None, group=g, seed=g, noise_seed=g * 1000 + k, ids=ids,
+                                            policy_mask=mask, logprobs=None, prompt_text="",
+                                            turn_rewards=[float(rewards[g, k])]))
     return episodes
 
 
@@ -94,24 +90,18 @@ def main():
     tokenizer = tiny.build_tokenizer()
     model = tiny.build_model(tokenizer, hidden_size=args.hidden, num_layers=args.layers,
                              intermediate_size=2 * args.hidden)
-    a = train.Args(algo=args.algo, filter="topp", top_p=args.top_p, groups=args.groups, group_size=args.group_size)
-    critic = None
-    optimizers = [torch.optim.AdamW(model.parameters(), lr=1e-4)]
-    if args.algo == "ppo":
-        critic = ppo.make_critic(model)
-        optimizers.append(torch.optim.AdamW(critic.parameters(), lr=1e-3))
+    run = make_run(["--algo", args.algo, "--filter", "topp", "--top-p", str(args.top_p), "--groups",
+                    str(args.groups), "--group-size", str(args.group_size), "--threads", str(args.threads),
+                    "--model", "random-tiny"], model, tokenizer)
     generator = torch.Generator().manual_seed(0)
     rewards = synthetic_rewards(args.groups, args.group_size, generator)  # [G, K]
     episodes = synthetic_episodes(rewards, args.turns, args.template_len, args.response_len, len(tokenizer), generator)
-    keep, stats = train.select(a, rewards)  # [G]
+    keep, stats = train.select(run.args, rewards)  # [G]
     everything = torch.ones_like(keep)  # [G]
-    pad = rollout.pad_token_id(tokenizer)
-    autocast = lambda: torch.autocast("cpu", enabled=False)  # noqa: E731  float32, as train.py on CPU
-    model.train()
 
     def update(groups_kept):
-        return train.learn(a, model, critic, optimizers, None, episodes, rewards, groups_kept, pad, autocast,
-                           torch.Generator().manual_seed(0), torch.device("cpu"))
+        kept = [e for e in episodes if groups_kept[e.group]]
+        return train.update_policy(run, kept, rewards[groups_kept], torch.Generator().manual_seed(0))
 
     update(everything)  # warm-up: optimiser state, allocator
     (t_kept, t_all), _ = median_seconds([lambda: update(keep), lambda: update(everything)], args.repeats)

@@ -1,32 +1,33 @@
-"""Memory: peak memory of one update with and without gradient checkpointing and micro-batching, on a larger tiny model.
+"""Memory: peak memory of one update with Qwen's 151,936-token vocabulary, the plain full-logits path vs this code.
 
-The update (train.update: old log-probs, clipped loss, backward, optimiser step) holds every layer's activations of a
-micro-batch until its backward pass. Two knobs cut that peak without changing the result:
-  micro-batching          (--micro-batch)          activations of micro_batch sequences at a time instead of all;
-  gradient checkpointing  (--grad-checkpointing)   keep only each layer's input, recompute the rest in backward.
+The plain path runs the policy on every position of every transcript and keeps full-vocabulary logits -- [b, T, V]
+floats, then their log-softmax and entropy -- for the backward pass: with V = 151,936 that is what fills the memory,
+whatever the model's width. This code (ppo.policy_logprobs) gathers the hidden states at the policy's own tokens and
+runs the output layer on them in chunks under torch.utils.checkpoint, so the backward pass keeps [N, D] hidden states
+and one chunk of logits at a time. The plain side is bench_step's (plain_logprobs, plain_pieces).
 
-Each configuration runs in a fresh subprocess (so no allocator state is shared) on CPU. glibc is told to serve every
-block over 64 KiB with mmap (MALLOC_MMAP_THRESHOLD_), so freed tensors leave the resident set at once and the
-kernel's high-water mark VmHWM (/proc/self/status) tracks live memory. After a warm-up update (which creates the
-AdamW state and the allocator's steady state) the high-water mark is reset (/proc/self/clear_refs, "5") and the
-measured update's peak growth over the resident set before it is what the configuration costs on top of weights,
-gradients and optimiser state.
+The model is Qwen2 64 wide, 2 layers (the tiny policy's shapes) with Qwen's vocabulary (bench_gpu.qwen_shaped), the
+update one PPO step (train.update_policy: old log-probs, critic values, GAE, clipped loss, backward, optimiser steps)
+on B transcripts of T tokens, a third of them the policy's (the worst-case length of the tiny main command: 5 turns
+of 64 sampled + 140 template tokens). Each configuration runs in a fresh subprocess on CPU; glibc serves every block
+over 64 KiB with mmap (MALLOC_MMAP_THRESHOLD_), so freed tensors leave the resident set at once and the kernel's
+high-water mark VmHWM tracks live memory. After a warm-up update (optimiser state, allocator) the high-water mark is
+reset and the measured update's peak growth over the resident set before it is what the configuration costs.
 
-    python bench/bench_memory.py              # Qwen2 hidden 512, 8 layers, 16 sequences x 256 tokens, GRPO
-    python bench/bench_memory.py --quick      # tiny sizes, 1 repeat, 2 configurations: proves the script runs
+    python bench/bench_memory.py              # 16 transcripts: both paths at 512 tokens, this code at 1024 too
+    python bench/bench_memory.py --quick      # small sizes: proves the script runs
 
-Last line: RESULT memory <peak growth without either knob / peak growth with both> (higher is better).
+Last line: RESULT memory <plain path's peak / this code's peak, micro-batch 2, 512 tokens> (higher is better).
 """
 import argparse
 import json
 import os
-import statistics
 import subprocess
 import sys
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-CONFIGS = (("baseline", False, False), ("micro-batching", False, True), ("gradient checkpointing", True, False),
-           ("checkpointing + micro-batching", True, True))
+HERE = os.path.dirname(os.path.abspath(__file__))
+# (path, micro-batch, tokens per transcript); the plain path at 1024 tokens needs more than 24 GiB
+CONFIGS = (("plain", 2, 512), ("this code", 2, 512), ("this code", 2, 1024), ("this code", 8, 1024))
 
 
 def kib(field):
@@ -37,35 +38,37 @@ def kib(field):
     raise RuntimeError(f"{field} not in /proc/self/status")
 
 
-def child(args, checkpointing, micro_batch):
+def child(args, path, micro_batch):
     """One update in this process; prints {"peak_mib", "before_mib"} as JSON."""
     import torch
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    sys.path.insert(0, ROOT)
+    sys.path.insert(0, HERE)
+    import bench_step
+    import ppo
+    import rollout
     import train
+    from bench_gpu import qwen_shaped
 
-    torch.set_num_threads(args.threads)
     torch.manual_seed(0)
-    model = Qwen2ForCausalLM(Qwen2Config(
-        vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=2 * args.hidden,
-        num_hidden_layers=args.layers, num_attention_heads=8, num_key_value_heads=2, tie_word_embeddings=True))
-    if checkpointing:
-        model.gradient_checkpointing_enable()
-    model.train()
-    B, T, G = args.batch, args.seq_len, 2
-    ids = torch.randint(1, args.vocab, (B, T))  # [B, T]
-    policy_mask = (torch.arange(T) >= T // 4).float().expand(B, T).contiguous()  # [B, T], the last 3/4 sampled
-    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "policy_mask": policy_mask,
-             "token_rewards": torch.zeros(B, T)}
-    rewards = torch.randn(G, B // G)  # [G, K]
-    a = train.Args(algo="grpo", groups=G, group_size=B // G, mini_batch_size=B, micro_batch=micro_batch)
-    optimizers = [torch.optim.AdamW(model.parameters(), lr=1e-5)]
-    autocast = lambda: torch.autocast("cpu", enabled=False)  # noqa: E731
+    model, tokenizer = qwen_shaped("tiny", torch.device("cpu"))
+    run = bench_step.make_run(["--algo", "ppo", "--groups", "2", "--group-size", str(args.batch // 2),
+                               "--mini-batch-size", str(args.batch), "--micro-batch", str(micro_batch),
+                               "--threads", str(args.threads), "--model", "qwen-vocab-tiny"], model, tokenizer)
+    gen = torch.Generator().manual_seed(0)
+    episodes = []
+    for i in range(args.batch):  # T tokens: a third the policy's, at the end of each turn
+        ids = torch.randint(10, 500, (args.seq_len,), generator=gen).tolist()
+        mask = [float(t % 200 >= 134) for t in range(args.seq_len)]
+        episodes.append(rollout.Episode(env=None, group=i * 2 // args.batch, seed=0, noise_seed=i, ids=ids,
+                                        policy_mask=mask, logprobs=None, prompt_text="",
+                                        turn_rewards=[float(torch.randn(1, generator=gen))]))
+    rewards = torch.tensor([e.total_reward for e in episodes]).view(2, args.batch // 2)
+    if path == "plain":
+        bench_step.PAD[0] = run.pad_id
+        train.pieces, ppo.policy_logprobs = bench_step.plain_pieces, bench_step.plain_logprobs
+        train.critic_pass = bench_step.plain_critic_pass
 
     def update():
-        train.update(a, model, None, optimizers, None, batch, rewards, autocast, torch.Generator().manual_seed(0))
-        model.zero_grad(set_to_none=True)
+        train.update_policy(run, episodes, rewards, torch.Generator().manual_seed(0))
 
     update()  # warm-up: AdamW state exists from here on
     before = kib("VmRSS")
@@ -75,10 +78,10 @@ def child(args, checkpointing, micro_batch):
     print(json.dumps({"peak_mib": (kib("VmHWM") - before) / 1024, "before_mib": before / 1024}))
 
 
-def measure(args, checkpointing, micro_batch):
-    command = [sys.executable, os.path.abspath(__file__), "--child", json.dumps([checkpointing, micro_batch])]
-    for name in ("threads", "hidden", "layers", "vocab", "batch", "seq_len"):
-        command += [f"--{name.replace('_', '-')}", str(getattr(args, name))]
+def measure(args, path, micro_batch, seq_len):
+    seq_len = min(seq_len, args.seq_len)
+    command = [sys.executable, os.path.abspath(__file__), "--child", json.dumps([path, micro_batch]),
+               "--threads", str(args.threads), "--batch", str(args.batch), "--seq-len", str(seq_len)]
     env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536"}
     out = subprocess.run(command, capture_output=True, text=True, env=env)
     if out.returncode != 0:
@@ -89,39 +92,27 @@ def measure(args, checkpointing, micro_batch):
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--threads", type=int, default=2, help="torch.set_num_threads")
-    parser.add_argument("--hidden", type=int, default=512)
-    parser.add_argument("--layers", type=int, default=8)
-    parser.add_argument("--vocab", type=int, default=512)
-    parser.add_argument("--batch", type=int, default=16, help="sequences in the update (one mini-batch)")
-    parser.add_argument("--seq-len", type=int, default=256)
-    parser.add_argument("--micro-batch", type=int, default=2, help="sequences per pass when micro-batching")
-    parser.add_argument("--repeats", type=int, default=2)
-    parser.add_argument("--quick", action="store_true", help="tiny sizes, 1 repeat")
-    parser.add_argument("--child", help=argparse.SUPPRESS)
+    parser.add_argument("--batch", type=int, default=16, help="transcripts in the update")
+    parser.add_argument("--seq-len", type=int, default=1024, help="longest transcript measured, in tokens")
+    parser.add_argument("--quick", action="store_true", help="small sizes")
+    parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
-        checkpointing, micro_batch = json.loads(args.child)
-        return child(args, checkpointing, micro_batch)
+        import torch
+        torch.set_num_threads(args.threads)
+        return child(args, *json.loads(args.child))
     if args.quick:
-        args.hidden, args.layers, args.vocab, args.batch, args.seq_len, args.micro_batch = 64, 2, 64, 4, 32, 2
-        args.repeats = 1
-    configs = (CONFIGS[0], CONFIGS[-1]) if args.quick else CONFIGS  # quick: the two ends only
-
-    peaks, before = {}, {}
-    for _ in range(args.repeats):
-        for name, checkpointing, micro in configs:
-            result = measure(args, checkpointing, args.micro_batch if micro else args.batch)
-            peaks.setdefault(name, []).append(result["peak_mib"])
-            before[name] = result["before_mib"]
-    peak = {name: statistics.median(v) for name, v in peaks.items()}
-
-    print(f"Qwen2: hidden {args.hidden}, {args.layers} layers, vocab {args.vocab}; torch threads {args.threads}; "
-          f"GRPO update of {args.batch} sequences x {args.seq_len} tokens, one optimiser step; micro-batch "
-          f"{args.micro_batch} when on; median of {args.repeats}; each configuration in a fresh process")
-    print(f"{'configuration':<34}{'peak growth MiB':>17}{'vs baseline':>13}{'RSS before MiB':>16}")
-    for name, _, _ in configs:
-        print(f"{name:<34}{peak[name]:>17.1f}{peak[name] / peak['baseline']:>13.2f}{before[name]:>16.1f}")
-    print(f"RESULT memory {peak['baseline'] / max(peak['checkpointing + micro-batching'], 1e-3):.2f}")
+        args.batch, args.seq_len = 4, 200
+    results = {config: measure(args, *config) for config in CONFIGS}
+    base = next(iter(results.values()))["before_mib"]
+    print(f"Qwen2 64 wide, 2 layers, vocabulary 151,936; PPO update of {args.batch} transcripts (a third of each "
+          f"sampled); torch threads {args.threads}; resident set before the update ~{base:.0f} MiB")
+    print(f"{'path':<12}{'micro-batch':>12}{'tokens':>8}{'peak growth MiB':>17}")
+    for (path, micro, seq_len), r in results.items():
+        print(f"{path:<12}{micro:>12}{min(seq_len, args.seq_len):>8}{r['peak_mib']:>17.0f}")
+    plain, ours = (results[(p, 2, 512)]["peak_mib"] for p in ("plain", "this code"))
+    ratio = plain / max(ours, 1e-9)
+    print(f"RESULT memory {ratio:.2f}")
 
 
 if __name__ == "__main__":

@@ -85,6 +85,21 @@ def plain_pieces(batch, rows, size):
     return [(sub, batch["input_ids"].shape[1]) for sub in rows.split(8)]
 
 
+def make_run(flags, model=None, tokenizer=None):
+    """A runs.Run from train.py flags (no run folder is created); with `model` and `tokenizer` given, the run uses
+    them instead of loading --model."""
+    a = runs.parse_args(train.Args, flags + ["--out", "/dev/null/unused"])
+    runs.resolve_defaults(a, torch.device("cpu"))
+    if model is None:
+        return runs.load(a, torch.device("cpu"))
+    load_policy = runs.load_policy
+    runs.load_policy = lambda *args: (model, tokenizer, {})
+    try:
+        return runs.load(a, torch.device("cpu"))
+    finally:
+        runs.load_policy = load_policy
+
+
 def timed(fn):
     start = time.perf_counter()
     out = fn()
@@ -98,14 +113,13 @@ def main():
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--quick", action="store_true", help="a random tiny policy, small sizes, 1 repeat")
     args = parser.parse_args()
-    flags = ["--env", args.env, "--model", "tiny", "--threads", str(args.threads), "--out", "/dev/null/unused"]
+    flags = ["--env", args.env, "--model", "tiny", "--threads", str(args.threads)]
     if args.quick:
         flags += ["--no-warm-start", "--groups", "2", "--group-size", "4", "--max-turns", "2", "--max-new-tokens",
                   "8", "--mi-samples", "8", "--filter", "none"]
         args.repeats = 1
-    a = runs.parse_args(train.Args, flags)
-    runs.resolve_defaults(a, torch.device("cpu"))
-    run = runs.load(a, torch.device("cpu"))
+    run = make_run(flags)
+    a = run.args
     PAD[0] = run.pad_id
     start = copy.deepcopy((run.policy.state_dict(), run.critic.state_dict(),
                            [o.state_dict() for o in run.optimizers]))
