@@ -1,25 +1,29 @@
-"""What the tiny policy is shown and taught: its prompts, the solver's demonstrations, and behaviour cloning on them.
+"""What the tiny policy is shown and taught: its prompts, the solver's demonstrations, and behaviour
+cloning on them.
 
-A new top-level file because the warm start is a concept of its own. A random network never writes a valid action,
-so every turn would earn the format penalty and RL would see no reward spread (RAGEN-2, Sec. 3: no variance, no task
-gradient). The tiny policy (tiny.py) is therefore first trained on demonstrations, played through rollout.play so
-that the data is token for token the transcript the RL loop produces, by minimising the cross-entropy of the
-policy's own tokens (mask m = policy_mask):
+A new top-level file because the warm start is a concept of its own. A random network never writes a
+valid action, so every turn would earn the format penalty and RL would see no reward spread
+(RAGEN-2, Sec. 3: no variance, no task gradient). The tiny policy (tiny.py) is therefore first
+trained on demonstrations, played through rollout.play so that the data is token for token the
+transcript the RL loop produces, by minimising the cross-entropy of the policy's own tokens (mask m
+= policy_mask):
 
     L(theta) = - sum_{b,t} m[b,t] log pi_theta(y[b,t] | y[b,<t]) / sum_{b,t} m[b,t]
 
-What the tiny policy sees (`user_turn`). Its user turn is the grid and a line that names where the objects are and
-how far apart ("Player (1,0), goal (3,1). Goal: 2 Down, 1 Right."); Sokoban's line also says what lies next to the
-player ("Around: Up wall, Down floor, Left box, Right floor."). This is a perception aid: a 2-layer network trained
-for minutes reads neither coordinates off a grid nor their differences. Which way to go, where to stand to push and
-when to take two moves is left to the policy.
+What the tiny policy sees (`user_turn`). Its user turn is the grid and a line that names where the
+objects are and how far apart ("Player (1,0), goal (3,1). Goal: 2 Down, 1 Right."); Sokoban's line
+also says what lies next to the player ("Around: Up wall, Down floor, Left box, Right floor."). This
+is a perception aid: a 2-layer network trained for minutes reads neither coordinates off a grid nor
+their differences. Which way to go, where to stand to push and when to take two moves is left to the
+policy.
 
-What it is taught to say (`describe`, `demonstration`). Its reasoning restates the way (FrozenLake), or copies the
-ways to the box and target and then names the solver's next push and the way to the cell it is pushed from (Sokoban:
-"Box 1 Down, 1 Right. Target 0 Down, 1 Left. Push Left from 1 Down, 2 Right."), so each number it works out sits a
-few tokens after the ones it is worked out from; the answer gives the solver's next moves. Demonstrations are
-imperfect on purpose -- with probability `noise` a turn tries a random move, and a turn plays one or two moves (a
-fair coin) -- so the warm-started policy stays far from always succeeding and RL has room to improve.
+What it is taught to say (`describe`, `demonstration`). Its reasoning restates the way (FrozenLake),
+or copies the ways to the box and target and then names the solver's next push and the way to the
+cell it is pushed from (Sokoban: "Box 1 Down, 1 Right. Target 0 Down, 1 Left. Push Left from 1 Down,
+2 Right."), so each number it works out sits a few tokens after the ones it is worked out from; the
+answer gives the solver's next moves. Demonstrations are imperfect on purpose -- with probability
+`noise` a turn tries a random move, and a turn plays one or two moves (a fair coin) -- so the
+warm-started policy stays far from always succeeding and RL has room to improve.
 """
 import math
 import random
@@ -31,7 +35,8 @@ import ppo
 import rollout
 
 TINY_SYSTEM = "Reach the goal. Think in <think> </think>, then act in <answer> </answer>."
-DEMO_SEEDS = 1_000_000  # demonstrations use seeds from here on, away from the small seeds used for validation
+# demonstrations use seeds from here on, away from the small seeds used for validation
+DEMO_SEEDS = 1_000_000
 ROUND = 4  # batches of demonstrations played at once, then cut by length
 # the objects a positions line names, per world: (name, grid symbols that show it)
 OBJECTS = {"sokoban": (("Player", "PS"), ("box", "X√"), ("target", "O√S")),
@@ -39,32 +44,40 @@ OBJECTS = {"sokoban": (("Player", "PS"), ("box", "X√"), ("target", "O√S")),
 NEIGHBOURS = (("Up", -1, 0), ("Down", 1, 0), ("Left", 0, -1), ("Right", 0, 1))
 
 
-# ------------------------------------------------------------------------------------------- what the policy sees
+# ----------------------------------------------------------------------------- what the policy sees
 
 def _where(grid, symbols):
     """(row, col) of every cell holding one of `symbols`: _where("#P\\nX_", "PS") == [(0, 1)]."""
-    return [(r, c) for r, row in enumerate(grid.split("\n")) for c, ch in enumerate(row) if ch in symbols]
+    return [
+        (r, c)
+        for r, row in enumerate(grid.split("\n"))
+        for c, ch in enumerate(row)
+        if ch in symbols
+    ]
 
 
 def _cells(env_name, grid):
-    """The cells of each object OBJECTS names, in its order: _cells("frozenlake", "P_\\n_G") == [[(0, 0)], [(1, 1)]]."""
+    """The cells of each object OBJECTS names, in its order: _cells("frozenlake", "P_\\n_G") ==
+    [[(0, 0)], [(1, 1)]]."""
     return [_where(grid, symbols) for _, symbols in OBJECTS[env_name]]
 
 
 def _way(frm, to):
-    """How far cell `to` lies from `frm`, rows then columns, always both: _way((0, 2), (1, 1)) == '1 Down, 1 Left'."""
+    """How far cell `to` lies from `frm`, rows then columns, always both: _way((0, 2), (1, 1)) ==
+    '1 Down, 1 Left'."""
     (dr, dc) = (to[0] - frm[0], to[1] - frm[1])
     return f"{abs(dr)} {'Up' if dr < 0 else 'Down'}, {abs(dc)} {'Left' if dc < 0 else 'Right'}"
 
 
 def positions(env_name, obs):
-    """Where the objects of a grid are, and how far apart, as text (a way is always rows, then columns):
+    """Where the objects of a grid are, and how far apart, as text (a way is always rows, then
+    columns):
 
     >>> positions("frozenlake", "P_\\n_G")
     'Player (0,0), goal (1,1). Goal: 1 Down, 1 Right.'
 
-    Sokoban adds the way from the player to the box and from the box to the target (one-box rooms), then what lies
-    next to the player (`around`).
+    Sokoban adds the way from the player to the box and from the box to the target (one-box rooms),
+    then what lies next to the player (`around`).
     """
     cells = _cells(env_name, obs)
     at = [", ".join(f"({r},{c})" for r, c in found) or "none" for found in cells]
@@ -90,13 +103,18 @@ def around(obs):
         inside = 0 <= rr < len(rows) and 0 <= cc < len(rows[rr])
         return envs.Sokoban.SYMBOLS[rows[rr][cc]] if inside else "wall"
 
-    return "Around: " + ", ".join(f"{name} {cell(r + dr, c + dc)}" for name, dr, dc in NEIGHBOURS) + "."
+    return (
+        "Around: "
+        + ", ".join(f"{name} {cell(r + dr, c + dc)}" for name, dr, dc in NEIGHBOURS)
+        + "."
+    )
 
 
 def user_turn(env_name):
-    """The tiny policy's user turn: the grid, then (Sokoban, FrozenLake) the positions line -- and nothing else, so
-    every turn of a world has the same shape and the newest line sits at a fixed distance before the reasoning that
-    reads it. Real models get rollout.user_message and the plain grid.
+    """The tiny policy's user turn: the grid, then (Sokoban, FrozenLake) the positions line -- and
+    nothing else, so every turn of a world has the same shape and the newest line sits at a fixed
+    distance before the reasoning that reads it. Real models get rollout.user_message and the plain
+    grid.
 
     >>> user_turn("frozenlake")("P_\\n_G", 0.0, 10, 1)
     'P_\\n_G\\nPlayer (0,0), goal (1,1). Goal: 1 Down, 1 Right.'
@@ -107,14 +125,16 @@ def user_turn(env_name):
 
 
 def prompts(env_name):
-    """The prompt pieces rollout.play takes for the tiny policy: its one-line system prompt and its user turns."""
+    """The prompt pieces rollout.play takes for the tiny policy: its one-line system prompt and
+    its user turns."""
     return {"system": TINY_SYSTEM, "user": user_turn(env_name)}
 
 
-# ------------------------------------------------------------------------------------------- what it is taught
+# -------------------------------------------------------------------------------- what it is taught
 
 def _next_push(env, plan):
-    """(direction, (row, col) the player pushes from) of the first move of `plan` that moves a box, or None."""
+    """(direction, (row, col) the player pushes from) of the first move of `plan` that moves a
+    box, or None."""
     state = env.state()
     for action in plan:
         nxt, _, _ = env.next_state(state, action)
@@ -143,16 +163,20 @@ def describe(env, plan):
         return f"Goal: {_way(player, goal)}."
     if env.name == "bandit":
         return f"{env.risky} expects {env.high_reward * env.high_prob:g}, {env.safe} pays {env.low_reward:g}."
-    raise ValueError(f"no demonstrations for world {env.name!r}; valid: sokoban, frozenlake, bandit")
+    raise ValueError(
+        f"no demonstrations for world {env.name!r}; valid: sokoban, frozenlake, bandit"
+    )
 
 
 def demonstration(env, rng, noise=0.2, max_actions=2):
-    """One demonstration turn for the env's current state, continuing a prompt that ends with "<think>": with prob.
-    `noise` one random move ("Try Left."), else the solver's next 1 or `max_actions` moves (a fair coin).
+    """One demonstration turn for the env's current state, continuing a prompt that ends with
+    "<think>": with prob. `noise` one random move ("Try Left."), else the solver's next 1 or
+    `max_actions` moves (a fair coin).
 
     >>> env = envs.Sokoban(room="#####\\n#PXO#\\n#####"); _ = env.reset()
     >>> demonstration(env, random.Random(0), noise=0.0)
-    ' Box 0 Down, 1 Right. Target 0 Down, 1 Right. Push Right from 0 Down, 0 Right. </think> <answer> Right </answer>'
+    ' Box 0 Down, 1 Right. Target 0 Down, 1 Right. Push Right from 0 Down, 0 Right. </think>
+    <answer> Right </answer>'
     """
     plan = envs.solve(env) or []
     if not plan or rng.random() < noise:
@@ -165,37 +189,57 @@ def demonstration(env, rng, noise=0.2, max_actions=2):
 
 
 def demo_policy(tokenizer, noise=0.2, max_actions=2, seed=0):
-    """A scripted policy for rollout.play: looks at each env, writes `demonstration(...)` and the end-of-turn token."""
+    """A scripted policy for rollout.play: looks at each env, writes `demonstration(...)` and the
+    end-of-turn token."""
     rng = random.Random(seed)
     end = rollout.end_of_turn_ids(tokenizer)[0]
 
     def policy(prompt_ids, worlds):
-        return [rollout.Generation(tokenizer.encode(demonstration(env, rng, noise, max_actions),
-                                                    add_special_tokens=False) + [end]) for env in worlds]
+        return [
+            rollout.Generation(
+                tokenizer.encode(
+                    demonstration(env, rng, noise, max_actions), add_special_tokens=False
+                )
+                + [end]
+            )
+            for env in worlds
+        ]
 
     return policy
 
 
 def demonstrations(tokenizer, env_name, seeds, env_kwargs=None, noise=0.2, seed=0, max_turns=5,
                    max_actions_per_turn=2):
-    """Demonstration episodes (rollout.Episode) on `seeds`, one each, in the tiny policy's prompts."""
+    """Demonstration episodes (rollout.Episode) on `seeds`, one each, in the tiny policy's
+    prompts."""
     policy = demo_policy(tokenizer, noise=noise, max_actions=max_actions_per_turn, seed=seed)
-    return rollout.play(policy, tokenizer, env_name, seeds, 1, env_kwargs=env_kwargs, max_turns=max_turns,
-                        max_actions_per_turn=max_actions_per_turn, **prompts(env_name))
+    return rollout.play(
+        policy,
+        tokenizer,
+        env_name,
+        seeds,
+        1,
+        env_kwargs=env_kwargs,
+        max_turns=max_turns,
+        max_actions_per_turn=max_actions_per_turn,
+        **prompts(env_name),
+    )
 
 
-# ------------------------------------------------------------------------------------------- behaviour cloning
+# -------------------------------------------------------------------------------- behaviour cloning
 
 def demo_loss(model, batch):
-    """Mean cross-entropy of the policy's tokens (policy_mask) under teacher forcing; batch from rollout.collate.
-    Only the positions whose next token the policy wrote go through the output layer (ppo.policy_logprobs)."""
+    """Mean cross-entropy of the policy's tokens (policy_mask) under teacher forcing; batch from
+    rollout.collate. Only the positions whose next token the policy wrote go through the output
+    layer (ppo.policy_logprobs)."""
     mask = batch["policy_mask"][:, 1:]                                                 # [B, T-1]
     logp, _ = ppo.policy_logprobs(model, batch["input_ids"], mask)                     # [B, T-1]
     return -ppo.masked_mean(logp, mask)
 
 
 def schedule(step, steps):
-    """The learning-rate factor: linear warm-up over the first 10% of steps, then cosine decay to 0.1.
+    """The learning-rate factor: linear warm-up over the first 10% of steps, then cosine decay to
+    0.1.
 
     >>> [round(schedule(s, 100), 3) for s in (0, 9, 10, 55, 99)]
     [0.1, 1.0, 1.0, 0.55, 0.1]
@@ -205,14 +249,28 @@ def schedule(step, steps):
                                                                 max(1, steps - warmup))))
 
 
-def imitate(model, tokenizer, env_name, env_kwargs=None, steps=800, batch_size=16, lr=1e-2, noise=0.2, seed=0,
-            turns=5, start=0, state=None, on_step=None):
-    """Behaviour cloning: `steps` AdamW steps, each on `batch_size` fresh demonstrations; returns the loss per step.
+def imitate(
+    model,
+    tokenizer,
+    env_name,
+    env_kwargs=None,
+    steps=800,
+    batch_size=16,
+    lr=1e-2,
+    noise=0.2,
+    seed=0,
+    turns=5,
+    start=0,
+    state=None,
+    on_step=None,
+):
+    """Behaviour cloning: `steps` AdamW steps, each on `batch_size` fresh demonstrations; returns
+    the loss per step.
 
-    Whole episodes of up to `turns` turns (a network taught first turns only writes garbage from the third on), played
-    ROUND batches at a time and cut into batches after sorting by length (less padding to compute). To continue an
-    interrupted run, pass `start` (a multiple of ROUND) and the optimiser `state`; on_step(step, loss, optimizer) is
-    called after every step.
+    Whole episodes of up to `turns` turns (a network taught first turns only writes garbage from the
+    third on), played ROUND batches at a time and cut into batches after sorting by length (less
+    padding to compute). To continue an interrupted run, pass `start` (a multiple of ROUND) and the
+    optimiser `state`; on_step(step, loss, optimizer) is called after every step.
     """
     pad = rollout.pad_token_id(tokenizer)
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
@@ -222,9 +280,20 @@ def imitate(model, tokenizer, env_name, env_kwargs=None, steps=800, batch_size=1
     losses = []
     for step in range(start, steps):
         if step % ROUND == 0 or step == start:  # play ROUND batches at once and cut them by length
-            first = DEMO_SEEDS + (seed * steps + step - step % ROUND) * batch_size  # fresh layouts every round
-            played = sorted(demonstrations(tokenizer, env_name, range(first, first + ROUND * batch_size), env_kwargs,
-                                           noise, seed=first, max_turns=turns), key=lambda e: len(e.ids))
+            # fresh layouts every round
+            first = DEMO_SEEDS + (seed * steps + step - step % ROUND) * batch_size
+            played = sorted(
+                demonstrations(
+                    tokenizer,
+                    env_name,
+                    range(first, first + ROUND * batch_size),
+                    env_kwargs,
+                    noise,
+                    seed=first,
+                    max_turns=turns,
+                ),
+                key=lambda e: len(e.ids),
+            )
             batches = [played[k:k + batch_size] for k in range(0, len(played), batch_size)]
             random.Random(first).shuffle(batches)
         for group in optimizer.param_groups:

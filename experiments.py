@@ -1,18 +1,23 @@
-"""The paper's figures in miniature: named grids of train.py runs (settings x seeds), run side by side and resumable,
-summarised into results/<grid>/ as tables (mean and standard error over seeds) and figures.
+"""The paper's figures in miniature: named grids of train.py runs (settings x seeds), run side by
+side and resumable, summarised into results/<grid>/ as tables (mean and standard error over seeds)
+and figures.
 
-A new top-level file because it is a concept of its own: each grid below is one claim of RAGEN-2, with its exact
-train.py flags, fixed before its runs. Run folders go to runs/experiments/<grid>/<setting>-s<seed> (not committed);
-a finished run is never run again, an interrupted one is resumed (train.py --resume).
+A new top-level file because it is a concept of its own: each grid below is one claim of RAGEN-2,
+with its exact train.py flags, fixed before its runs. Run folders go to
+runs/experiments/<grid>/<setting>-s<seed> (not committed); a finished run is never run again, an
+interrupted one is resumed (train.py --resume).
 
     python experiments.py list                          # the grids, their claims and sizes
     python experiments.py run filters --jobs 2          # run what is missing (1 torch thread each), then summarise
     python experiments.py summarize filters             # tables and figures from the runs that exist
-    python experiments.py correlations collapse filters # Sec. 5.1: Spearman of MI / entropy with success
+    python experiments.py correlations collapse filters # Sec. 5.1: Spearman of MI / entropy with
+    success
 
-Table metrics are averaged over a window of steps ending at each table step (WINDOW; validation and diagnosis are
-taken at the step itself), then over seeds: mean +- standard error (sample std / sqrt(seeds)).
+Table metrics are averaged over a window of steps ending at each table step (WINDOW; validation and
+diagnosis are taken at the step itself), then over seeds: mean +- standard error (sample std /
+sqrt(seeds)).
 """
+
 import argparse
 import csv
 import math
@@ -30,100 +35,166 @@ RESULTS = "results"
 WINDOW = 10  # per-step metrics in a table are the mean of the WINDOW steps ending at the table step
 COMMON = ["--mi-every", "5", "--val-every", "10", "--threads", "1", "--no-plot"]
 
-# ------------------------------------------------------------------------------------------------ the grids
+# ---------------------------------------------------------------------------------------- the grids
 
 GRIDS = {
     "pilot": dict(
-        claim="Not a claim: the search for a collapse regime (FrozenLake, PPO, no filter), one seed, three "
-              "entropy coefficients from the official sweep (0, 0.001, ..., 0.1). Its outcome fixed the "
-              "collapse grid's setting.",
+        claim="Not a claim: the search for a collapse regime (FrozenLake, PPO, no filter, one seed, "
+        "60 steps). The official sweep's entropy coefficients 0.01, 0.03 and 0.1 moved nothing; "
+        "0.3 and 1.0 let the entropy bonus take over: entropy exploded, MI, retrieval and success "
+        "fell. The collapse grid uses 0.3, the smaller of the two.",
         flags=["--env", "frozenlake", "--filter", "none"],
-        settings={"ent0.01": ["--entropy-coef", "0.01"], "ent0.03": ["--entropy-coef", "0.03"],
-                  "ent0.1": ["--entropy-coef", "0.1"]},
-        seeds=[0], steps=60, table_steps=[20, 40, 60]),
+        settings={f"ent{c}": ["--entropy-coef", c] for c in ("0.01", "0.03", "0.1", "0.3", "1.0")},
+        seeds=[0],
+        steps=60,
+        table_steps=[0, 20, 40, 60],
+    ),
     "collapse": dict(
-        claim="Sec. 2 and 3, Fig. 6 / 8: with a regulariser that does not shrink with reward spread, reasoning "
-              "loses its input dependence (MI and retrieval fall) while its entropy holds or rises; Top-P "
-              "filtering, which keeps the regulariser off zero-spread groups, slows or prevents it.",
-        flags=["--env", "frozenlake", "--entropy-coef", "0.1", "--grad-decomp-every", "25"],
-        settings={"none": ["--filter", "none"], "topp": ["--filter", "topp"], "topk": ["--filter", "topk"]},
-        seeds=[0, 1, 2], steps=100, table_steps=[0, 25, 50, 100]),
+        claim="Sec. 2 and 3, Fig. 6 / 8: when a regulariser that does not shrink with reward spread "
+        "(here an entropy bonus of 0.3, the pilot's) drives the update, the reasoning loses its "
+        "input dependence (MI and retrieval fall) while its entropy rises; the paper's remedy, "
+        "Top-P or Top-K filtering, keeps the update on the groups with spread.",
+        flags=["--env", "frozenlake", "--entropy-coef", "0.3", "--grad-decomp-every", "20"],
+        settings={
+            "none": ["--filter", "none"],
+            "topp": ["--filter", "topp"],
+            "topk": ["--filter", "topk"],
+        },
+        seeds=[0, 1, 2],
+        steps=80,
+        table_steps=[0, 20, 40, 60, 80],
+    ),
     "filters": dict(
         claim="Sec. 4.3, Fig. 7 / 11: Top-P and Top-K against no filter in the default regime (entropy 0.001): "
-              "success, kept ratio, zero-spread groups and the compute of a step.",
+        "success, kept ratio, zero-spread groups and the compute of a step.",
         flags=["--env", "frozenlake", "--grad-decomp-every", "25"],
-        settings={"none": ["--filter", "none"], "topp": ["--filter", "topp"], "topk": ["--filter", "topk"]},
-        seeds=[0, 1, 2], steps=100, table_steps=[0, 25, 50, 100]),
+        settings={
+            "none": ["--filter", "none"],
+            "topp": ["--filter", "topp"],
+            "topk": ["--filter", "topk"],
+        },
+        seeds=[0, 1, 2],
+        steps=100,
+        table_steps=[0, 25, 50, 100],
+    ),
     "sokoban": dict(
         claim="The main command's world: Top-P and Top-K against no filter on Sokoban, default settings.",
         flags=["--env", "sokoban"],
-        settings={"none": ["--filter", "none"], "topp": ["--filter", "topp"], "topk": ["--filter", "topk"]},
-        seeds=[0, 1, 2], steps=50, table_steps=[0, 25, 50]),
+        settings={
+            "none": ["--filter", "none"],
+            "topp": ["--filter", "topp"],
+            "topk": ["--filter", "topk"],
+        },
+        seeds=[0, 1, 2],
+        steps=50,
+        table_steps=[0, 25, 50],
+    ),
     "stochasticity": dict(
         claim="Sec. 5.2, Fig. 10: FrozenLake's slip rate raises reward noise; no filter against Top-P as moves "
-              "go their way with probability 1, 0.6 and 1/3.",
+        "go their way with probability 1, 0.6 and 1/3.",
         flags=["--env", "frozenlake"],
-        settings={f"{f}-sr{sr}": ["--filter", f, "--success-rate", sr] for sr in ("1.0", "0.6", "0.3333")
-                  for f in ("none", "topp")},
-        seeds=[0, 1, 2], steps=60, table_steps=[0, 30, 60]),
+        settings={
+            f"{f}-sr{sr}": ["--filter", f, "--success-rate", sr]
+            for sr in ("1.0", "0.6", "0.3333")
+            for f in ("none", "topp")
+        },
+        seeds=[0, 1, 2],
+        steps=60,
+        table_steps=[0, 30, 60],
+    ),
 }
-METRICS = ["val_success", "train_success", "mi_estimate", "retrieval_acc", "reasoning_entropy",
-           "conditional_entropy", "token_entropy", "kept_ratio", "num_zero_var", "response_length", "time_step"]
+METRICS = [
+    "val_success",
+    "train_success",
+    "mi_estimate",
+    "retrieval_acc",
+    "reasoning_entropy",
+    "conditional_entropy",
+    "token_entropy",
+    "kept_ratio",
+    "num_zero_var",
+    "response_length",
+    "time_step",
+]
 
 
 def runs_of(name):
-    """[(setting, seed, folder, argv)] of a grid: every setting x seed, with its full train.py command line."""
+    """[(setting, seed, folder, argv)] of a grid: every setting x seed, with its full train.py
+    command line."""
     g = GRIDS[name]
     out = []
     for setting, flags in g["settings"].items():
         for seed in g["seeds"]:
             folder = os.path.join(RUNS, name, f"{setting}-s{seed}")
-            argv = g["flags"] + flags + COMMON + ["--seed", str(seed), "--steps", str(g["steps"]), "--out", folder]
+            argv = (
+                g["flags"]
+                + flags
+                + COMMON
+                + ["--seed", str(seed), "--steps", str(g["steps"]), "--out", folder]
+            )
             out.append((setting, seed, folder, argv))
     return out
 
 
 def finished(folder, steps):
-    records = plots.read_metrics(folder) if os.path.isfile(os.path.join(folder, "metrics.jsonl")) else []
+    records = (
+        plots.read_metrics(folder) if os.path.isfile(os.path.join(folder, "metrics.jsonl")) else []
+    )
     return any(r.get("step") == steps and "train_success" in r for r in records)
 
 
-# ------------------------------------------------------------------------------------------------ running
+# ------------------------------------------------------------------------------------------ running
+
 
 def run(name, jobs):
     """Every run of the grid that has not finished, `jobs` processes at a time; then the summary."""
     todo = [r for r in runs_of(name) if not finished(r[2], GRIDS[name]["steps"])]
-    print(f"{name}: {len(runs_of(name)) - len(todo)} runs finished, {len(todo)} to go, {jobs} at a time")
+    print(
+        f"{name}: {len(runs_of(name)) - len(todo)} runs finished, {len(todo)} to go, {jobs} at a time"
+    )
     started, running = time.time(), []
     while todo or running:
         while todo and len(running) < jobs:
             setting, seed, folder, argv = todo.pop(0)
             resume = os.path.isfile(os.path.join(folder, "config.json"))
             command = [sys.executable, os.path.join(ROOT, "train.py")] + (
-                ["--resume", folder, "--steps", str(GRIDS[name]["steps"])] if resume else argv)
+                ["--resume", folder, "--steps", str(GRIDS[name]["steps"])] if resume else argv
+            )
             os.makedirs(os.path.dirname(folder), exist_ok=True)
             log = open(folder + ".log", "a")
-            running.append((folder, subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT), log))
+            running.append(
+                (folder, subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT), log)
+            )
             print(f"  {'resuming' if resume else 'starting'} {folder}", flush=True)
         time.sleep(2)
         for item in [r for r in running if r[1].poll() is not None]:
             folder, proc, log = item
             log.close()
             running.remove(item)
-            print(f"  {folder}: exit {proc.returncode} ({(time.time() - started) / 60:.1f} min)", flush=True)
+            print(
+                f"  {folder}: exit {proc.returncode} ({(time.time() - started) / 60:.1f} min)",
+                flush=True,
+            )
     summarize(name)
 
 
-# ------------------------------------------------------------------------------------------------ summaries
+# ---------------------------------------------------------------------------------------- summaries
+
 
 def value_at(records, key, step):
-    """A metric at a table step: the step's own value for validation and diagnosis, else the mean of the WINDOW
-    steps ending there (None when nothing was logged)."""
-    if key == "val_success" or key in ("mi_estimate", "retrieval_acc", "reasoning_entropy", "conditional_entropy"):
+    """A metric at a table step: the step's own value for validation and diagnosis, else the mean of
+    the WINDOW steps ending there (None when nothing was logged)."""
+    if key == "val_success" or key in (
+        "mi_estimate",
+        "retrieval_acc",
+        "reasoning_entropy",
+        "conditional_entropy",
+    ):
         exact = [r[key] for r in records if r.get("step") == step and key in r]
         if exact or key == "val_success":
             return exact[-1] if exact else None
-        window = [r[key] for r in records if step - 5 < r.get("step", -1) <= step and key in r]  # nearest diagnosis
+        # nearest diagnosis
+        window = [r[key] for r in records if step - 5 < r.get("step", -1) <= step and key in r]
     else:
         window = [r[key] for r in records if step - WINDOW < r.get("step", -1) <= step and key in r]
     return sum(window) / len(window) if window else None
@@ -134,16 +205,25 @@ def mean_se(xs):
     if not xs:
         return None, None, 0
     m = sum(xs) / len(xs)
-    se = math.sqrt(sum((x - m) ** 2 for x in xs) / (len(xs) - 1) / len(xs)) if len(xs) > 1 else float("nan")
+    se = (
+        math.sqrt(sum((x - m) ** 2 for x in xs) / (len(xs) - 1) / len(xs))
+        if len(xs) > 1
+        else float("nan")
+    )
     return m, se, len(xs)
 
 
 def summarize(name):
-    """results/<name>/table.md and table.csv (mean +- SE over seeds at the table steps) and its figures."""
+    """results/<name>/table.md and table.csv (mean +- SE over seeds at the table steps) and its
+    figures."""
     g = GRIDS[name]
     out = os.path.join(RESULTS, name)
     os.makedirs(out, exist_ok=True)
-    done = [(s, seed, folder) for s, seed, folder, _ in runs_of(name) if os.path.isfile(f"{folder}/metrics.jsonl")]
+    done = [
+        (s, seed, folder)
+        for s, seed, folder, _ in runs_of(name)
+        if os.path.isfile(f"{folder}/metrics.jsonl")
+    ]
     rows = []
     for setting in g["settings"]:
         folders = [f for s, _, f in done if s == setting]
@@ -160,17 +240,31 @@ def summarize(name):
         writer.writeheader()
         writer.writerows(rows)
     with open(os.path.join(out, "table.md"), "w") as f:
-        f.write(f"# {name}\n\n{g['claim']}\n\nFlags: `{' '.join(g['flags'] + COMMON)}`; seeds {g['seeds']}; "
-                f"{g['steps']} steps. Mean +- standard error over seeds; per-step metrics averaged over the "
-                f"{WINDOW} steps ending at the step.\n\n")
-        shown = ["val_success", "train_success", "mi_estimate", "retrieval_acc", "reasoning_entropy",
-                 "conditional_entropy", "kept_ratio", "num_zero_var", "time_step"]
+        f.write(
+            f"# {name}\n\n{g['claim']}\n\nFlags: `{' '.join(g['flags'] + COMMON)}`; seeds {g['seeds']}; "
+            f"{g['steps']} steps. Mean +- standard error over seeds; per-step metrics averaged over the "
+            f"{WINDOW} steps ending at the step.\n\n"
+        )
+        shown = [
+            "val_success",
+            "train_success",
+            "mi_estimate",
+            "retrieval_acc",
+            "reasoning_entropy",
+            "conditional_entropy",
+            "kept_ratio",
+            "num_zero_var",
+            "time_step",
+        ]
         f.write("| setting | step | runs (finished) | " + " | ".join(shown) + " |\n")
         f.write("|---|---|---|" + "---|" * len(shown) + "\n")
         for row in rows:
             cells = [fmt(row[k], row[k + "_se"]) for k in shown]
-            f.write(f"| {row['setting']} | {row['step']} | {row['runs']} ({row['finished']}) | "
-                    + " | ".join(cells) + " |\n")
+            f.write(
+                f"| {row['setting']} | {row['step']} | {row['runs']} ({row['finished']}) | "
+                + " | ".join(cells)
+                + " |\n"
+            )
     folders = [f for _, _, f in done]
     if folders:
         labels = [s for s, _, _ in done]
@@ -185,17 +279,24 @@ def fmt(m, se):
     return f"{m:.3f}" if se is None or math.isnan(se) else f"{m:.3f} +- {se:.3f}"
 
 
-# ------------------------------------------------------------------------------------------------ Sec. 5.1
+# ----------------------------------------------------------------------------------------- Sec. 5.1
 
-DIAGNOSTICS = ["mi_zscore_ema", "mi_estimate", "retrieval_acc", "conditional_entropy", "reasoning_entropy",
-               "token_entropy"]
+DIAGNOSTICS = [
+    "mi_zscore_ema",
+    "mi_estimate",
+    "retrieval_acc",
+    "conditional_entropy",
+    "reasoning_entropy",
+    "token_entropy",
+]
 
 
 def correlations(names, resamples=2000, seed=0):
-    """Spearman correlation of each diagnostic with validation success over every (run, step) where both were
-    logged, across the grids' runs; a 95% interval from resampling whole runs (steps of one run are not
-    independent). Writes results/correlations/table.md and scatter.png."""
+    """Spearman correlation of each diagnostic with validation success over every (run, step) where
+    both were logged, across the grids' runs; a 95% interval from resampling whole runs (steps of
+    one run are not independent). Writes results/correlations/table.md and scatter.png."""
     from scipy.stats import spearmanr
+
     points = {}  # run -> [(diagnostics, success)]
     for name in names:
         for _, _, folder, _ in runs_of(name):
@@ -205,30 +306,51 @@ def correlations(names, resamples=2000, seed=0):
             by_step = {}
             for r in records:
                 by_step.setdefault(r["step"], {}).update(r)
-            points[folder] = [(r, r["val_success"]) for s, r in sorted(by_step.items())
-                              if "val_success" in r and "mi_estimate" in r]
+            points[folder] = [
+                (r, r["val_success"])
+                for s, r in sorted(by_step.items())
+                if "val_success" in r and "mi_estimate" in r
+            ]
     folders = [f for f in points if points[f]]
     rng = random.Random(seed)
     out = os.path.join(RESULTS, "correlations")
     os.makedirs(out, exist_ok=True)
     rows = []
     for key in DIAGNOSTICS:
+
         def rho(chosen):
             xs = [p[0][key] for f in chosen for p in points[f] if key in p[0]]
             ys = [p[1] for f in chosen for p in points[f] if key in p[0]]
-            return spearmanr(xs, ys).statistic if len(set(xs)) > 1 and len(set(ys)) > 1 else float("nan")
-        boot = sorted(r for r in (rho([rng.choice(folders) for _ in folders]) for _ in range(resamples))
-                      if not math.isnan(r))
+            return (
+                spearmanr(xs, ys).statistic
+                if len(set(xs)) > 1 and len(set(ys)) > 1
+                else float("nan")
+            )
+
+        boot = sorted(
+            r
+            for r in (rho([rng.choice(folders) for _ in folders]) for _ in range(resamples))
+            if not math.isnan(r)
+        )
         n = sum(1 for f in folders for p in points[f] if key in p[0])
-        low, high = (boot[int(0.025 * len(boot))], boot[int(0.975 * len(boot)) - 1]) if boot else (None, None)
+        low, high = (
+            (boot[int(0.025 * len(boot))], boot[int(0.975 * len(boot)) - 1])
+            if boot
+            else (None, None)
+        )
         rows.append((key, rho(folders), low, high, n))
     with open(os.path.join(out, "table.md"), "w") as f:
-        f.write(f"# Spearman correlation with validation success\n\nGrids: {', '.join(names)}; {len(folders)} runs; "
-                f"points: every step with both a diagnosis and a validation. 95% interval: {resamples} "
-                f"resamples of whole runs.\n\n| diagnostic | Spearman rho | 95% interval | points |\n|---|---|---|---|\n")
+        f.write(
+            f"# Spearman correlation with validation success\n\nGrids: {', '.join(names)}; {len(folders)} runs; "
+            f"points: every step with both a diagnosis and a validation. 95% interval: {resamples} "
+            f"resamples of whole runs.\n\n| diagnostic | Spearman rho | 95% interval | points |\n|---|---|---|---|\n"
+        )
         for key, r, low, high, n in rows:
-            f.write(f"| {key} | {r:.3f} | {low:.3f} .. {high:.3f} | {n} |\n" if low is not None
-                    else f"| {key} | - | - | {n} |\n")
+            f.write(
+                f"| {key} | {r:.3f} | {low:.3f} .. {high:.3f} | {n} |\n"
+                if low is not None
+                else f"| {key} | - | - | {n} |\n"
+            )
     scatter(points, out)
     print(f"wrote {out}/table.md and scatter.png ({len(folders)} runs)")
     return rows
@@ -236,6 +358,7 @@ def correlations(names, resamples=2000, seed=0):
 
 def scatter(points, out):
     import matplotlib.pyplot as plt
+
     keys = ["mi_zscore_ema", "mi_estimate", "conditional_entropy", "token_entropy"]
     fig, axes = plt.subplots(1, len(keys), figsize=(4 * len(keys), 3.3), squeeze=False)
     for ax, key in zip(axes[0], keys):
@@ -251,13 +374,16 @@ def scatter(points, out):
     plt.close(fig)
 
 
-# ------------------------------------------------------------------------------------------------ command line
+# ------------------------------------------------------------------------------------- command line
+
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("command", choices=("list", "run", "summarize", "correlations"))
     parser.add_argument("grids", nargs="*", help=f"grid names: {', '.join(GRIDS)}")
-    parser.add_argument("--jobs", type=int, default=2, help="train.py processes at a time (1 thread each)")
+    parser.add_argument(
+        "--jobs", type=int, default=2, help="train.py processes at a time (1 thread each)"
+    )
     args = parser.parse_args(argv)
     unknown = [g for g in args.grids if g not in GRIDS]
     if unknown:

@@ -1,19 +1,22 @@
 """The paper's training-curve figures, drawn from the metrics.jsonl of one or several run folders.
 
-A new top-level file because reading logs back is a concept of its own: train.py writes one JSON object per step,
-this file turns those into PNGs. Runs given the same label (several seeds of one setting) are drawn as their mean
-with a band of +- one standard error; runs with their own labels are overlaid in distinct styles.
+A new top-level file because reading logs back is a concept of its own: train.py writes one JSON
+object per step, this file turns those into PNGs. Runs given the same label (several seeds of one
+setting) are drawn as their mean with a band of +- one standard error; runs with their own labels
+are overlaid in distinct styles.
 
     success.png   train success (smoothed over 5 steps) and validation success from step 0, the warm start (Fig. 7)
     collapse.png  what healthy and collapsed reasoning look like (Fig. 1, 6, 8): the MI estimate under its log N
-                  ceiling, retrieval accuracy over its chance level, H(Z) and H(Z|X) (the MI is the gap between
-                  them), and the policy's token entropy -- what entropy monitoring alone would see
+                  ceiling, retrieval accuracy over its chance level, H(Z) and H(Z|X) (the MI is the
+                  gap between them), and the policy's token entropy -- what entropy monitoring alone
+                  would see
     filter.png    kept ratio and zero-variance group fraction (Fig. 11a-b)
     length.png    response length per turn (Fig. 8)
 
     python plots.py runs/sokoban-ppo-topp-* runs/sokoban-ppo-none-*       # PNGs into the first run folder
     python plots.py RUN [RUN ...] --out figures/
 """
+
 import argparse
 import json
 import math
@@ -28,15 +31,30 @@ from matplotlib.ticker import MaxNLocator  # noqa: E402
 
 # figure -> panels: (keys drawn, title, y label, y range: (low, high) or None for automatic)
 FIGURES = {
-    "success": [(["train_success"], "train success (5-step mean)", "success rate", (0, 1.02)),
-                (["val_success"], "validation success (step 0: before RL)", "success rate", (0, 1.02))],
-    "collapse": [(["mi_estimate"], "MI estimate I(X;Z)  (dashed: log N ceiling)", "nats per token", "mi"),
-                 (["retrieval_acc"], "retrieval accuracy  (dashed: chance)", "fraction retrieved", (0, 1.02)),
-                 (["reasoning_entropy", "conditional_entropy"], "H(Z) solid, H(Z|X) dashed", "nats per token",
-                  "zero"),
-                 (["token_entropy"], "policy token entropy", "nats per token", "zero")],
-    "filter": [(["kept_ratio"], "kept ratio (groups)", "fraction of groups", (0, 1.02)),
-               (["zero_var_frac"], "zero-variance groups", "fraction of groups", (0, 1.02))],
+    "success": [
+        (["train_success"], "train success (5-step mean)", "success rate", (0, 1.02)),
+        (["val_success"], "validation success (step 0: before RL)", "success rate", (0, 1.02)),
+    ],
+    "collapse": [
+        (["mi_estimate"], "MI estimate I(X;Z)  (dashed: log N ceiling)", "nats per token", "mi"),
+        (
+            ["retrieval_acc"],
+            "retrieval accuracy  (dashed: chance)",
+            "fraction retrieved",
+            (0, 1.02),
+        ),
+        (
+            ["reasoning_entropy", "conditional_entropy"],
+            "H(Z) solid, H(Z|X) dashed",
+            "nats per token",
+            "zero",
+        ),
+        (["token_entropy"], "policy token entropy", "nats per token", "zero"),
+    ],
+    "filter": [
+        (["kept_ratio"], "kept ratio (groups)", "fraction of groups", (0, 1.02)),
+        (["zero_var_frac"], "zero-variance groups", "fraction of groups", (0, 1.02)),
+    ],
     "length": [(["response_length"], "response length", "tokens per turn", "zero")],
 }
 REFERENCE = {"mi_estimate": "mi_upper_bound", "retrieval_acc": "retrieval_chance"}  # dashed lines
@@ -46,7 +64,8 @@ MARKERS = ["o", "s", "^", "D", "v", "P"]
 
 
 def read_metrics(run_dir):
-    """The list of per-step records of a run; a half-written last line (a killed run) is skipped, not fatal."""
+    """The list of per-step records of a run; a half-written last line (a killed run) is skipped,
+    not fatal."""
     records = []
     with open(os.path.join(run_dir, "metrics.jsonl")) as f:
         for line in f:
@@ -58,8 +77,8 @@ def read_metrics(run_dir):
 
 
 def series(records, key, smooth=1):
-    """(steps, values) of the records that hold `key` (diagnostics and validation are not logged every step);
-    smooth > 1 averages each value with the smooth - 1 before it.
+    """(steps, values) of the records that hold `key` (diagnostics and validation are not logged
+    every step); smooth > 1 averages each value with the smooth - 1 before it.
 
     >>> series([{"step": 1, "a": 1.0}, {"step": 2}, {"step": 3, "a": 3.0}], "a", smooth=2)
     ([1, 3], [1.0, 2.0])
@@ -67,13 +86,17 @@ def series(records, key, smooth=1):
     pairs = [(r["step"], r[key]) for r in records if isinstance(r.get(key), (int, float))]
     steps, values = [p[0] for p in pairs], [p[1] for p in pairs]
     if smooth > 1:
-        values = [sum(values[max(0, i - smooth + 1):i + 1]) / len(values[max(0, i - smooth + 1):i + 1])
-                  for i in range(len(values))]
+        values = [
+            sum(values[max(0, i - smooth + 1) : i + 1])
+            / len(values[max(0, i - smooth + 1) : i + 1])
+            for i in range(len(values))
+        ]
     return steps, values
 
 
 def mean_and_se(runs, key, smooth=1):
-    """Over runs (lists of records), at the steps every run logged `key`: (steps, means, standard errors).
+    """Over runs (lists of records), at the steps every run logged `key`: (steps, means, standard
+    errors).
 
     >>> mean_and_se([[{"step": 1, "a": 1.0}], [{"step": 1, "a": 3.0}]], "a")
     ([1], [2.0], [1.0])
@@ -91,7 +114,8 @@ def mean_and_se(runs, key, smooth=1):
 
 
 def draw_panel(ax, groups, keys, title, ylabel, yrange):
-    """One panel: every label's mean (+- SE band when it holds several runs) for each key, references dashed."""
+    """One panel: every label's mean (+- SE band when it holds several runs) for each key,
+    references dashed."""
     top = 0.0
     for i, (label, runs) in enumerate(groups.items()):
         color = f"C{i % 10}"
@@ -100,11 +124,25 @@ def draw_panel(ax, groups, keys, title, ylabel, yrange):
             if not steps:
                 continue
             style = STYLES[k] if len(keys) > 1 else STYLES[i % len(STYLES)]
-            ax.plot(steps, means, style, color=color, marker=MARKERS[i % len(MARKERS)] if len(steps) < 40 else None,
-                    markersize=3, label=label if k == 0 else None, alpha=0.9)
+            ax.plot(
+                steps,
+                means,
+                style,
+                color=color,
+                marker=MARKERS[i % len(MARKERS)] if len(steps) < 40 else None,
+                markersize=3,
+                label=label if k == 0 else None,
+                alpha=0.9,
+            )
             if len(runs) > 1:
-                ax.fill_between(steps, [m - s for m, s in zip(means, ses)], [m + s for m, s in zip(means, ses)],
-                                color=color, alpha=0.15, linewidth=0)
+                ax.fill_between(
+                    steps,
+                    [m - s for m, s in zip(means, ses)],
+                    [m + s for m, s in zip(means, ses)],
+                    color=color,
+                    alpha=0.15,
+                    linewidth=0,
+                )
             top = max(top, max(m + s for m, s in zip(means, ses)))
             if key in REFERENCE:
                 ref_steps, refs, _ = mean_and_se(runs, REFERENCE[key])
@@ -123,7 +161,8 @@ def draw_panel(ax, groups, keys, title, ylabel, yrange):
 
 
 def plot_runs(run_dirs, out_dir, labels=None, figures=FIGURES):
-    """One PNG per figure into out_dir; runs sharing a label are averaged. Returns the paths written."""
+    """One PNG per figure into out_dir; runs sharing a label are averaged. Returns the paths
+    written."""
     labels = labels or [os.path.basename(os.path.normpath(d)) for d in run_dirs]
     groups = {}
     for label, d in zip(labels, run_dirs):
@@ -134,7 +173,9 @@ def plot_runs(run_dirs, out_dir, labels=None, figures=FIGURES):
         fig, axes = plt.subplots(1, len(panels), figsize=(4.0 * len(panels), 3.3), squeeze=False)
         for ax, panel in zip(axes[0], panels):
             draw_panel(ax, groups, *panel)
-        axes[0][0].legend(fontsize=7)
+        labelled = [ax for ax in axes[0] if ax.get_legend_handles_labels()[0]]
+        if labelled:
+            labelled[0].legend(fontsize=7)
         fig.tight_layout()
         path = os.path.join(out_dir, f"{name}.png")
         fig.savefig(path, dpi=110)
@@ -144,9 +185,13 @@ def plot_runs(run_dirs, out_dir, labels=None, figures=FIGURES):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description="Plot the paper's training curves from run folders.")
+    parser = argparse.ArgumentParser(
+        description="Plot the paper's training curves from run folders."
+    )
     parser.add_argument("runs", nargs="+", help="run folders holding metrics.jsonl")
-    parser.add_argument("--out", default=None, help="folder for the PNGs (default: the first run folder)")
+    parser.add_argument(
+        "--out", default=None, help="folder for the PNGs (default: the first run folder)"
+    )
     args = parser.parse_args(argv)
     missing = [d for d in args.runs if not os.path.isfile(os.path.join(d, "metrics.jsonl"))]
     if missing:

@@ -1,38 +1,43 @@
-"""The agent-environment loop: batched multi-turn rollouts of a language-model policy in the worlds of envs.py.
+"""The agent-environment loop: batched multi-turn rollouts of a language-model policy in the worlds
+of envs.py.
 
-A new top-level file because the loop is a concept of its own: it turns a policy pi(z | x) and an environment into
-the token-level data that PPO / GRPO train on (RAGEN-2, Sec. 4.1: prompt groups of K rollouts, up to 5 turns).
+A new top-level file because the loop is a concept of its own: it turns a policy pi(z | x) and an
+environment into the token-level data that PPO / GRPO train on (RAGEN-2, Sec. 4.1: prompt groups of
+K rollouts, up to 5 turns).
 
-Prompt groups. Group g is one environment seed: its K rollouts reset to the same layout (reset(seed)) but draw
-independent transition noise (reset(noise_seed=seed * 1000 + k)), so the spread of a group's total rewards R_1..R_K
-is the reward variance Var(R | x) that snr_filter.py ranks groups by.
+Prompt groups. Group g is one environment seed: its K rollouts reset to the same layout
+(reset(seed)) but draw independent transition noise (reset(noise_seed=seed * 1000 + k)), so the
+spread of a group's total rewards R_1..R_K is the reward variance Var(R | x) that snr_filter.py
+ranks groups by.
 
-One episode is one chat transcript, kept as token ids exactly as sampled (training never re-tokenizes text):
+One episode is one chat transcript, kept as token ids exactly as sampled (training never
+re-tokenizes text):
 
-    [system, user_1, assistant header, <think>] [sampled_1] [end, user_2, assistant header, <think>] [sampled_2] ...
-    |----------- template, mask 0 -----------| |- mask 1 -| |------ new template tokens, mask 0 -----| |- mask 1 -|
+    [system, user_1, assistant header, <think>] [sampled_1] [end, user_2, header, <think>] [sampled_2] ...
+    |----------- template, mask 0 -----------| |- mask 1 -| |-- new template, mask 0 --| |- mask 1 -|
 
-The template tokens between turns are the text that the chat template renders between one assistant message and the
-next generation prompt (found by rendering a marker message and cutting after it); when the policy ended its turn
-with the template's end-of-turn token (Qwen: <|im_end|>) that token is its own, sampled one and is not repeated;
-when a turn was cut at the per-turn token limit, the end-of-turn tokens are appended as template tokens (mask 0).
-So for turns that end normally the transcript is token for token the chat template's rendering of the conversation.
+The template tokens between turns are the text the chat template renders between one assistant
+message and the next generation prompt (found by rendering a marker message and cutting after it).
+When the policy ended its turn with the end-of-turn token (Qwen: <|im_end|>), that token is its own,
+sampled one and is not repeated; when a turn was cut at the token limit, the end-of-turn tokens are
+appended as template tokens (mask 0). So for turns that end normally the transcript is token for
+token the chat template's rendering of the conversation.
 
-Rewards. Each turn the reply is parsed as the official loop does (envs.parse_response: the answer's `||` pieces are
-capped at `max_actions_per_turn` first), the valid actions among them are stepped, and a turn whose answer is
-malformed -- no closed think and answer blocks, or any kept piece not an action -- earns the format penalty -0.1
-(actions still stepped). The episode's total
-R = sum of env rewards + penalties sits on its last policy token (collate's token_rewards), as in the reference's
-token-level PPO.
+Rewards. Each turn the reply is parsed as the official loop does (envs.parse_response: the answer's
+`||` pieces are capped at `max_actions_per_turn` first), the valid actions among them are stepped,
+and a turn whose answer is malformed -- no closed think and answer blocks, or a kept piece that is
+not an action -- earns the format penalty -0.1. The episode's total R = env rewards + penalties sits
+on its last policy token (collate's token_rewards), as in the reference's token-level PPO.
 
 Sampling (`hf_policy`). A plain loop: one forward pass per new token with a key/value cache, then
-log softmax(logits / temperature), a draw from it (or its top-p nucleus), and the tempered full-vocabulary log-prob
-of the drawn token recorded -- exactly what a training forward pass recomputes (tests check equality). Every turn's
-prompt is the previous turn's prompt plus the tokens sampled plus the new observation, so the policy keeps each
-episode's cache between turns and encodes only the new tokens: turn 5 of a 700-token Sokoban transcript costs its
-~100 new tokens, not 700. With top_p < 1 the token was drawn from the renormalised nucleus, whose log-prob is larger
-by -log(nucleus mass); that number is not recorded, because training compares against the tempered full policy.
+log softmax(logits / temperature), a draw from it (or from its top-p nucleus), and the drawn token's
+tempered full-vocabulary log-prob recorded -- what a training forward pass recomputes (tests check
+it). Every turn's prompt is the last turn's prompt plus the tokens sampled plus the new observation,
+so the policy keeps each episode's cache between turns and encodes only the new tokens: turn 5 of a
+700-token Sokoban transcript costs its ~100 new tokens, not 700. With top_p < 1 the log-prob of the
+renormalised nucleus is not what is recorded: training compares against the tempered full policy.
 """
+
 from dataclasses import dataclass, field
 
 import torch
@@ -42,37 +47,45 @@ import envs
 
 FORMAT_PENALTY = -0.1
 ANSWER_FORMAT = "<think> ... </think> <answer> ... </answer>"
-_MARK = "\u2063MARK\u2063"  # a message text no template alters, used to cut rendered text after a message
+_MARK = "\u2063MARK\u2063"  # a message text no template alters: rendered text is cut after it
 
 
 # ---------------------------------------------------------------- prompts
 def system_prompt(env, max_actions_per_turn=2):
-    """Rules, legend, action names and the answer format; for FrozenLake it ends with 'Answer as <think> ...
-    </think> <answer> ... </answer>, up to 2 actions separated by ||, e.g. <answer> Up || Down </answer>.'"""
+    """Rules, legend, action names and the answer format; for FrozenLake it ends with 'Answer as
+    <think> ... </think> <answer> ... </answer>, up to 2 actions separated by ||, e.g. <answer> Up
+    || Down </answer>.'"""
     lines = [f"You are playing {env.name}. {env.rules}"]
     if env.legend:
         lines.append(env.legend)
     example = " || ".join(env.actions[:max(1, min(2, max_actions_per_turn, env.max_steps))])
     lines.append(f"Actions: {', '.join(env.actions)}.")
-    lines.append(f"Answer as {ANSWER_FORMAT}, up to {max_actions_per_turn} actions separated by ||, "
-                 f"e.g. <answer> {example} </answer>.")
+    lines.append(
+        f"Answer as {ANSWER_FORMAT}, up to {max_actions_per_turn} actions separated by ||, "
+        f"e.g. <answer> {example} </answer>."
+    )
     return "\n".join(lines)
 
 
 def user_message(obs, turn_reward, actions_left, turn):
-    """One user turn: state, reward of the last turn (left out on turn 1), actions left, the answer format.
+    """One user turn: state, reward of the last turn (left out on turn 1), actions left, the answer
+    format.
 
     >>> user_message("P_O", -0.1, 8, 2)[:56]
     'Turn 2. Reward of last turn: -0.10\\nState:\\nP_O\\nYou have 8'
     """
     reward = f" Reward of last turn: {turn_reward:.2f}" if turn > 1 else ""
-    return (f"Turn {turn}.{reward}\nState:\n{obs}\n"
-            f"You have {actions_left} actions left. Answer as {ANSWER_FORMAT}, actions separated by ||.")
+    return (
+        f"Turn {turn}.{reward}\nState:\n{obs}\n"
+        f"You have {actions_left} actions left. Answer as {ANSWER_FORMAT}, actions separated by ||."
+    )
 
 
 # ---------------------------------------------------------------- chat template, token by token
 def _render(tokenizer, messages, add_generation_prompt):
-    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+    return tokenizer.apply_chat_template(
+        messages, tokenize=False, add_generation_prompt=add_generation_prompt
+    )
 
 
 def _encode(tokenizer, text):
@@ -81,8 +94,8 @@ def _encode(tokenizer, text):
 
 
 def _after_assistant(tokenizer, next_user=None, prefill=""):
-    """Text the template writes after an assistant message: its end-of-turn text, then (if next_user is given) the
-    next user message and the generation prompt; ChatML (Qwen2.5):
+    """Text the template writes after an assistant message: its end-of-turn text, then (if next_user
+    is given) the next user message and the generation prompt; ChatML (Qwen2.5):
     '<|im_end|>\\n<|im_start|>user\\n{next_user}<|im_end|>\\n<|im_start|>assistant\\n'."""
     messages = [{"role": "system", "content": "s"}, {"role": "user", "content": "u"},
                 {"role": "assistant", "content": _MARK}]
@@ -93,8 +106,8 @@ def _after_assistant(tokenizer, next_user=None, prefill=""):
 
 
 def end_of_turn_ids(tokenizer):
-    """Token ids that end an assistant turn: the template's end-of-turn token (Qwen: <|im_end|>) and the eos token.
-    Generation stops at any of them."""
+    """Token ids that end an assistant turn: the template's end-of-turn token (Qwen: <|im_end|>) and
+    the eos token. Generation stops at any of them."""
     ids = []
     if tokenizer.chat_template is not None:
         end_text = _after_assistant(tokenizer)
@@ -103,115 +116,142 @@ def end_of_turn_ids(tokenizer):
     if tokenizer.eos_token_id is not None and tokenizer.eos_token_id not in ids:
         ids.append(tokenizer.eos_token_id)
     if not ids:
-        raise ValueError("tokenizer has no eos token and no chat template with an end-of-turn token")
+        raise ValueError(
+            "tokenizer has no eos token and no chat template with an end-of-turn token"
+        )
     return ids
 
 
 def pad_token_id(tokenizer):
-    """The tokenizer's pad id, or (tokenizer without one) its end-of-turn id. The tokenizer itself is not changed:
-    padding is done here, positions are masked, so the pad id's value never matters."""
-    return tokenizer.pad_token_id if tokenizer.pad_token_id is not None else end_of_turn_ids(tokenizer)[0]
+    """The tokenizer's pad id, or (tokenizer without one) its end-of-turn id. The tokenizer itself
+    is not changed: padding is done here, positions are masked, so the pad id's value never
+    matters."""
+    return (
+        tokenizer.pad_token_id
+        if tokenizer.pad_token_id is not None
+        else end_of_turn_ids(tokenizer)[0]
+    )
 
 
-# ---------------------------------------------------------------- the policy: prompts in, sampled tokens out
+# ------------------------------------------------------- the policy: prompts in, sampled tokens out
 @dataclass
 class Generation:
-    """One sampled response: token ids as sampled (with the end-of-turn token when produced), per-token log-probs
-    at sampling time (or None), and cut = the per-turn token limit was hit."""
+    """One sampled response: token ids as sampled (with the end-of-turn token when produced),
+    per-token log-probs at sampling time (or None), and cut = the per-turn token limit was hit."""
     token_ids: list
     logprobs: list = None
     cut: bool = False
 
 
 def nucleus(probs, top_p):
-    """Top-p filtering: zero every token whose likelier tokens already hold top_p of the mass -> [B, V] (unnormalised;
-    torch.multinomial does not need the sum to be 1). The most likely token always stays.
+    """Top-p filtering: zero every token whose likelier tokens already hold top_p of the mass -> [B,
+    V] (unnormalised; torch.multinomial does not need the sum to be 1). The most likely token always
+    stays.
 
     >>> nucleus(torch.tensor([[0.1, 0.6, 0.3]]), 0.7)
     tensor([[0.0000, 0.6000, 0.3000]])
     """
-    ranked, order = probs.sort(dim=-1, descending=True)                       # [B, V]
-    drop = ranked.cumsum(-1) - ranked >= top_p                                # [B, V] mass above already >= top_p
+    ranked, order = probs.sort(dim=-1, descending=True)                        # [B, V]
+    drop = ranked.cumsum(-1) - ranked >= top_p                                 # [B, V]
     return torch.zeros_like(probs).scatter(-1, order, ranked.masked_fill(drop, 0.0))
 
 
 def hf_policy(model, tokenizer, max_new_tokens, temperature=1.0, top_p=1.0):
-    """A Hugging Face causal LM as a policy(prompt_ids, envs) -> list[Generation]: one batched call for all prompts,
-    left-padded, stops at an end-of-turn token or after max_new_tokens; temperature 0 means greedy (log-probs then at
-    temperature 1). Sampling settings are explicit, so a checkpoint's generation_config (e.g. Qwen's repetition
-    penalty and top_k) cannot change the distribution. Runs on the model's device, in its current mode (sample in
-    eval mode so that dropout, if any, is off).
+    """A Hugging Face causal LM as a policy(prompt_ids, envs) -> list[Generation]: one batched call
+    for all prompts, left-padded, each stopping at an end-of-turn token or after max_new_tokens;
+    temperature 0 means greedy (log-probs then at temperature 1). Sampling settings are explicit, so
+    a checkpoint's generation_config (e.g. Qwen's repetition penalty and top_k) cannot change the
+    distribution. Runs on the model's device in its current mode (sample in eval mode: no dropout).
 
-    The policy remembers the key/value cache of its last call, one row per prompt. A new prompt that continues a
-    remembered row (that row's tokens are a prefix of it) reuses the row and encodes only its new tokens; otherwise
-    the whole batch is encoded afresh. The cache holds holes -- padding and the steps after a row stopped, with
-    attention mask 0 -- and every token gets its true position id, so attention and RoPE see exactly the tokens of
-    its own transcript, as a fresh forward pass does.
+    The policy remembers the key/value cache of its last call, one row per prompt. A prompt that
+    continues a remembered row (the row's tokens are a prefix of it) reuses the row and encodes only
+    its new tokens; otherwise the whole batch is encoded afresh. The cache holds holes -- padding,
+    and the steps after a row stopped, with attention mask 0 -- and every token gets its true
+    position id, so attention and RoPE see exactly the tokens of its own transcript, as a fresh
+    forward pass does.
     """
     if not (isinstance(max_new_tokens, int) and max_new_tokens >= 1):
         raise ValueError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
     if temperature < 0 or not 0 < top_p <= 1:
         raise ValueError(f"need temperature >= 0 and 0 < top_p <= 1, got {temperature}, {top_p}")
-    stop_ids = end_of_turn_ids(tokenizer)
-    pad = pad_token_id(tokenizer)
-    last = {"rows": {}}  # the previous call: cache, attention [B, W], positions [B], {key: (row, its tokens)}
+    stop_ids, pad = end_of_turn_ids(tokenizer), pad_token_id(tokenizer)
+    # the last call's cache, attention [B, W], positions [B] and {key: (row, tokens)}
+    last = {"rows": {}}
 
     @torch.no_grad()
     def policy(prompt_ids, env_list=None):  # the environments are not needed to sample
-        device = model.device
-        stop = torch.tensor(stop_ids, device=device)
-        keys = [id(env) for env in env_list] if env_list is not None else list(range(len(prompt_ids)))
+        device, B = model.device, len(prompt_ids)
+        keys = [id(env) for env in env_list] if env_list is not None else list(range(B))
         rows = _continued_rows(last["rows"], prompt_ids, keys)
         if rows is None:  # start afresh: an empty cache
-            cache, attention = DynamicCache(), torch.zeros(len(prompt_ids), 0, dtype=torch.long, device=device)
-            position, known = torch.zeros(len(prompt_ids), dtype=torch.long, device=device), [0] * len(prompt_ids)
+            cache, attention = DynamicCache(), torch.zeros(B, 0, dtype=torch.long, device=device)
+            position, known = torch.zeros(B, dtype=torch.long, device=device), [0] * B
         else:  # keep the rows of the prompts that continue, in the new order
             index = torch.tensor(rows, device=device)
-            cache, attention, position = last["cache"], last["attention"][index], last["position"][index]
+            cache, attention, position = (
+                last["cache"],
+                last["attention"][index],
+                last["position"][index],
+            )
             cache.batch_select_indices(index)
             known = [len(last["rows"][key][1]) for key in keys]
 
-        # encode what is new in every prompt, left-padded to the longest new piece
+        # ---- encode what is new in every prompt, left-padded to the longest new piece
         new = [p[k:] for p, k in zip(prompt_ids, known)]
         width = max(len(n) for n in new)
-        ids = torch.full((len(new), width), pad, dtype=torch.long)                   # [B, W]
-        real = torch.zeros((len(new), width), dtype=torch.long)                      # [B, W]
+        ids = torch.full((B, width), pad, dtype=torch.long)                    # [B, W]
+        real = torch.zeros((B, width), dtype=torch.long)                       # [B, W]
         for b, n in enumerate(new):
             ids[b, width - len(n):] = torch.tensor(n, dtype=torch.long)
             real[b, width - len(n):] = 1
         ids, real = ids.to(device), real.to(device)
-        positions = position[:, None] + (real.cumsum(1) - 1).clamp(min=0)             # [B, W]
-        attention = torch.cat([attention, real], dim=1)                               # [B, W_cache + W]
-        logits = model(input_ids=ids, attention_mask=attention, position_ids=positions, past_key_values=cache,
-                       use_cache=True, logits_to_keep=1).logits[:, -1]                # [B, V]
-        position = position + real.sum(1)                                             # [B]
+        positions = position[:, None] + (real.cumsum(1) - 1).clamp(min=0)      # [B, W]
+        attention = torch.cat([attention, real], dim=1)                        # [B, W_cache + W]
+        logits = model(
+            input_ids=ids,
+            attention_mask=attention,
+            position_ids=positions,
+            past_key_values=cache,
+            use_cache=True,
+            logits_to_keep=1,
+        ).logits[
+            :, -1
+        ]  # [B, V]
+        position = position + real.sum(1)                                      # [B]
 
-        # sample token by token; a row that stopped is fed padding with attention 0 until all rows stopped
+        # ---- sample token by token; a row that stopped is fed padding, attention 0, until all rows
+        # stopped
         tokens, logprobs, fed = [], [], []
-        running = torch.ones(len(new), dtype=torch.bool, device=device)              # [B]
+        running = torch.ones(B, dtype=torch.bool, device=device)               # [B]
+        stop = torch.tensor(stop_ids, device=device)
         for step in range(max_new_tokens):
-            table = torch.log_softmax(logits.float() / (temperature or 1.0), dim=-1)  # [B, V]
+            table = torch.log_softmax(logits.float() / (temperature or 1.0), dim=-1)   # [B, V]
             if temperature == 0:
-                token = table.argmax(-1)                                              # [B]
+                token = table.argmax(-1)                                       # [B]
             else:
                 probs = table.exp() if top_p == 1.0 else nucleus(table.exp(), top_p)
-                token = torch.multinomial(probs, 1)[:, 0]                             # [B]
+                token = torch.multinomial(probs, 1)[:, 0]                      # [B]
             token = torch.where(running, token, pad)
             tokens.append(token)
             logprobs.append(table.gather(1, token[:, None])[:, 0])
             still = running & ~torch.isin(token, stop)
             if step == max_new_tokens - 1 or not still.any():
                 break
-            fed.append(running)  # this step's token goes into the cache for the rows that were still running
+            fed.append(running)  # this token enters the cache for the rows that were still running
             attention = torch.cat([attention, running.long()[:, None]], dim=1)
-            logits = model(input_ids=token[:, None], attention_mask=attention, position_ids=position[:, None],
-                           past_key_values=cache, use_cache=True).logits[:, -1]
+            logits = model(
+                input_ids=token[:, None],
+                attention_mask=attention,
+                position_ids=position[:, None],
+                past_key_values=cache,
+                use_cache=True,
+            ).logits[:, -1]
             position = position + running.long()
             running = still
 
-        tokens = torch.stack(tokens, 1).cpu().tolist()                                # [B, N]
-        logprobs = torch.stack(logprobs, 1).float().cpu().tolist()                    # [B, N]
-        fed = torch.stack(fed, 1).cpu().tolist() if fed else [[] for _ in new]        # [B, N-1]
+        tokens = torch.stack(tokens, 1).cpu().tolist()                         # [B, N]
+        logprobs = torch.stack(logprobs, 1).float().cpu().tolist()             # [B, N]
+        fed = torch.stack(fed, 1).cpu().tolist() if fed else [[] for _ in new]  # [B, N-1]
         last.update(cache=cache, attention=attention, position=position, rows={
             key: (b, p + [t for t, f in zip(row, on) if f])
             for b, (key, p, row, on) in enumerate(zip(keys, prompt_ids, tokens, fed))})
@@ -225,10 +265,10 @@ def hf_policy(model, tokenizer, max_new_tokens, temperature=1.0, top_p=1.0):
 
 
 def _continued_rows(remembered, prompt_ids, keys):
-    """For each prompt the remembered row it continues, or None when some prompt continues none. Row r is looked up
-    by the prompt's key (its environment object; the prompt's index when none is given) and must hold a proper
-    prefix of the prompt: _continued_rows({"a": (0, [1, 2]), "b": (1, [3])}, [[3, 4], [1, 2, 5]], ["b", "a"])
-    == [1, 0]."""
+    """For each prompt the remembered row it continues, or None when some prompt continues none. A
+    row is found by the prompt's key (its environment object; its index when none is given) and must
+    hold a proper prefix of the prompt: _continued_rows({"a": (0, [1, 2]), "b": (1, [3])}, [[3, 4],
+    [1, 2, 5]], ["b", "a"]) == [1, 0]."""
     rows = []
     for prompt, key in zip(prompt_ids, keys):
         row, tokens = remembered.get(key, (None, None))
@@ -241,17 +281,21 @@ def _continued_rows(remembered, prompt_ids, keys):
 # ---------------------------------------------------------------- the loop
 @dataclass
 class Episode:
-    """One rollout, filled in turn by turn. ids / policy_mask / logprobs run over the transcript's T tokens."""
+    """One rollout, filled in turn by turn. ids / policy_mask / logprobs run over the
+    transcript's T tokens."""
     env: envs.TextEnv = field(repr=False)  # the world, left in its final state
     group: int  # prompt group: index of its seed in the step's seeds
     seed: int  # layout seed, shared by the group
     noise_seed: int  # transition-noise seed, own to this rollout
-    ids: list  # [T] token ids: template and observations (mask 0), the policy's sampled tokens (mask 1)
+    ids: list  # [T] token ids: template and observations (mask 0), the policy's tokens (mask 1)
     policy_mask: list  # [T] 1.0 on sampled tokens
-    logprobs: list  # [T] sampling-time log-probs on sampled tokens, 0 elsewhere; None if the policy gave none
-    prompt_text: str  # turn-1 prompt, rendered
-    first_prompt: str = ""  # turn-1 prompt up to and including the reply's "<think>" (X of the MI diagnosis)
-    first_reasoning: str = ""  # turn-1 text between <think> and </think>, the rest of the reply if unclosed (Z)
+    # [T] sampling-time log-probs on sampled tokens, else 0; None if the policy gave none
+    logprobs: list
+    prompt_text: str  # the rendered turn-1 prompt
+    # turn-1 prompt up to and including the reply's "<think>" (X of the MI diagnosis)
+    first_prompt: str = ""
+    # turn-1 text between <think> and </think>; the rest of the reply if unclosed (Z)
+    first_reasoning: str = ""
     responses: list = field(default_factory=list)  # decoded replies (prefill included), per turn
     response_lengths: list = field(default_factory=list)  # sampled tokens per turn
     turn_rewards: list = field(default_factory=list)  # env rewards + penalty, per turn
@@ -280,8 +324,9 @@ class Episode:
 
 
 def _split_reasoning(prompt_text, response_text):
-    """(X, Z) for cross-scoring: X ends with the response's first "<think>" (the prompt's own format example does
-    not count), Z runs to "</think>". _split_reasoning("Q", "<think> a </think> b") == ("Q<think>", " a ")."""
+    """(X, Z) for cross-scoring: X ends with the response's first "<think>" (the prompt's own format
+    example does not count), Z runs to "</think>". _split_reasoning("Q", "<think> a </think> b") ==
+    ("Q<think>", " a ")."""
     full = prompt_text + response_text
     start = full.find("<think>", len(prompt_text))
     if start < 0:
@@ -291,16 +336,28 @@ def _split_reasoning(prompt_text, response_text):
     return full[:start], full[start:] if stop < 0 else full[start:stop]
 
 
-def play(policy, tokenizer, env_name, seeds, group_size, env_kwargs=None, max_turns=5, max_actions_per_turn=2,
-         system=None, prefill="<think>", user=user_message):
-    """Play len(seeds) groups x group_size rollouts for at most max_turns turns; each turn one policy call for all
-    running episodes (episodes that ended are not generated for). system: None (system_prompt(env)), a string, or a
-    function env -> string; user: the function that writes each user turn (user_message's signature). Returns the
-    episodes group by group."""
+def play(
+    policy,
+    tokenizer,
+    env_name,
+    seeds,
+    group_size,
+    env_kwargs=None,
+    max_turns=5,
+    max_actions_per_turn=2,
+    system=None,
+    prefill="<think>",
+    user=user_message,
+):
+    """Play len(seeds) groups x group_size rollouts for at most max_turns turns; each turn one
+    policy call for all running episodes (episodes that ended are not generated for). system: None
+    (system_prompt(env)), a string, or a function env -> string; user: the function that writes each
+    user turn (user_message's signature). Returns the episodes group by group."""
     if not (isinstance(group_size, int) and 1 <= group_size <= 1000):
         raise ValueError(f"group_size must be an int in 1..1000, got {group_size!r}")
     if max_turns < 1 or max_actions_per_turn < 1:
-        raise ValueError(f"max_turns and max_actions_per_turn must be >= 1, got {max_turns}, {max_actions_per_turn}")
+        raise ValueError(f"max_turns and max_actions_per_turn must be >= 1, got {max_turns}, "
+                         f"{max_actions_per_turn}")
     stop_ids = end_of_turn_ids(tokenizer)
     episodes = []
     for g, seed in enumerate(seeds):
@@ -313,9 +370,19 @@ def play(policy, tokenizer, env_name, seeds, group_size, env_kwargs=None, max_tu
                         {"role": "user", "content": user(obs, 0.0, env.max_steps, 1)}]
             prompt_text = _render(tokenizer, messages, add_generation_prompt=True)
             ids = _encode(tokenizer, prompt_text + prefill)
-            episodes.append(Episode(env=env, group=g, seed=seed, noise_seed=seed * 1000 + k, ids=ids,
-                                    policy_mask=[0.0] * len(ids), logprobs=[0.0] * len(ids),
-                                    prompt_text=prompt_text, success=bool(info.get("success", False))))
+            episodes.append(
+                Episode(
+                    env=env,
+                    group=g,
+                    seed=seed,
+                    noise_seed=seed * 1000 + k,
+                    ids=ids,
+                    policy_mask=[0.0] * len(ids),
+                    logprobs=[0.0] * len(ids),
+                    prompt_text=prompt_text,
+                    success=bool(info.get("success", False)),
+                )
+            )
 
     for turn in range(1, max_turns + 1):
         running = [e for e in episodes if not e.done]
@@ -324,7 +391,9 @@ def play(policy, tokenizer, env_name, seeds, group_size, env_kwargs=None, max_tu
         # ---- generate: one batched call for every running episode
         generations = policy([e.ids for e in running], [e.env for e in running])
         if len(generations) != len(running):
-            raise ValueError(f"policy returned {len(generations)} generations for {len(running)} prompts")
+            raise ValueError(
+                f"policy returned {len(generations)} generations for {len(running)} prompts"
+            )
         for e, gen in zip(running, generations):
             tokens = list(gen.token_ids)
             if gen.logprobs is None:
@@ -333,13 +402,15 @@ def play(policy, tokenizer, env_name, seeds, group_size, env_kwargs=None, max_tu
             e.response_lengths.append(len(tokens))
             e.cut = bool(gen.cut)
             ended = bool(tokens) and tokens[-1] in stop_ids
-            text = prefill + tokenizer.decode(tokens[:-1] if ended else tokens, skip_special_tokens=False)
+            text = prefill + tokenizer.decode(
+                tokens[:-1] if ended else tokens, skip_special_tokens=False
+            )
             e.responses.append(text)
             if turn == 1:
                 e.first_prompt, e.first_reasoning = _split_reasoning(e.prompt_text, text)
 
-            # ---- parse and act: the valid ones of the first max_actions_per_turn pieces are stepped; a turn with
-            # a malformed answer (no closed blocks, or any kept piece not an action) earns the format penalty
+            # ---- parse and act: the valid actions among the first max_actions_per_turn pieces are
+            # stepped
             _, actions, valid = envs.parse_response(text, e.env.actions, max_actions_per_turn)
             reward = 0.0 if valid else FORMAT_PENALTY
             for action in actions:
@@ -355,7 +426,8 @@ def play(policy, tokenizer, env_name, seeds, group_size, env_kwargs=None, max_tu
             if e.done:
                 continue
 
-            # ---- observe: only the template tokens that are new since the sampled ones
+            # ---- append the observation: only the template tokens that are new since the sampled
+            # ones
             between = _encode(tokenizer, _after_assistant(tokenizer, user(
                 e.env.render(), reward, e.env.max_steps - e.num_actions, turn + 1), prefill))
             if ended and between and between[0] == tokens[-1]:
@@ -366,19 +438,20 @@ def play(policy, tokenizer, env_name, seeds, group_size, env_kwargs=None, max_tu
 
 # ---------------------------------------------------------------- batches for training, validation
 def collate(episodes, pad_id):
-    """Right-padded tensors [B, T]: input_ids, attention_mask, policy_mask, token_rewards (the episode's total reward
-    on its last sampled token, or its last token if it sampled none), logprobs (when every episode has them);
-    total_reward [B]; group [B]. Padded positions have mask 0 and reward 0."""
+    """Right-padded tensors [B, T]: input_ids, attention_mask, policy_mask, token_rewards (the
+    episode's total reward on its last sampled token, or its last token if it sampled none),
+    logprobs (when every episode has them); total_reward [B]; group [B]. Padded positions have mask
+    0 and reward 0."""
     if not episodes:
         raise ValueError("collate needs at least one episode")
     B, width = len(episodes), max(len(e.ids) for e in episodes)
-    batch = {"input_ids": torch.full((B, width), pad_id, dtype=torch.long),  # [B, T]
-             "attention_mask": torch.zeros((B, width), dtype=torch.long),  # [B, T]
-             "policy_mask": torch.zeros((B, width)),  # [B, T]
-             "token_rewards": torch.zeros((B, width))}  # [B, T]
+    batch = {"input_ids": torch.full((B, width), pad_id, dtype=torch.long),   # [B, T]
+             "attention_mask": torch.zeros((B, width), dtype=torch.long),     # [B, T]
+             "policy_mask": torch.zeros((B, width)),                          # [B, T]
+             "token_rewards": torch.zeros((B, width))}                        # [B, T]
     with_logp = all(e.logprobs is not None for e in episodes)
     if with_logp:
-        batch["logprobs"] = torch.zeros((B, width))  # [B, T]
+        batch["logprobs"] = torch.zeros((B, width))                           # [B, T]
     for b, e in enumerate(episodes):
         n = len(e.ids)
         batch["input_ids"][b, :n] = torch.tensor(e.ids, dtype=torch.long)
@@ -388,17 +461,42 @@ def collate(episodes, pad_id):
         batch["token_rewards"][b, sampled[-1] if sampled else n - 1] = e.total_reward
         if with_logp:
             batch["logprobs"][b, :n] = torch.tensor(e.logprobs)
-    batch["total_reward"] = torch.tensor([e.total_reward for e in episodes], dtype=torch.float32)  # [B]
+    # [B]
+    batch["total_reward"] = torch.tensor([e.total_reward for e in episodes], dtype=torch.float32)
     batch["group"] = torch.tensor([e.group for e in episodes], dtype=torch.long)  # [B]
     return batch
 
 
-def validate(model, tokenizer, env_name, seeds, env_kwargs=None, temperature=0.5, max_new_tokens=200, top_p=1.0,
-             max_turns=5, max_actions_per_turn=2, system=None, prefill="<think>", user=user_message):
+def validate(
+    model,
+    tokenizer,
+    env_name,
+    seeds,
+    env_kwargs=None,
+    temperature=0.5,
+    max_new_tokens=200,
+    top_p=1.0,
+    max_turns=5,
+    max_actions_per_turn=2,
+    system=None,
+    prefill="<think>",
+    user=user_message,
+):
     """Success rate on held-out seeds, one rollout each, at a lower temperature."""
     if not len(seeds):
         raise ValueError("validate needs at least one seed")
     policy = hf_policy(model, tokenizer, max_new_tokens, temperature=temperature, top_p=top_p)
-    episodes = play(policy, tokenizer, env_name, seeds, 1, env_kwargs=env_kwargs, max_turns=max_turns,
-                    max_actions_per_turn=max_actions_per_turn, system=system, prefill=prefill, user=user)
+    episodes = play(
+        policy,
+        tokenizer,
+        env_name,
+        seeds,
+        1,
+        env_kwargs=env_kwargs,
+        max_turns=max_turns,
+        max_actions_per_turn=max_actions_per_turn,
+        system=system,
+        prefill=prefill,
+        user=user,
+    )
     return sum(e.success for e in episodes) / len(episodes)

@@ -1,21 +1,26 @@
-"""The embedded tiny policy: a small Qwen2 and a word-level tokenizer built in code, warm-started once per world.
+"""The embedded tiny policy: a small Qwen2 and a word-level tokenizer built in code, warm-started
+once per world.
 
-A new top-level file because it holds one concept of its own: the policy that lets the main job run, and learn, on a
-laptop CPU with no download. The rest of the code treats it exactly like a Qwen2.5 model.
+A new top-level file because it holds one concept of its own: the policy that lets the main job run,
+and learn, on a laptop CPU with no download. The rest of the code treats it exactly like a Qwen2.5
+model.
 
-Tokenizer. Word-level: text is cut into pieces -- the tags <think> </think> <answer> </answer> ||, words, numbers, runs
-of white space, any other single character -- and every piece seen in the worlds' prompts is one token, so a grid cell
-is one token. An unseen piece falls back to its longest known prefixes, down to single characters (every printable
-ASCII character and every character of the prompts is a token), and decoding concatenates the pieces, so
-decode(encode(s)) == s and no prompt meets <unk>. Chat template: ChatML as Qwen2.5 writes it.
+Tokenizer. Word-level: text is cut into pieces -- the tags <think> </think> <answer> </answer> ||,
+words, numbers, runs of white space, any other single character -- and every piece seen in the
+worlds' prompts is one token, so a grid cell is one token. An unseen piece falls back to its longest
+known prefixes, down to single characters (every printable ASCII character and every character of
+the prompts is a token), and decoding concatenates the pieces, so decode(encode(s)) == s and no
+prompt meets <unk>. Chat template: ChatML as Qwen2.5 writes it.
 
-Model. A Qwen2ForCausalLM from a Qwen2Config: 2 layers, 64 wide, grouped-query attention, about 0.1M parameters.
+Model. A Qwen2ForCausalLM from a Qwen2Config: 2 layers, 64 wide, grouped-query attention, about 0.1M
+parameters.
 
-Warm start. A random network never writes a valid action, so on first use per world the model is trained by
-behaviour cloning on solver demonstrations (demos.py) and cached in .cache/tiny/<world>-<hash>; every later run loads
-it. The build is the same whatever the run's --seed (like a pretrained checkpoint, it is part of the model). It
-saves its progress every SAVE_EVERY steps (an interrupted build continues where it stopped), one process builds
-while others wait for it, and the cached files carry checksums: a damaged entry is built again.
+Warm start. A random network never writes a valid action, so on first use per world the model is
+trained by behaviour cloning on solver demonstrations (demos.py) and cached in
+.cache/tiny/<world>-<hash>; every later run loads it. The build is the same whatever the run's
+--seed (like a pretrained checkpoint, it is part of the model). It saves its progress every
+SAVE_EVERY steps (an interrupted build continues where it stopped), one process builds while others
+wait for it, and the cached files carry checksums: a damaged entry is built again.
 """
 import fcntl
 import hashlib
@@ -35,17 +40,21 @@ import demos
 import envs
 import rollout
 
-FORMAT_VERSION = 6  # bump when demonstrations, tokenizer or default sizes / training settings change: no stale cache
+# bump when demonstrations, tokenizer or default sizes / training settings change: no stale cache
+FORMAT_VERSION = 6
 WARM_START_STEPS = 600
 SAVE_EVERY = 100  # warm-start steps between saves of its progress (a multiple of demos.ROUND)
-BUILD_THREADS = 2  # the warm start's torch threads, fixed so that the build does not depend on the core count
+# the warm start's torch threads, fixed so that the build does not depend on the core count
+BUILD_THREADS = 2
 TAGS = ("<think>", "</think>", "<answer>", "</answer>", "||")
-SPECIAL = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")  # Qwen2.5's: pad, turn start, turn end (= eos)
+# Qwen2.5's: pad, turn start, turn end (= eos)
+SPECIAL = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 UNK = "<unk>"
-# a piece: a word (capitalised or lower case: grid rows such as "_PX#" fall apart into cells), a number, white space,
-# or one other character
+# a piece: a word (capitalised or lower case: grid rows such as "_PX#" fall apart into cells), a
+# number, white space, or one other character
 PIECE = r"[A-Za-z][a-z]+|-?\d+(?:\.\d+)?|\s+|."
-# Qwen2.5's ChatML template without tool calls; like Qwen's it writes a default system message when none is given
+# Qwen2.5's ChatML template without tool calls; like Qwen's it writes a default system message when
+# none is given
 CHAT_TEMPLATE = (
     "{%- if messages[0]['role'] == 'system' %}"
     "{{- '<|im_start|>system\\n' + messages[0]['content'] + '<|im_end|>\\n' }}"
@@ -62,10 +71,11 @@ def prompts(env_name):
     return demos.prompts(env_name)
 
 
-# --------------------------------------------------------------------------------------------------------- tokenizer
+# ---------------------------------------------------------------------------------------- tokenizer
 
 def _sample_texts(seeds=range(8)):
-    """Every kind of text the rollout loop writes for tiny: system prompts, user turns, demonstrations, numbers."""
+    """Every kind of text the rollout loop writes for tiny: system prompts, user turns,
+    demonstrations, numbers."""
     texts = [demos.TINY_SYSTEM, CHAT_TEMPLATE, "Try Push from none expects pays"]
     rng = random.Random(0)
     for name in envs.ENVS:
@@ -73,7 +83,10 @@ def _sample_texts(seeds=range(8)):
             env = envs.make_env(name)
             obs, _ = env.reset(seed=seed)
             texts += [rollout.system_prompt(env, k) for k in (1, 2)]
-            texts += [user(obs, 0.0, env.max_steps, 1) for user in (demos.user_turn(name), rollout.user_message)]
+            texts += [
+                user(obs, 0.0, env.max_steps, 1)
+                for user in (demos.user_turn(name), rollout.user_message)
+            ]
             texts.append(demos.demonstration(env, rng, noise=0.5))
             texts.append(obs + "\n" + "\n".join(env.actions))
     # turn rewards (two decimals) and actions left
@@ -82,7 +95,8 @@ def _sample_texts(seeds=range(8)):
 
 
 def build_tokenizer():
-    """Word-level tokenizer over the worlds' texts with a character fallback, ChatML chat template, Qwen's specials.
+    """Word-level tokenizer over the worlds' texts with a character fallback, ChatML chat template,
+    Qwen's specials.
 
     >>> tok = build_tokenizer(); tok.convert_ids_to_tokens(tok.encode("#_P\\n<think> Up"))
     ['#', '_', 'P', '\\n', '<think>', ' ', 'Up']
@@ -95,37 +109,65 @@ def build_tokenizer():
     vocab = {UNK: 0}
     for piece in sorted(pieces):
         vocab[piece] = len(vocab)
-    # WordPiece with an empty continuation prefix = greedy longest known prefix: whole words when known, else chars
+    # WordPiece with an empty continuation prefix = greedy longest known prefix: whole words when
+    # known, else chars
     core = Tokenizer(models.WordPiece(vocab, unk_token=UNK, continuing_subword_prefix="",
                                       max_input_chars_per_word=1_000_000))
     core.pre_tokenizer = pre_tokenizers.Split(Regex(PIECE), behavior="isolated")
     core.decoder = decoders.Fuse()  # decoding = concatenation: exact round trip
     core.add_tokens([AddedToken(t, normalized=False, special=False) for t in TAGS])
     core.add_special_tokens([AddedToken(t, normalized=False, special=True) for t in SPECIAL])
-    return PreTrainedTokenizerFast(tokenizer_object=core, eos_token="<|im_end|>", pad_token="<|endoftext|>",
-                                   unk_token=UNK, chat_template=CHAT_TEMPLATE, clean_up_tokenization_spaces=False,
-                                   padding_side="left", model_max_length=4096)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=core,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        unk_token=UNK,
+        chat_template=CHAT_TEMPLATE,
+        clean_up_tokenization_spaces=False,
+        padding_side="left",
+        model_max_length=4096,
+    )
 
 
-# ------------------------------------------------------------------------------------------------------------- model
+# -------------------------------------------------------------------------------------------- model
 
-def build_model(tokenizer, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=128,
-                init_std=0.2, seed=0):
-    """A Qwen2ForCausalLM from a Qwen2Config (grouped-query attention, RoPE, RMSNorm, SwiGLU), tied embeddings, its
-    weights drawn from `seed` without touching the global random stream.
 
-    Weights start at std `init_std`, not Qwen's 0.02 (meant for 896-wide and wider models): at 64 wide, 0.02 leaves
-    attention logits near 0, so every head starts uniform and the warm start sits long on a loss plateau before it
-    reads the positions line. Attention is torch's SDPA kernel (the default).
+def build_model(
+    tokenizer,
+    hidden_size=64,
+    num_layers=2,
+    num_heads=4,
+    num_kv_heads=2,
+    intermediate_size=128,
+    init_std=0.2,
+    seed=0,
+):
+    """A Qwen2ForCausalLM from a Qwen2Config (grouped-query attention, RoPE, RMSNorm, SwiGLU), tied
+    embeddings, its weights drawn from `seed` without touching the global random stream.
+
+    Weights start at std `init_std`, not Qwen's 0.02 (meant for 896-wide and wider models): at 64
+    wide, 0.02 leaves attention logits near 0, so every head starts uniform and the warm start sits
+    long on a loss plateau before it reads the positions line. Attention is torch's SDPA kernel (the
+    default).
     """
     if hidden_size % num_heads or num_heads % num_kv_heads:
         raise ValueError(f"hidden_size must divide by num_heads and num_heads by num_kv_heads, got "
                          f"{hidden_size}, {num_heads}, {num_kv_heads}")
-    config = Qwen2Config(vocab_size=len(tokenizer), hidden_size=hidden_size, intermediate_size=intermediate_size,
-                         num_hidden_layers=num_layers, num_attention_heads=num_heads,
-                         num_key_value_heads=num_kv_heads, max_position_embeddings=4096, rope_theta=10_000.0,
-                         tie_word_embeddings=True, initializer_range=init_std, bos_token_id=None,
-                         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    config = Qwen2Config(
+        vocab_size=len(tokenizer),
+        hidden_size=hidden_size,
+        intermediate_size=intermediate_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_kv_heads,
+        max_position_embeddings=4096,
+        rope_theta=10_000.0,
+        tie_word_embeddings=True,
+        initializer_range=init_std,
+        bos_token_id=None,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
     with torch.random.fork_rng():
         torch.manual_seed(seed)
         model = Qwen2ForCausalLM(config)
@@ -134,14 +176,24 @@ def build_model(tokenizer, hidden_size=64, num_layers=2, num_heads=4, num_kv_hea
     return model
 
 
-# ------------------------------------------------------------------------------------------------------------- cache
+# -------------------------------------------------------------------------------------------- cache
 
 def cache_folder(cache_dir, env_name, tokenizer, env_kwargs=None, **settings):
-    """cache_dir/<env>-<hash>: the hash covers the world's settings, the tiny settings, the vocabulary and
-    FORMAT_VERSION, so a change to any of them builds a new model instead of loading a stale one."""
+    """cache_dir/<env>-<hash>: the hash covers the world's settings, the tiny settings, the
+    vocabulary and FORMAT_VERSION, so a change to any of them builds a new model instead of loading
+    a stale one."""
     vocab = tokenizer.get_vocab()
-    key = json.dumps({"env": env_name, "env_kwargs": env_kwargs or {}, "settings": settings, "version": FORMAT_VERSION,
-                      "vocab": sorted(vocab.items())}, sort_keys=True, default=str)
+    key = json.dumps(
+        {
+            "env": env_name,
+            "env_kwargs": env_kwargs or {},
+            "settings": settings,
+            "version": FORMAT_VERSION,
+            "vocab": sorted(vocab.items()),
+        },
+        sort_keys=True,
+        default=str,
+    )
     return os.path.join(cache_dir, f"{env_name}-{hashlib.sha256(key.encode()).hexdigest()[:12]}")
 
 
@@ -150,17 +202,24 @@ def checksums(folder):
     def digest(path):
         with open(path, "rb") as f:
             return hashlib.sha256(f.read()).hexdigest()
-    return {name: digest(os.path.join(folder, name)) if os.path.isfile(os.path.join(folder, name)) else None
-            for name in CHECKED_FILES}
+    return {
+        name: (
+            digest(os.path.join(folder, name))
+            if os.path.isfile(os.path.join(folder, name))
+            else None
+        )
+        for name in CHECKED_FILES
+    }
 
 
 def load_tiny(env_name, env_kwargs=None, cache_dir=".cache/tiny", rebuild=False, warm_start=True,
               steps=None, seed=0, progress=True, **sizes):
-    """(model, tokenizer) for `env_name`: warm-started on demonstrations on first use, then loaded from the cache.
+    """(model, tokenizer) for `env_name`: warm-started on demonstrations on first use, then loaded
+    from the cache.
 
-    warm_start=False gives the untrained network (nothing cached); rebuild=True trains again even when cached;
-    steps defaults to WARM_START_STEPS.
-    The folder holds warm_start.json (steps, seconds, losses, checksums). `sizes` go to build_model.
+    warm_start=False gives the untrained network (nothing cached); rebuild=True trains again even
+    when cached; steps defaults to WARM_START_STEPS. The folder holds warm_start.json (steps,
+    seconds, losses, checksums). `sizes` go to build_model.
     """
     if env_name not in envs.ENVS:
         raise ValueError(f"unknown environment {env_name!r}; valid: {', '.join(sorted(envs.ENVS))}")
@@ -168,7 +227,9 @@ def load_tiny(env_name, env_kwargs=None, cache_dir=".cache/tiny", rebuild=False,
     tokenizer = build_tokenizer()
     if not warm_start:
         return build_model(tokenizer, seed=seed, **sizes), tokenizer
-    folder = cache_folder(cache_dir, env_name, tokenizer, env_kwargs, steps=steps, seed=seed, **sizes)
+    folder = cache_folder(
+        cache_dir, env_name, tokenizer, env_kwargs, steps=steps, seed=seed, **sizes
+    )
     os.makedirs(cache_dir, exist_ok=True)
     with open(folder + ".lock", "w") as lock:
         try:
@@ -181,13 +242,18 @@ def load_tiny(env_name, env_kwargs=None, cache_dir=".cache/tiny", rebuild=False,
             if model is not None:
                 return model, PreTrainedTokenizerFast.from_pretrained(folder)
             if problem:
-                print(f"the cached tiny warm start in {folder} is damaged ({problem}); building it again")
-        return _build(folder, tokenizer, env_name, env_kwargs, steps, seed, progress, sizes), tokenizer
+                print(
+                    f"the cached tiny warm start in {folder} is damaged ({problem}); building it again"
+                )
+        return (
+            _build(folder, tokenizer, env_name, env_kwargs, steps, seed, progress, sizes),
+            tokenizer,
+        )
 
 
 def _load_cached(folder):
-    """(model, None) when the folder holds an intact warm start; (None, problem) when it holds a damaged one;
-    (None, None) when there is none."""
+    """(model, None) when the folder holds an intact warm start; (None, problem) when it holds a
+    damaged one; (None, None) when there is none."""
     info_path = os.path.join(folder, "warm_start.json")
     if not os.path.exists(info_path):
         return None, None
@@ -204,7 +270,8 @@ def _load_cached(folder):
 
 
 def _build(folder, tokenizer, env_name, env_kwargs, steps, seed, progress, sizes):
-    """Behaviour cloning into `folder`, continuing a saved partial build; progress is saved every SAVE_EVERY steps."""
+    """Behaviour cloning into `folder`, continuing a saved partial build; progress is saved every
+    SAVE_EVERY steps."""
     partial = folder + ".partial.pt"
     model = build_model(tokenizer, seed=seed, **sizes)
     start, state, losses = 0, None, []
@@ -214,14 +281,19 @@ def _build(folder, tokenizer, env_name, env_kwargs, steps, seed, progress, sizes
             model.load_state_dict(saved["model"])
             start, state, losses = saved["step"], saved["optimizer"], saved["losses"]
         except (OSError, RuntimeError, KeyError, EOFError, ValueError):
-            model = build_model(tokenizer, seed=seed, **sizes)  # a damaged partial build: start over
-    print(f"building the tiny policy's warm start for {env_name}: behaviour cloning on solver demonstrations, "
-          f"{steps} steps{f' (continuing at step {start})' if start else ''}. A one-time build, cached in "
-          f"{folder}; later runs load it.")
+            # a damaged partial build: start over
+            model = build_model(tokenizer, seed=seed, **sizes)
+    print(
+        f"building the tiny policy's warm start for {env_name}: behaviour cloning on solver demonstrations, "
+        f"{steps} steps{f' (continuing at step {start})' if start else ''}. A one-time build, cached in "
+        f"{folder}; later runs load it."
+    )
     bar = None
     if progress:
         from tqdm.auto import tqdm
-        bar = tqdm(total=steps, initial=start, desc=f"tiny warm start ({env_name})", dynamic_ncols=True)
+        bar = tqdm(
+            total=steps, initial=start, desc=f"tiny warm start ({env_name})", dynamic_ncols=True
+        )
 
     def on_step(step, loss, optimizer):
         losses.append(loss)
@@ -229,19 +301,37 @@ def _build(folder, tokenizer, env_name, env_kwargs, steps, seed, progress, sizes
             bar.update(1)
             bar.set_postfix(loss=f"{loss:.3f}")
         if (step + 1) % SAVE_EVERY == 0 and step + 1 < steps:
-            torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": step + 1,
-                        "losses": losses}, partial + ".tmp")
+            torch.save(
+                {
+                    "model": model.state_dict(),
+                    "optimizer": optimizer.state_dict(),
+                    "step": step + 1,
+                    "losses": losses,
+                },
+                partial + ".tmp",
+            )
             os.replace(partial + ".tmp", partial)
 
     threads = torch.get_num_threads()
     torch.set_num_threads(min(BUILD_THREADS, os.cpu_count() or 1))
     began = time.time()
     try:
-        demos.imitate(model, tokenizer, env_name, env_kwargs, steps=steps, seed=seed, start=start, state=state,
-                      on_step=on_step)
+        demos.imitate(
+            model,
+            tokenizer,
+            env_name,
+            env_kwargs,
+            steps=steps,
+            seed=seed,
+            start=start,
+            state=state,
+            on_step=on_step,
+        )
     except KeyboardInterrupt:
         done = len(losses) - len(losses) % SAVE_EVERY
-        print(f"\nthe warm start stopped at step {len(losses)}; the next run continues from step {done}")
+        print(
+            f"\nthe warm start stopped at step {len(losses)}; the next run continues from step {done}"
+        )
         raise
     finally:
         torch.set_num_threads(threads)
@@ -253,7 +343,8 @@ def _build(folder, tokenizer, env_name, env_kwargs, steps, seed, progress, sizes
     hf_logging.disable_progress_bar()
     model.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
-    with open(os.path.join(tmp, "warm_start.json"), "w") as f:  # written last: marks a complete folder
+    # written last: marks a complete folder
+    with open(os.path.join(tmp, "warm_start.json"), "w") as f:
         json.dump({"env": env_name, "env_kwargs": env_kwargs or {}, "steps": steps, "seed": seed,
                    "seconds": time.time() - began, "first_loss": losses[0] if losses else None,
                    "last_loss": losses[-1] if losses else None, "checksums": checksums(tmp)}, f)

@@ -1,20 +1,21 @@
-"""The experiment: multi-turn PPO / GRPO on a text world, with SNR-aware filtering and the MI diagnosis (RAGEN-2).
+"""The experiment: multi-turn PPO / GRPO on a text world, with SNR-aware filtering and the MI
+diagnosis (RAGEN-2).
 
-    python train.py --env sokoban --filter topp    # the tiny CPU policy without a GPU, Qwen2.5-0.5B-Instruct with one
+    python train.py --env sokoban --filter topp   # tiny on a CPU, Qwen2.5-0.5B-Instruct on a GPU
 
-One training step, as `train` below runs it:
-  1. rollouts     G prompt groups (one env seed each) x K rollouts, up to 5 turns         rollout.play
-  2. diagnosis    step 1 and every 5 steps, before filtering: cross-score first-turn      mi.cross_scores,
-                  reasoning under every prompt of the batch                               mi.collapse_metrics
-  3. filter       rank groups by reward std, keep Top-P / Top-K; dropped groups never    snr_filter.select_groups
-                  reach the advantages; nothing kept -> skip the update (stop after 5)
-  4. old / ref    log-probs of the sampled tokens before the update, critic values       ppo.policy_logprobs
-  5. advantages   PPO: GAE with a critic (whitened); GRPO / Dr.GRPO: group-relative      ppo.gae, grpo.group_advantages
-  6. update       clipped loss - entropy bonus (+ KL) in micro-batches, grad clip 1.0    ppo.clipped_policy_loss
-  7. bookkeeping  metrics.jsonl line, validation every 10 steps, checkpoint, figures at the end
+One training step, as `train` below runs it (the right column names the code):
+  1. rollouts     G prompt groups (one env seed each) x K rollouts, up to 5 turns     rollout.play
+  2. diagnosis    step 1 and every 5 steps, before filtering: cross-score each        mi
+                  first-turn reasoning under every prompt of the batch                mi
+  3. filter       rank groups by reward std, keep Top-P / Top-K; dropped groups       snr_filter
+                  never reach the advantages; nothing kept -> no update
+  4. old / ref    log-probs of the sampled tokens before the update, critic values    ppo
+  5. advantages   PPO: GAE with the critic, whitened; GRPO / Dr.GRPO: group-relative  ppo.gae, grpo
+  6. update       clipped loss - entropy bonus (+ KL), micro-batches, grad clip 1.0   ppo
+  7. bookkeeping  metrics.jsonl line, validation every 10 steps, checkpoint, figures
 
-Everything around the loop -- the command line, loading models, the run folder and its checkpoints, resuming -- is
-in runs.py; a first reading may skip it.
+Everything around the loop -- the command line, the run folder and its checkpoints, resuming -- is
+in runs.py, and loading the models is in models.py; a first reading may skip both.
 """
 import sys
 import time
@@ -26,14 +27,15 @@ import torch
 import envs
 import grpo
 import mi
+import models
 import ppo
 import rollout
 import runs
 import snr_filter
 
 VAL_SEED_BASE = 10_000_000  # validation seeds are 10_000_000 + i; training seeds are drawn below it
-MAX_SKIPS = 5  # stop after this many steps in a row where no group had reward spread (the official default)
-ANALYSIS_KL_COEF = 1e-3  # the KL coefficient of the paper's analysis runs, for the gradient decomposition
+MAX_SKIPS = 5  # stop after this many steps in a row without reward spread (the official default)
+ANALYSIS_KL_COEF = 1e-3  # the KL coefficient of the paper's analysis runs, for Fig. 4
 AGGREGATION = {"ppo": "token-mean", "grpo": "seq-mean-token-mean", "drgrpo": "seq-mean-token-sum"}
 
 
@@ -48,17 +50,19 @@ class Args:
     room_size: int = arg(6, "sokoban: the room is room_size x room_size")
     num_boxes: int = arg(1, "sokoban: number of boxes")
     lake_size: int = arg(4, "frozenlake: the map is lake_size x lake_size")
-    success_rate: float = arg(1.0, "frozenlake: chance a move goes the intended way (1/3 = Gymnasium's)")
+    success_rate: float = arg(1.0, "frozenlake: chance a move goes its way (Gymnasium's: 1/3)")
     high_prob: float = arg(0.25, "bandit: chance that the risky arm pays")
     max_turns: int = arg(5, "turns per episode")
     max_actions_per_turn: int = arg(2, "actions the policy may take per turn")
     # the algorithm
     algo: str = arg("ppo", "ppo: critic + GAE; grpo: group-normalised; drgrpo: no std division",
                     choices=tuple(AGGREGATION))
-    filter: str = arg("topp", "SNR-aware filter on the groups' reward std", choices=snr_filter.MODES)
+    filter: str = arg("topp", "SNR-aware filter on the groups' reward std",
+                      choices=snr_filter.MODES)
     top_p: float = arg(0.9, "topp: keep the best groups until this fraction of the summed std")
     top_k: float = arg(0.5, "topk: keep max(1, int(top_k * groups)) best groups")
-    filter_prob_mode: str = arg("linear", "topp: on the std itself or on its softmax", choices=snr_filter.PROB_MODES)
+    filter_prob_mode: str = arg("linear", "topp: on the std itself or on its softmax",
+                                choices=snr_filter.PROB_MODES)
     include_zero: bool = arg(False, "let zero-spread groups be kept (no task gradient)")
     groups: int = arg(8, "prompt groups (env seeds) per step")
     group_size: int = arg(16, "rollouts per group")
@@ -82,47 +86,48 @@ class Args:
     sample_top_p: float = arg(1.0, "nucleus sampling of the rollouts (1 = off)")
     max_new_tokens: int = arg(None, "token limit per turn (400; tiny: 64)")
     # the model, memory and speed
-    model: str = arg(None, "Hugging Face id, folder or tiny (GPU: Qwen2.5-0.5B-Instruct; else tiny)")
+    model: str = arg(None, "HF id, folder or tiny (GPU: Qwen2.5-0.5B-Instruct, else tiny)")
     dtype: str = arg(None, "bfloat16 (autocast over fp32 weights; GPU default) or float32",
                      choices=("float32", "bfloat16"))
     lora: int = arg(0, "LoRA rank: train adapters instead of all weights (0 = off)")
     lora_alpha: float = arg(None, "LoRA alpha (2 x rank)")
-    lora_targets: str = arg("all-linear", "LoRA target modules: all-linear or names, comma-separated")
-    micro_batch: int = arg(None, "trajectories per forward/backward pass (CPU: the mini-batch; GPU: by memory)")
+    lora_targets: str = arg("all-linear", "LoRA targets: all-linear or comma-separated names")
+    micro_batch: int = arg(None, "trajectories per forward/backward (CPU: all; GPU: by memory)")
     rollout_batch: int = arg(None, "episodes sampled at once (all; GPU: by memory)")
-    grad_checkpointing: bool = arg(None, "recompute activations in backward (GPU: on if memory needs it)")
-    threads: int = arg(None, "CPU threads for torch (1 for tiny, else all cores)")
+    grad_checkpointing: bool = arg(None, "recompute activations in backward (GPU: by memory)")
+    threads: int = arg(None, "CPU threads for torch (tiny: 2, else all cores)")
     rebuild_tiny: bool = arg(False, "tiny: redo the warm start instead of using the cache")
-    warm_start: bool = arg(True, "tiny: warm-start on solver demonstrations (off: a random network)")
+    warm_start: bool = arg(True, "tiny: warm-start on solver demonstrations (off: random weights)")
     tiny_cache: str = arg(".cache/tiny", "tiny: folder of warm-started models")
     # diagnosis, validation, output
     mi_every: int = arg(5, "cross-scoring diagnosis at step 1 and every N steps (0 = off)")
     mi_samples: int = arg(64, "samples cross-scored per diagnosis")
-    grad_decomp_every: int = arg(0, "task / KL / entropy gradient norms per spread bucket every N steps")
-    val_every: int = arg(10, "validation before training, every N steps and at the end (0 = at the end)")
+    grad_decomp_every: int = arg(0, "task / KL / entropy gradient norms per spread bucket, every N")
+    val_every: int = arg(10, "validation before training, every N steps and at the end")
     val_seeds: int = arg(64, "held-out validation seeds (one rollout each)")
     val_temperature: float = arg(0.5, "validation sampling temperature")
-    save_every: int = arg(1, "checkpoint every N steps (1: a kill loses at most the step in flight)")
+    save_every: int = arg(1, "checkpoint every N steps (1: a kill loses at most one step)")
     seed: int = arg(0, "seed of env seeds, sampling and shuffling")
     out: str = arg(None, "run folder (runs/<env>-<algo>-<filter>-<time>)")
     resume: str = arg(None, "run folder to continue from its checkpoint (--steps may extend it)")
     plot: bool = arg(True, "write PNG figures at the end")
 
 
-# ------------------------------------------------------------------------------------------------ the loop
+# ------------------------------------------------------------------------------------ the loop
 
 def train(run):
-    """Steps 1-7 until a.steps; `run` (runs.start) holds the models, optimisers, run folder and loop state."""
+    """Steps 1-7 until a.steps; `run` (runs.start) holds the models, optimisers, run folder and the
+    loop's state."""
     a = run.args
     for step in range(run.step + 1, a.steps + 1):
         m = {"step": step}
         t0 = time.time()
-        rng = np.random.default_rng([a.seed, step])  # this step's env seeds and shuffling, whatever came before
+        rng = np.random.default_rng([a.seed, step])  # this step's seeds and shuffling, alone
 
         # 1. rollouts: G groups (env seeds) x K samples
         seeds = rng.integers(0, VAL_SEED_BASE, a.groups).tolist()
-        episodes = collect_rollouts(run, seeds, a.group_size, temperature=a.temperature, top_p=a.sample_top_p)
-        rewards = torch.tensor([e.total_reward for e in episodes]).view(a.groups, a.group_size)  # [G, K]
+        episodes = collect_rollouts(run, seeds, a.group_size, a.temperature, a.sample_top_p)
+        rewards = torch.tensor([e.total_reward for e in episodes]).view(a.groups, -1)  # [G, K]
         m.update(rollout_stats(episodes, rewards), time_rollout=time.time() - t0)
 
         # 2. diagnosis, before filtering: does the reasoning still depend on its prompt?
@@ -133,7 +138,7 @@ def train(run):
             m["grad_decomposition"] = decompose_gradients(run, episodes, rewards)
 
         # 3. the filter: whole groups, before any advantage is computed
-        keep, stats = select(a, rewards)                                               # [G]
+        keep, stats = select(a, rewards)                                                    # [G]
         m.update(stats, time_scoring=time.time() - t1, skipped=not keep.any())
 
         # 4-6. the update, on the kept groups only
@@ -153,24 +158,26 @@ def train(run):
         m["time_step"] = time.time() - t0
         runs.record(run, m)  # metrics.jsonl line, checkpoint, progress bar
         if run.state["skips"] >= MAX_SKIPS:
-            print(f"stopping: no group had any reward spread for {MAX_SKIPS} steps in a row (step {step})")
+            print(f"stopping: no group had any reward spread for {MAX_SKIPS} steps (step {step})")
             break
 
 
-# ------------------------------------------------------------------------------------------------ the steps
+# ------------------------------------------------------------------------------------ the steps
 
 def collect_rollouts(run, seeds, group_size, temperature, top_p):
-    """Step 1: len(seeds) groups x group_size episodes, sampled in eval mode (no dropout) under the run's dtype,
-    at most --rollout-batch episodes at a time (on a GPU their key/value caches are what fills the memory)."""
+    """Step 1: len(seeds) groups x group_size episodes, sampled in eval mode (no dropout) under the
+    run's dtype, at most --rollout-batch episodes at a time (on a GPU their key/value caches fill
+    the memory)."""
     a = run.args
     run.policy.eval()
-    per_call = max(1, (a.rollout_batch or len(seeds) * group_size) // group_size)  # whole groups at a time
+    per_call = max(1, (a.rollout_batch or len(seeds) * group_size) // group_size)  # whole groups
     episodes = []
     for first in range(0, len(seeds), per_call):
         policy = rollout.hf_policy(run.policy, run.tokenizer, a.max_new_tokens, temperature, top_p)
         with run.ctx:
-            played = rollout.play(policy, run.tokenizer, a.env, seeds[first:first + per_call], group_size,
-                                  runs.env_kwargs(a), a.max_turns, a.max_actions_per_turn, **run.prompt)
+            played = rollout.play(policy, run.tokenizer, a.env, seeds[first:first + per_call],
+                                  group_size, runs.env_kwargs(a), a.max_turns,
+                                  a.max_actions_per_turn, **run.prompt)
         for e in played:
             e.group += first
         episodes += played
@@ -187,29 +194,31 @@ def rollout_stats(episodes, rewards):
 
 
 def diagnose(run, episodes):
-    """Step 2: cross-score up to mi_samples first-turn reasonings under every group's first prompt (Sec. 2.3).
-    Identical prompts (Bandit repeats its 4 layouts, rooms can repeat) count as one target (prompt_keys)."""
+    """Step 2: cross-score up to mi_samples first-turn reasonings under every group's first prompt
+    (Sec. 2.3). Identical prompts (Bandit repeats its 4 layouts; rooms can repeat) count as one."""
     a = run.args
     per_group = max(1, a.mi_samples // a.groups)
     picked = [e for i, e in enumerate(episodes) if i % a.group_size < per_group][:a.mi_samples]
     prompts = [next(e.first_prompt for e in episodes if e.group == g) for g in range(a.groups)]
     with run.ctx:
-        scores, lengths = mi.cross_scores(run.policy, run.tokenizer, prompts, [e.first_reasoning for e in picked],
+        reasonings = [e.first_reasoning for e in picked]
+        scores, lengths = mi.cross_scores(run.policy, run.tokenizer, prompts, reasonings,
                                           batch_size=a.micro_batch)
     metrics = mi.collapse_metrics(scores, [e.group for e in picked], lengths, prompt_keys=prompts)
-    metrics["mi_zscore_ema"], run.state["std_ema"] = mi.mi_zscore_ema(metrics, run.state.get("std_ema"))
-    keep = ("mi_estimate", "mi_seq_estimate", "mi_zscore", "mi_zscore_seq", "mi_zscore_ema", "retrieval_acc",
-            "retrieval_acc_top2", "conditional_entropy", "reasoning_entropy", "conditional_entropy_seq",
-            "reasoning_entropy_seq", "retrieval_chance", "mi_upper_bound")
+    metrics["mi_zscore_ema"], run.state["std_ema"] = mi.mi_zscore_ema(metrics, run.state["std_ema"])
+    keep = ("mi_estimate", "mi_seq_estimate", "mi_zscore", "mi_zscore_seq", "mi_zscore_ema",
+            "retrieval_acc", "retrieval_acc_top2", "conditional_entropy", "reasoning_entropy",
+            "conditional_entropy_seq", "reasoning_entropy_seq", "retrieval_chance",
+            "mi_upper_bound")
     return {k: metrics[k] for k in keep if k in metrics}
 
 
 def decompose_gradients(run, episodes, rewards):
-    """Fig. 4 on this batch: task / KL / entropy gradient norms per reward-spread bucket (no optimiser step)."""
+    """Fig. 4 on this batch: task / KL / entropy gradient norms per reward-spread bucket, no
+    optimiser step. Without a KL term the reference is the policy itself (its KL gradient is 0)."""
     a = run.args
     batch = rollout_batch(run, episodes)
-    with torch.no_grad():  # the reference as the update sees it; without a KL term, the policy itself (gradient 0)
-        ref = forward_in_pieces(run, batch, lambda mb: (reference_pass(run, mb),))[0] if a.kl_coef else None
+    ref = passes(run, batch, reference_pass) if a.kl_coef else None
     with run.ctx:
         buckets = snr_filter.gradient_decomposition(
             run.policy, batch["input_ids"], batch["attention_mask"], batch["policy_mask"], rewards,
@@ -219,39 +228,40 @@ def decompose_gradients(run, episodes, rewards):
 
 
 def select(a, rewards):
-    """Step 3: which groups to train on, from the spread (unbiased std) of their total rewards [G, K]."""
-    scores = snr_filter.group_scores(rewards)                                          # [G]
+    """Step 3: which groups to train on, from the spread (unbiased std) of their total rewards."""
+    scores = snr_filter.group_scores(rewards)                                               # [G]
     value = a.top_p if a.filter == "topp" else a.top_k
-    keep = snr_filter.select_groups(scores, a.filter, value, a.include_zero, a.filter_prob_mode)  # [G]
+    keep = snr_filter.select_groups(scores, a.filter, value, a.include_zero, a.filter_prob_mode)
     return keep, snr_filter.filter_stats(scores, keep)
 
 
 def update_policy(run, episodes, rewards, shuffle):
-    """Steps 4-6 on the kept episodes (`rewards` [G_kept, K]): the dropped groups were removed before collation,
-    so nothing of them (padding width, advantages, normalisers) reaches the update. Returns the update's metrics."""
+    """Steps 4-6 on the kept episodes (`rewards` [G_kept, K]). The dropped groups were removed
+    before collation: nothing of them (padding width, advantages, normalisers) reaches the
+    update."""
     a = run.args
     b_ = rollout_batch(run, episodes)
     B = b_["input_ids"].shape[0]
-    b_mask = b_["policy_mask"][:, 1:]                                                  # [B, T-1] trained tokens
+    b_mask = b_["policy_mask"][:, 1:]                                  # [B, T-1] the trained tokens
     agg = AGGREGATION[a.algo]
 
-    # 4. before the update: the ratio's old log-probs, the reference's log-probs, the critic's values
-    with torch.no_grad():
-        b_old, b_entropy = forward_in_pieces(run, b_, lambda mb: policy_pass(run, mb, with_entropy=True))
-        b_ref = forward_in_pieces(run, b_, lambda mb: (reference_pass(run, mb),))[0] if a.kl_coef else None
-        b_values = forward_in_pieces(run, b_, lambda mb: (critic_pass(run, mb),))[0] if run.critic else None
+    # 4. before the update: the ratio's old log-probs, the reference's, the critic's values
+    b_old, b_entropy = passes(run, b_, policy_pass, with_entropy=True)                  # [B, T-1]
+    b_ref = passes(run, b_, reference_pass) if a.kl_coef else None                       # [B, T-1]
+    b_values = passes(run, b_, critic_pass) if run.critic is not None else None         # [B, T-1]
 
     # 5. advantages
     if run.critic is not None:
-        b_adv, b_returns = ppo.gae(b_["token_rewards"][:, 1:], b_values, b_mask, a.gamma, a.lam)  # [B, T-1]
+        b_adv, b_returns = ppo.gae(b_["token_rewards"][:, 1:], b_values, b_mask, a.gamma, a.lam)
     else:
-        episode_adv = grpo.group_advantages(rewards, normalize_std=a.algo == "grpo").reshape(-1)   # [B]
-        b_adv = grpo.episode_advantages_to_tokens(episode_adv.to(b_mask.device), b_mask)          # [B, T-1]
+        per_episode = grpo.group_advantages(rewards, normalize_std=a.algo == "grpo").reshape(-1)
+        b_adv = grpo.episode_advantages_to_tokens(per_episode.to(b_mask.device), b_mask)  # [B, T-1]
 
-    # 6. the update: each mini-batch one optimiser step, its gradient summed over micro-batches; every logged
-    # loss is the mini-batch's (micro-batches weighted by their share), averaged over the optimiser steps
-    logs = {k: [] for k in ("pg_loss", "entropy_loss", "clip_frac", "clip_frac_lower", "approx_kl", "grad_norm")
-            + ("kl_loss",) * (b_ref is not None) + ("value_loss",) * (run.critic is not None)}
+    # 6. the update: each mini-batch one optimiser step, its gradient summed over micro-batches;
+    # every logged loss is the mini-batch's (micro-batches weighted by their share), averaged
+    logs = {k: [] for k in ("pg_loss", "entropy_loss", "clip_frac", "clip_frac_lower", "approx_kl",
+                            "grad_norm") + ("kl_loss",) * (b_ref is not None)
+            + ("value_loss",) * (run.critic is not None)}
     for _ in range(a.epochs):
         order = torch.randperm(B, generator=shuffle)
         for mb_rows in order.split(a.mini_batch_size):
@@ -260,29 +270,32 @@ def update_policy(run, episodes, rewards, shuffle):
             sums = dict.fromkeys(logs, 0.0)
             for rows, width in pieces(b_, mb_rows, a.micro_batch):
                 mb = {k: v[rows, :width] for k, v in b_.items() if v.dim() == 2}
-                mask = b_mask[rows, :width - 1]                                        # [b, w-1]
-                w, w_tokens = share(b_mask, mb_rows, rows, agg), share(b_mask, mb_rows, rows, "token-mean")
-                logp, entropy = policy_pass(run, mb, with_entropy=True)                # [b, w-1]
-                pg_loss, stats = ppo.clipped_policy_loss(logp, b_old[rows, :width - 1], b_adv[rows, :width - 1],
-                                                         mask, a.clip_low, a.clip_high, agg, a.clip_c or None)
+                mask, cols = b_mask[rows, :width - 1], slice(0, width - 1)            # [b, w-1]
+                w = share(b_mask, mb_rows, rows, agg)
+                w_tokens = share(b_mask, mb_rows, rows, "token-mean")
+                logp, entropy = policy_pass(run, mb, with_entropy=True)                 # [b, w-1]
+                pg_loss, stats = ppo.clipped_policy_loss(
+                    logp, b_old[rows, cols], b_adv[rows, cols], mask, a.clip_low, a.clip_high, agg,
+                    a.clip_c or None)
                 entropy_loss = ppo.aggregate(entropy, mask, agg)
                 loss = pg_loss - a.entropy_coef * entropy_loss
                 if b_ref is not None:
-                    kl_loss = ppo.aggregate(ppo.kl_estimate(logp, b_ref[rows, :width - 1], a.kl_kind), mask, agg)
-                    loss = loss + a.kl_coef * kl_loss
-                    sums["kl_loss"] += w * kl_loss.item()
+                    kl = ppo.aggregate(ppo.kl_estimate(logp, b_ref[rows, cols], a.kl_kind), mask,
+                                       agg)
+                    loss = loss + a.kl_coef * kl
+                    sums["kl_loss"] += w * kl.item()
                 (w * loss).backward()
                 if run.critic is not None:
-                    values = critic_pass(run, mb)                                      # [b, w-1]
-                    v_loss = ppo.value_loss(values, b_values[rows, :width - 1], b_returns[rows, :width - 1], mask,
-                                            a.value_clip)
+                    v_loss = ppo.value_loss(critic_pass(run, mb), b_values[rows, cols],
+                                            b_returns[rows, cols], mask, a.value_clip)
                     (w_tokens * v_loss).backward()
                     sums["value_loss"] += w_tokens * v_loss.item()
                 sums["pg_loss"] += w * pg_loss.item()
                 sums["entropy_loss"] += w * entropy_loss.item()
                 for k in ("clip_frac", "clip_frac_lower", "approx_kl"):
                     sums[k] += w_tokens * stats[k]
-            sums["grad_norm"] = float(torch.nn.utils.clip_grad_norm_(run.policy_params, a.grad_clip))
+            norm = torch.nn.utils.clip_grad_norm_(run.policy_params, a.grad_clip)
+            sums["grad_norm"] = float(norm)
             if run.critic is not None:
                 torch.nn.utils.clip_grad_norm_(run.critic_params, a.grad_clip)
             for opt in run.optimizers:
@@ -298,8 +311,8 @@ def update_policy(run, episodes, rewards, shuffle):
 
 
 def validate(run):
-    """Success on the fixed held-out seeds, one rollout each, at the validation temperature. Its sampling runs on a
-    forked RNG, so validating does not change the training stream (a resumed run stays exact)."""
+    """Success on the fixed held-out seeds, one rollout each, at the validation temperature. Its
+    sampling runs on a forked RNG, so validating does not change the training stream."""
     a = run.args
     with torch.random.fork_rng(devices=[run.device] if run.device.type == "cuda" else []):
         torch.manual_seed(a.seed)
@@ -308,46 +321,51 @@ def validate(run):
     return float(np.mean([e.success for e in episodes]))
 
 
-# ------------------------------------------------------------------------------------------------ batches
+# ------------------------------------------------------------------------------------ batches
 
 def rollout_batch(run, episodes):
-    """The episodes as right-padded tensors on the run's device (rollout.collate), and each one's length."""
+    """The episodes as right-padded tensors on the run's device (rollout.collate), with lengths."""
     batch = {k: v.to(run.device) for k, v in rollout.collate(episodes, run.pad_id).items()}
-    batch["lengths"] = batch["attention_mask"].sum(1)                                 # [B]
+    batch["lengths"] = batch["attention_mask"].sum(1)                                       # [B]
     return batch
 
 
 def pieces(batch, rows, size):
-    """Micro-batches of at most `size` of the given rows, each with the width of its longest transcript: rows are
-    sorted by length first, so short transcripts are not padded to the longest of the whole batch."""
+    """Micro-batches of at most `size` of the given rows, each with the width of its longest
+    transcript: rows are sorted by length first, so short transcripts are not padded to the longest
+    of the whole batch."""
     rows = rows[torch.argsort(batch["lengths"][rows].cpu(), descending=True, stable=True)]
     return [(sub, int(batch["lengths"][sub].max())) for sub in rows.split(size)]
 
 
-def forward_in_pieces(run, batch, fn):
-    """fn(micro-batch) -> tensors [b, w-1], run over the whole batch in pieces, put back as [B, T-1] each."""
+@torch.no_grad()
+def passes(run, batch, fn, **kw):
+    """fn(run, micro-batch, **kw) -> [b, w-1] tensor (or a tuple of them), run over the whole batch
+    in pieces without gradients and put back as [B, T-1] tensors: the values before the update."""
     B, T = batch["input_ids"].shape
     outs = None
     for rows, width in pieces(batch, torch.arange(B), run.args.micro_batch):
-        mb = {k: v[rows, :width] for k, v in batch.items() if v.dim() == 2}
-        results = fn(mb)
+        results = fn(run, {k: v[rows, :width] for k, v in batch.items() if v.dim() == 2}, **kw)
+        results = results if isinstance(results, tuple) else (results,)
         if outs is None:
-            outs = [torch.zeros(B, T - 1, device=run.device) if r is not None else None for r in results]
+            outs = [torch.zeros(B, T - 1, device=run.device) for _ in results]
         for out, r in zip(outs, results):
-            if r is not None:
-                out[rows, :width - 1] = r.float()
-    return outs
+            out[rows, :width - 1] = r.float()
+    return outs if len(outs) > 1 else outs[0]
 
 
 def policy_pass(run, mb, with_entropy=False):
-    """log pi and (optionally) entropy at the policy tokens of a micro-batch -> [b, w-1] each (0 elsewhere)."""
+    """log pi and (optionally) its entropy at the policy tokens of a micro-batch -> [b, w-1] each,
+    0 elsewhere."""
     with run.ctx:
-        return ppo.policy_logprobs(run.policy, mb["input_ids"], mb["policy_mask"][:, 1:], with_entropy)
+        logp, entropy = ppo.policy_logprobs(run.policy, mb["input_ids"], mb["policy_mask"][:, 1:],
+                                            with_entropy)
+    return (logp, entropy) if with_entropy else logp
 
 
 def reference_pass(run, mb):
-    """log pi_ref at the policy tokens: the initial policy (with LoRA: the base with the adapters switched off)."""
-    with run.ctx, runs.reference(run) as ref:
+    """log pi_ref at the policy tokens: the initial policy (with LoRA: the base, adapters off)."""
+    with run.ctx, models.reference(run) as ref:
         return ppo.policy_logprobs(ref, mb["input_ids"], mb["policy_mask"][:, 1:])[0]
 
 
@@ -358,8 +376,9 @@ def critic_pass(run, mb):
 
 
 def share(mask, rows, sub, agg):
-    """Weight of micro-batch `sub` inside mini-batch `rows`, so that summing weight * aggregate(micro) gives exactly
-    aggregate(mini): its share of the tokens (token-mean) or of the sequences with tokens (seq-mean-*)."""
+    """Weight of micro-batch `sub` inside mini-batch `rows`, so that summing weight x
+    aggregate(micro) gives exactly aggregate(mini): its share of the tokens (token-mean) or of the
+    sequences with tokens (seq-mean-*)."""
     if agg == "token-mean":
         return float(mask[sub].sum() / mask[rows].sum().clamp_min(1))
     return float((mask[sub].sum(-1) > 0).sum() / (mask[rows].sum(-1) > 0).sum().clamp_min(1))

@@ -1,16 +1,19 @@
-"""Cross-scoring cost: prefix-cache reuse (mi.cross_scores) vs naive re-encoding of every (prompt, reasoning) pair.
+"""Cross-scoring cost: prefix-cache reuse (mi.cross_scores) vs naive re-encoding of every (prompt,
+reasoning) pair.
 
-Setting of the paper's diagnostic (Sec. 2.3): N prompts, M sampled reasonings, every reasoning scored under every prompt.
-Naive re-encoding runs N x M sequences of (prompt + reasoning) tokens; mi.cross_scores encodes each prompt once and
-repeats its key/value cache over the reasonings, so it runs N x M x (reasoning tokens) plus N x (prompt tokens).
-With prompts 4x longer than reasonings the ideal ratio is about 5x. Also reported: the cost relative to one forward
-pass of the policy over the batch itself (the M own (prompt + reasoning) sequences), the pass training does anyway.
+Setting of the paper's diagnostic (Sec. 2.3): N prompts, M sampled reasonings, every reasoning
+scored under every prompt. Naive re-encoding runs N x M sequences of (prompt + reasoning) tokens;
+mi.cross_scores encodes each prompt once and repeats its key/value cache over the reasonings, so it
+runs N x M x (reasoning tokens) plus N x (prompt tokens). With prompts 4x longer than reasonings the
+ideal ratio is about 5x. Also reported: the cost relative to one forward pass of the policy over the
+batch itself (the M own (prompt + reasoning) sequences), the pass training does anyway.
 
     python bench/bench_cross_scores.py              # N = 8 prompts, M = 64 samples, tiny Qwen2, CPU
     python bench/bench_cross_scores.py --quick      # tiny sizes, 1 repeat: proves the script still runs
 
 Last line: RESULT cross_scores <speedup of cache reuse over naive re-encoding>.
 """
+
 import argparse
 import os
 import statistics
@@ -48,15 +51,17 @@ def naive_scores(model, tokenizer, prompts, reasonings, batch_size):
     pairs = [(m, j) for m in range(len(reasonings)) for j in range(len(prompts))]
     scores = torch.zeros(len(reasonings), len(prompts))
     for start in range(0, len(pairs), batch_size):
-        chunk = pairs[start:start + batch_size]
+        chunk = pairs[start : start + batch_size]
         seqs = [prompt_ids[j] + reasoning_ids[m] for m, j in chunk]
         width = max(len(s) for s in seqs)
         ids = torch.zeros(len(seqs), width, dtype=torch.long)  # [B, T]
-        target = torch.zeros(len(seqs), width - 1)  # [B, T - 1]: 1 where token t + 1 belongs to the reasoning
+        # [B, T - 1]: 1 where token t + 1 belongs to the reasoning
+        target = torch.zeros(len(seqs), width - 1)
         for r, ((m, j), s) in enumerate(zip(chunk, seqs)):
-            ids[r, :len(s)] = torch.tensor(s)
-            target[r, len(prompt_ids[j]) - 1:len(s) - 1] = 1.0
-        mask = (torch.arange(width)[None] < torch.tensor([len(s) for s in seqs])[:, None]).long()  # [B, T]
+            ids[r, : len(s)] = torch.tensor(s)
+            target[r, len(prompt_ids[j]) - 1 : len(s) - 1] = 1.0
+        # [B, T]
+        mask = (torch.arange(width)[None] < torch.tensor([len(s) for s in seqs])[:, None]).long()
         logits = model(input_ids=ids, attention_mask=mask).logits[:, :-1]  # [B, T - 1, V]
         logp = ppo.token_logprobs(logits, ids[:, 1:])  # [B, T - 1]
         for r, (m, j) in enumerate(chunk):
@@ -67,14 +72,18 @@ def naive_scores(model, tokenizer, prompts, reasonings, batch_size):
 @torch.inference_mode()
 def policy_forward(model, tokenizer, prompts, reasonings, owner):
     """One forward pass over the batch's own (prompt + reasoning) sequences, with their token log-probs."""
-    ids = torch.tensor([tokenizer(prompts[j] + " " + z, add_special_tokens=False)["input_ids"]
-                        for z, j in zip(reasonings, owner)])  # [M, T], equal lengths here
+    ids = torch.tensor(
+        [
+            tokenizer(prompts[j] + " " + z, add_special_tokens=False)["input_ids"]
+            for z, j in zip(reasonings, owner)
+        ]
+    )  # [M, T], equal lengths here
     return ppo.token_logprobs(model(input_ids=ids).logits[:, :-1], ids[:, 1:])  # [M, T - 1]
 
 
 def median_seconds(fns, repeats):
-    """Median wall time of each function; the functions take turns within every repeat, so a change in the load of
-    a shared machine hits all of them alike. Returns (medians, last results)."""
+    """Median wall time of each function; the functions take turns within every repeat, so a change
+    in the load of a shared machine hits all of them alike. Returns (medians, last results)."""
     times, results = [[] for _ in fns], [None] * len(fns)
     for _ in range(repeats):
         for i, fn in enumerate(fns):
@@ -91,7 +100,9 @@ def main():
     parser.add_argument("--samples", type=int, default=64, help="M reasonings (M / N per prompt)")
     parser.add_argument("--prompt-len", type=int, default=128, help="prompt tokens")
     parser.add_argument("--reasoning-len", type=int, default=32, help="reasoning tokens")
-    parser.add_argument("--batch-size", type=int, default=64, help="sequences per forward pass (both methods)")
+    parser.add_argument(
+        "--batch-size", type=int, default=64, help="sequences per forward pass (both methods)"
+    )
     parser.add_argument("--hidden", type=int, default=128)
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--vocab", type=int, default=512)
@@ -107,28 +118,48 @@ def main():
     torch.manual_seed(0)
     generator = torch.Generator().manual_seed(0)
     tokenizer = build_word_tokenizer(args.vocab)
-    model = Qwen2ForCausalLM(Qwen2Config(
-        vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=2 * args.hidden,
-        num_hidden_layers=args.layers, num_attention_heads=4, num_key_value_heads=2)).eval()
+    model = Qwen2ForCausalLM(
+        Qwen2Config(
+            vocab_size=args.vocab,
+            hidden_size=args.hidden,
+            intermediate_size=2 * args.hidden,
+            num_hidden_layers=args.layers,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+        )
+    ).eval()
     prompts = random_texts(args.prompts, args.prompt_len, args.vocab, generator)
-    reasonings = [" " + z for z in random_texts(args.samples, args.reasoning_len, args.vocab, generator)]
+    reasonings = [
+        " " + z for z in random_texts(args.samples, args.reasoning_len, args.vocab, generator)
+    ]
     owner = [m % args.prompts for m in range(args.samples)]
 
     # warm-up, then the timed runs
     mi.cross_scores(model, tokenizer, prompts[:1], reasonings[:2], batch_size=2)
-    (t_cache, t_naive, t_forward), (cached, naive, _) = median_seconds([
-        lambda: mi.cross_scores(model, tokenizer, prompts, reasonings, batch_size=args.batch_size)[0],
-        lambda: naive_scores(model, tokenizer, prompts, reasonings, args.batch_size),
-        lambda: policy_forward(model, tokenizer, prompts, reasonings, owner)], args.repeats)
+    (t_cache, t_naive, t_forward), (cached, naive, _) = median_seconds(
+        [
+            lambda: mi.cross_scores(
+                model, tokenizer, prompts, reasonings, batch_size=args.batch_size
+            )[0],
+            lambda: naive_scores(model, tokenizer, prompts, reasonings, args.batch_size),
+            lambda: policy_forward(model, tokenizer, prompts, reasonings, owner),
+        ],
+        args.repeats,
+    )
     max_diff = (cached - naive).abs().max().item()
     speedup = t_naive / t_cache
 
-    print(f"tiny Qwen2: hidden {args.hidden}, {args.layers} layers, vocab {args.vocab}; torch threads "
-          f"{torch.get_num_threads()}; N = {args.prompts} prompts x {args.prompt_len} tokens, M = {args.samples} "
-          f"reasonings x {args.reasoning_len} tokens; batch size {args.batch_size}; median of {args.repeats}")
+    print(
+        f"tiny Qwen2: hidden {args.hidden}, {args.layers} layers, vocab {args.vocab}; torch threads "
+        f"{torch.get_num_threads()}; N = {args.prompts} prompts x {args.prompt_len} tokens, M = {args.samples} "
+        f"reasonings x {args.reasoning_len} tokens; batch size {args.batch_size}; median of {args.repeats}"
+    )
     print(f"{'method':<40}{'seconds':>10}{'x forward':>12}")
-    rows = (("naive re-encoding of N x M pairs", t_naive), ("prefix-cache reuse (mi.cross_scores)", t_cache),
-            ("one policy forward over the M sequences", t_forward))
+    rows = (
+        ("naive re-encoding of N x M pairs", t_naive),
+        ("prefix-cache reuse (mi.cross_scores)", t_cache),
+        ("one policy forward over the M sequences", t_forward),
+    )
     for name, seconds in rows:
         print(f"{name:<40}{seconds:>10.3f}{seconds / t_forward:>12.2f}")
     print(f"max |cached - naive| = {max_diff:.2e} (must be < 1e-4)")

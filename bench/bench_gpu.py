@@ -4,17 +4,20 @@
     python bench/bench_gpu.py --size 0.5b --algo ppo --budget-gb 24    # one row; 24 GiB enforced on a larger GPU
     python bench/bench_gpu.py --quick                                  # a tiny model on the CPU: the script runs
 
-Nothing can be downloaded, so each model is a Qwen2ForCausalLM built from Qwen2.5's published shapes with random
-weights, and the tokenizer is a word-level one over Qwen's 151,936 ids. A random model practically never writes the
-end-of-turn token (one id in 151,936), so every turn runs to the token limit and every answer earns the format
-penalty: 5 full turns, the longest transcripts a real run can reach. Each row is one train.py step (8 groups x 16
-rollouts, the MI diagnosis at step 1, no validation) through train.py's own code, in a fresh process; micro-batch
-and gradient checkpointing are what train.py chooses for the budget (runs.memory_plan) unless given. With
---budget-gb the process may allocate only that much (torch.cuda.set_per_process_memory_fraction): a row that fits
+Nothing can be downloaded, so each model is a Qwen2ForCausalLM built from Qwen2.5's published shapes
+with random weights, and the tokenizer is a word-level one over Qwen's 151,936 ids. A random model
+practically never writes the end-of-turn token (one id in 151,936), so every turn runs to the token
+limit and every answer earns the format penalty: 5 full turns, the longest transcripts a real run
+can reach. Each row is one train.py step (8 groups x 16 rollouts, the MI diagnosis at step 1, no
+validation) through train.py's own code, in a fresh process; micro-batch and gradient checkpointing
+are what train.py chooses for the budget (runs.memory_plan) unless given. With --budget-gb the
+process may allocate only that much (torch.cuda.set_per_process_memory_fraction): a row that fits
 has really fit in that budget.
 
-Each row prints one JSON object; --all prints them all and ends with RESULT gpu <rows that fit / rows run>.
+Each row prints one JSON object; --all prints them all and ends with RESULT gpu <rows that fit /
+rows run>.
 """
+
 import argparse
 import json
 import os
@@ -26,9 +29,13 @@ import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-SHAPES = {  # Qwen2.5 base and -Instruct: hidden, intermediate, layers, attention heads, key-value heads
-    "0.5b": (896, 4864, 24, 14, 2), "1.5b": (1536, 8960, 28, 12, 2), "3b": (2048, 11008, 36, 16, 2),
-    "tiny": (64, 128, 2, 4, 2)}
+# Qwen2.5 base and -Instruct: hidden, intermediate, layers, attention heads, key-value heads
+SHAPES = {
+    "0.5b": (896, 4864, 24, 14, 2),
+    "1.5b": (1536, 8960, 28, 12, 2),
+    "3b": (2048, 11008, 36, 16, 2),
+    "tiny": (64, 128, 2, 4, 2),
+}
 VOCAB = 151_936
 
 
@@ -38,61 +45,133 @@ def qwen_shaped(size, device):
     from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
     import tiny
+
     hidden, inter, layers, heads, kv = SHAPES[size]
     base = tiny.build_tokenizer()
     vocab = dict(base.get_vocab())
     for i in range(len(vocab), VOCAB):
         vocab[f"<t{i}>"] = i
-    core = Tokenizer(models.WordLevel({k: v for k, v in vocab.items() if v < VOCAB - 3}, unk_token=tiny.UNK))
+    core = Tokenizer(
+        models.WordLevel({k: v for k, v in vocab.items() if v < VOCAB - 3}, unk_token=tiny.UNK)
+    )
     core.pre_tokenizer = pre_tokenizers.Split(tiny.Regex(tiny.PIECE), behavior="isolated")
     core.decoder = decoders.Fuse()
     core.add_special_tokens([AddedToken(t, special=True) for t in tiny.SPECIAL])
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=core, eos_token="<|im_end|>", pad_token="<|endoftext|>",
-                                        unk_token=tiny.UNK, chat_template=tiny.CHAT_TEMPLATE)
-    config = Qwen2Config(vocab_size=VOCAB, hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers,
-                         num_attention_heads=heads, num_key_value_heads=kv, tie_word_embeddings=True,
-                         max_position_embeddings=32768, eos_token_id=tokenizer.eos_token_id,
-                         pad_token_id=tokenizer.pad_token_id)
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=core,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        unk_token=tiny.UNK,
+        chat_template=tiny.CHAT_TEMPLATE,
+    )
+    config = Qwen2Config(
+        vocab_size=VOCAB,
+        hidden_size=hidden,
+        intermediate_size=inter,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv,
+        tie_word_embeddings=True,
+        max_position_embeddings=32768,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
     with torch.device(device):
         model = Qwen2ForCausalLM(config)
     return model, tokenizer
 
 
 def one_row(args):
+    import models
     import runs
     import train
+
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if device.type == "cuda" and args.budget_gb:
         total = torch.cuda.get_device_properties(device).total_memory
-        torch.cuda.set_per_process_memory_fraction(min(1.0, args.budget_gb * 2 ** 30 / total))
+        torch.cuda.set_per_process_memory_fraction(min(1.0, args.budget_gb * 2**30 / total))
     model, tokenizer = qwen_shaped(args.size, device)
-    flags = ["--env", "sokoban", "--algo", args.algo, "--model", f"qwen2.5-{args.size}-shaped", "--steps", "1",
-             "--max-new-tokens", str(args.max_new_tokens), "--lora", str(args.lora), "--mi-every", "1",
-             "--val-every", "0", "--val-seeds", "1", "--save-every", "0", "--no-plot", "--filter", "none",
-             "--out", os.path.join(args.out, f"{args.size}-{args.algo}-lora{args.lora}-{time.time_ns()}")]
+    flags = [
+        "--env",
+        "sokoban",
+        "--algo",
+        args.algo,
+        "--model",
+        f"qwen2.5-{args.size}-shaped",
+        "--steps",
+        "1",
+        "--max-new-tokens",
+        str(args.max_new_tokens),
+        "--lora",
+        str(args.lora),
+        "--mi-every",
+        "1",
+        "--val-every",
+        "0",
+        "--val-seeds",
+        "1",
+        "--save-every",
+        "0",
+        "--no-plot",
+        "--filter",
+        "none",
+        "--out",
+        os.path.join(args.out, f"{args.size}-{args.algo}-lora{args.lora}-{time.time_ns()}"),
+    ]
     if args.quick:
         flags += ["--groups", "2", "--group-size", "2", "--max-turns", "2"]
     flags += ["--micro-batch", str(args.micro_batch)] if args.micro_batch else []
     flags += ["--grad-checkpointing"] if args.grad_checkpointing else []
     a = runs.parse_args(train.Args, flags)
-    if device.type == "cuda" and args.budget_gb and (a.micro_batch is None or a.grad_checkpointing is None):
+    if (
+        device.type == "cuda"
+        and args.budget_gb
+        and (a.micro_batch is None or a.grad_checkpointing is None)
+    ):
         n_all = sum(p.numel() for p in model.parameters())
-        n_train = n_all if not args.lora else n_all // 100  # adapters: about 1% at rank 16 on all linear layers
+        # adapters: about 1% at rank 16 on all linear layers
+        n_train = n_all if not args.lora else n_all // 100
         a.micro_batch, a.grad_checkpointing, a.rollout_batch, _ = runs.memory_plan(
-            a, model.config, n_all, n_train, args.budget_gb * 2 ** 30)
-    runs.load_policy = lambda a_, source, device_: (model, tokenizer, {})
-    row = {"size": args.size, "algo": args.algo, "lora": args.lora, "max_new_tokens": args.max_new_tokens,
-           "budget_gb": args.budget_gb, "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu"}
-    code = train.main(flags + (["--micro-batch", str(a.micro_batch)] if a.micro_batch else [])
-                      + (["--rollout-batch", str(a.rollout_batch)] if a.rollout_batch else [])
-                      + (["--grad-checkpointing"] if a.grad_checkpointing else ["--no-grad-checkpointing"]))
-    row.update(micro_batch=a.micro_batch, grad_checkpointing=bool(a.grad_checkpointing),
-               rollout_batch=a.rollout_batch, exit_code=code)
+            a, model.config, n_all, n_train, args.budget_gb * 2**30
+        )
+    models.load_policy = lambda *args: (model, tokenizer, {})
+    row = {
+        "size": args.size,
+        "algo": args.algo,
+        "lora": args.lora,
+        "max_new_tokens": args.max_new_tokens,
+        "budget_gb": args.budget_gb,
+        "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
+    }
+    code = train.main(
+        flags
+        + (["--micro-batch", str(a.micro_batch)] if a.micro_batch else [])
+        + (["--rollout-batch", str(a.rollout_batch)] if a.rollout_batch else [])
+        + (["--grad-checkpointing"] if a.grad_checkpointing else ["--no-grad-checkpointing"])
+    )
+    row.update(
+        micro_batch=a.micro_batch,
+        grad_checkpointing=bool(a.grad_checkpointing),
+        rollout_batch=a.rollout_batch,
+        exit_code=code,
+    )
     metrics = os.path.join(flags[flags.index("--out") + 1], "metrics.jsonl")
     if code == 0 and os.path.isfile(metrics):
         m = json.loads(open(metrics).read().splitlines()[-1])
-        row.update({k: round(m[k], 2) for k in ("time_rollout", "time_scoring", "time_update", "time_step",
-                                                 "gpu_peak_gb", "response_length") if k in m})
+        row.update(
+            {
+                k: round(m[k], 2)
+                for k in (
+                    "time_rollout",
+                    "time_scoring",
+                    "time_update",
+                    "time_step",
+                    "gpu_peak_gb",
+                    "response_length",
+                )
+                if k in m
+            }
+        )
     print(json.dumps(row), flush=True)
     return row
 
@@ -103,13 +182,19 @@ def main():
     parser.add_argument("--algo", default="ppo", choices=("ppo", "grpo"))
     parser.add_argument("--lora", type=int, default=0)
     parser.add_argument("--max-new-tokens", type=int, default=128)
-    parser.add_argument("--budget-gb", type=float, default=0, help="allocate at most this much (0 = the GPU's)")
+    parser.add_argument(
+        "--budget-gb", type=float, default=0, help="allocate at most this much (0 = the GPU's)"
+    )
     parser.add_argument("--micro-batch", type=int, default=0)
     parser.add_argument("--grad-checkpointing", action="store_true")
     parser.add_argument("--out", default="/tmp/bench_gpu")
-    parser.add_argument("--all", action="store_true", help="every size x algorithm x (full, LoRA 16)")
+    parser.add_argument(
+        "--all", action="store_true", help="every size x algorithm x (full, LoRA 16)"
+    )
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--quick", action="store_true", help="a tiny model, small sizes: the script runs")
+    parser.add_argument(
+        "--quick", action="store_true", help="a tiny model, small sizes: the script runs"
+    )
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     if args.quick:
@@ -118,14 +203,49 @@ def main():
     if not args.all:
         return one_row(args)
     fitted = 0
-    rows = [(size, algo, lora) for size in ("0.5b", "1.5b", "3b") for algo in ("ppo", "grpo") for lora in (0, 16)]
+    rows = [
+        (size, algo, lora)
+        for size in ("0.5b", "1.5b", "3b")
+        for algo in ("ppo", "grpo")
+        for lora in (0, 16)
+    ]
     for size, algo, lora in rows:
-        out = subprocess.run([sys.executable, __file__, "--size", size, "--algo", algo, "--lora", str(lora),
-                              "--max-new-tokens", str(args.max_new_tokens), "--budget-gb", str(args.budget_gb),
-                              "--out", args.out], capture_output=True, text=True)
+        out = subprocess.run(
+            [
+                sys.executable,
+                __file__,
+                "--size",
+                size,
+                "--algo",
+                algo,
+                "--lora",
+                str(lora),
+                "--max-new-tokens",
+                str(args.max_new_tokens),
+                "--budget-gb",
+                str(args.budget_gb),
+                "--out",
+                args.out,
+            ],
+            capture_output=True,
+            text=True,
+        )
         line = [x for x in out.stdout.splitlines() if x.startswith("{")]
-        print(line[-1] if line else json.dumps({"size": size, "algo": algo, "lora": lora, "failed":
-                                                out.stderr.strip().splitlines()[-1:]}), flush=True)
+        print(
+            (
+                line[-1]
+                if line
+                else json.dumps(
+                    {
+                        "size": size,
+                        "algo": algo,
+                        "lora": lora,
+                        "failed": out.stderr.strip().splitlines()[-1:],
+                    }
+                )
+            ),
+            flush=True,
+        )
         fitted += bool(line) and json.loads(line[-1]).get("exit_code") == 0
     print(f"RESULT gpu {fitted / len(rows):.3f}")
 

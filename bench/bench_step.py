@@ -1,20 +1,25 @@
-"""One training step of the main command, split into rollout / scoring / update: this code vs the plain path.
+"""One training step of the main command, split into rollout / scoring / update: this code vs the
+plain path.
 
     python bench/bench_step.py                 # tiny warm-started policy, Sokoban, 8 groups x 16 rollouts, PPO, Top-P
     python bench/bench_step.py --quick         # a random tiny policy, small sizes, 1 repeat: proves the script runs
 
-The plain path is what the loop did before it was made fast, implemented here for the comparison only:
+The plain path is what the loop did before it was made fast, implemented here for the comparison
+only:
   rollout  model.generate, every turn's whole prompt encoded again, log-probs recorded by a logits processor;
   update   every micro-batch (8 transcripts) padded to the longest transcript of the batch, run with an attention
-           mask, full-vocabulary logits at every position, then log-probs and entropies taken from them.
-This code: rollout.hf_policy (an explicit sampling loop that keeps each episode's key/value cache between turns) and
-train.update_policy (length-sorted micro-batches of their own width, causal attention without a mask, the output
-layer only at policy tokens, micro-batch = mini-batch on a CPU). Both update the same kept episodes from the same
-weights; both rollouts start from the same random state, so they sample the same tokens (checked and printed).
-Scoring (MI diagnosis + filter) is the same code on both sides. Sides take turns; medians over --repeats.
+           mask, full-vocabulary logits at every position, then log-probs and entropies taken from
+           them.
+This code: rollout.hf_policy (an explicit sampling loop that keeps each episode's key/value cache
+between turns) and train.update_policy (length-sorted micro-batches of their own width, causal
+attention without a mask, the output layer only at policy tokens, micro-batch = mini-batch on a
+CPU). Both update the same kept episodes from the same weights; both rollouts start from the same
+random state, so they sample the same tokens (checked and printed). Scoring (MI diagnosis + filter)
+is the same code on both sides. Sides take turns; medians over --repeats.
 
 Last line: RESULT step <plain step seconds / this code's step seconds> (higher is better).
 """
+
 import argparse
 import copy
 import os
@@ -25,6 +30,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import models  # noqa: E402
 import ppo  # noqa: E402
 import rollout  # noqa: E402
 import runs  # noqa: E402
@@ -34,6 +40,7 @@ import train  # noqa: E402
 def plain_policy(model, tokenizer, max_new_tokens, temperature=1.0, top_p=1.0):
     """The plain sampler: one model.generate call per turn on the whole left-padded prompts."""
     from transformers import LogitsProcessorList
+
     stop_ids, pad = rollout.end_of_turn_ids(tokenizer), rollout.pad_token_id(tokenizer)
 
     def policy(prompt_ids, env_list=None):
@@ -41,20 +48,30 @@ def plain_policy(model, tokenizer, max_new_tokens, temperature=1.0, top_p=1.0):
         ids = torch.full((len(prompt_ids), width), pad, dtype=torch.long)
         attention = torch.zeros_like(ids)
         for b, p in enumerate(prompt_ids):
-            ids[b, width - len(p):] = torch.tensor(p)
-            attention[b, width - len(p):] = 1
+            ids[b, width - len(p) :] = torch.tensor(p)
+            attention[b, width - len(p) :] = 1
         tables = []
 
-        def record(input_ids, scores):  # every step's log-softmax, for the sampled tokens' log-probs
+        # every step's log-softmax, for the sampled tokens' log-probs
+        def record(input_ids, scores):
             tables.append(torch.log_softmax(scores / temperature, dim=-1))
             return scores / temperature
 
         with torch.no_grad():
-            out = model.generate(input_ids=ids, attention_mask=attention, max_new_tokens=max_new_tokens,
-                                 do_sample=True, temperature=1.0, top_p=1.0, top_k=0, eos_token_id=stop_ids,
-                                 pad_token_id=pad, logits_processor=LogitsProcessorList([record]))
+            out = model.generate(
+                input_ids=ids,
+                attention_mask=attention,
+                max_new_tokens=max_new_tokens,
+                do_sample=True,
+                temperature=1.0,
+                top_p=1.0,
+                top_k=0,
+                eos_token_id=stop_ids,
+                pad_token_id=pad,
+                logits_processor=LogitsProcessorList([record]),
+            )
         new = out[:, width:]
-        logprobs = torch.stack(tables, 1)[:, :new.shape[1]].gather(-1, new[..., None])[..., 0]
+        logprobs = torch.stack(tables, 1)[:, : new.shape[1]].gather(-1, new[..., None])[..., 0]
         generations = []
         for row, lp in zip(new.tolist(), logprobs.tolist()):
             end = next((i + 1 for i, t in enumerate(row) if t in stop_ids), None)
@@ -86,18 +103,18 @@ def plain_pieces(batch, rows, size):
 
 
 def make_run(flags, model=None, tokenizer=None):
-    """A runs.Run from train.py flags (no run folder is created); with `model` and `tokenizer` given, the run uses
-    them instead of loading --model."""
+    """A runs.Run from train.py flags (no run folder is created); with `model` and `tokenizer`
+    given, the run uses them instead of loading --model."""
     a = runs.parse_args(train.Args, flags + ["--out", "/dev/null/unused"])
     runs.resolve_defaults(a, torch.device("cpu"))
     if model is None:
-        return runs.load(a, torch.device("cpu"))
-    load_policy = runs.load_policy
-    runs.load_policy = lambda *args: (model, tokenizer, {})
+        return runs.load_run(a, torch.device("cpu"), a.model)
+    load_policy = models.load_policy
+    models.load_policy = lambda *args: (model, tokenizer, {})
     try:
-        return runs.load(a, torch.device("cpu"))
+        return runs.load_run(a, torch.device("cpu"), a.model)
     finally:
-        runs.load_policy = load_policy
+        models.load_policy = load_policy
 
 
 def timed(fn):
@@ -111,18 +128,34 @@ def main():
     parser.add_argument("--threads", type=int, default=2, help="torch.set_num_threads")
     parser.add_argument("--env", default="sokoban")
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--quick", action="store_true", help="a random tiny policy, small sizes, 1 repeat")
+    parser.add_argument(
+        "--quick", action="store_true", help="a random tiny policy, small sizes, 1 repeat"
+    )
     args = parser.parse_args()
     flags = ["--env", args.env, "--model", "tiny", "--threads", str(args.threads)]
     if args.quick:
-        flags += ["--no-warm-start", "--groups", "2", "--group-size", "4", "--max-turns", "2", "--max-new-tokens",
-                  "8", "--mi-samples", "8", "--filter", "none"]
+        flags += [
+            "--no-warm-start",
+            "--groups",
+            "2",
+            "--group-size",
+            "4",
+            "--max-turns",
+            "2",
+            "--max-new-tokens",
+            "8",
+            "--mi-samples",
+            "8",
+            "--filter",
+            "none",
+        ]
         args.repeats = 1
     run = make_run(flags)
     a = run.args
     PAD[0] = run.pad_id
-    start = copy.deepcopy((run.policy.state_dict(), run.critic.state_dict(),
-                           [o.state_dict() for o in run.optimizers]))
+    start = copy.deepcopy(
+        (run.policy.state_dict(), run.critic.state_dict(), [o.state_dict() for o in run.optimizers])
+    )
     rows = {"plain": [], "this code": []}
     same_samples = True
     for repeat in range(args.repeats):
@@ -136,9 +169,17 @@ def main():
                 opt.load_state_dict(state)
             torch.manual_seed(repeat)
             sampler = plain_policy if side == "plain" else rollout.hf_policy
-            original = (rollout.hf_policy, train.pieces, ppo.policy_logprobs, a.micro_batch, train.critic_pass)
+            original = (
+                rollout.hf_policy,
+                train.pieces,
+                ppo.policy_logprobs,
+                a.micro_batch,
+                train.critic_pass,
+            )
             rollout.hf_policy = sampler
-            episodes, t_rollout = timed(lambda: train.collect_rollouts(run, seeds, a.group_size, 1.0, 1.0))
+            episodes, t_rollout = timed(
+                lambda: train.collect_rollouts(run, seeds, a.group_size, 1.0, 1.0)
+            )
             rollout.hf_policy = original[0]
             tokens[side] = [e.ids for e in episodes]
             rewards = torch.tensor([e.total_reward for e in episodes]).view(a.groups, a.group_size)
@@ -153,24 +194,44 @@ def main():
                 train.pieces, ppo.policy_logprobs, a.micro_batch = plain_pieces, plain_logprobs, 8
                 train.critic_pass = plain_critic_pass
             try:
-                _, t_update = timed(lambda: train.update_policy(run, kept, rewards[keep],
-                                                                torch.Generator().manual_seed(0)))
+                _, t_update = timed(
+                    lambda: train.update_policy(
+                        run, kept, rewards[keep], torch.Generator().manual_seed(0)
+                    )
+                )
             finally:
-                train.pieces, ppo.policy_logprobs, a.micro_batch = original[1], original[2], original[3]
+                train.pieces, ppo.policy_logprobs, a.micro_batch = (
+                    original[1],
+                    original[2],
+                    original[3],
+                )
                 train.critic_pass = original[4]
-            rows[side].append((t_rollout, t_scoring, t_update, keep.float().mean().item(),
-                               sum(sum(e.response_lengths) for e in episodes)))
+            rows[side].append(
+                (
+                    t_rollout,
+                    t_scoring,
+                    t_update,
+                    keep.float().mean().item(),
+                    sum(sum(e.response_lengths) for e in episodes),
+                )
+            )
         same_samples &= tokens["plain"] == tokens["this code"]
 
-    print(f"tiny policy ({'random' if args.quick else 'warm-started'}), {args.env}, {a.groups} groups x "
-          f"{a.group_size} rollouts, {a.algo}, filter {a.filter}; torch threads {torch.get_num_threads()}; "
-          f"median of {args.repeats}; both sides sampled the same tokens: {same_samples}")
-    print(f"{'path':<12}{'rollout s':>11}{'scoring s':>11}{'update s':>10}{'step s':>9}{'kept':>7}{'tokens':>8}")
+    print(
+        f"tiny policy ({'random' if args.quick else 'warm-started'}), {args.env}, {a.groups} groups x "
+        f"{a.group_size} rollouts, {a.algo}, filter {a.filter}; torch threads {torch.get_num_threads()}; "
+        f"median of {args.repeats}; both sides sampled the same tokens: {same_samples}"
+    )
+    print(
+        f"{'path':<12}{'rollout s':>11}{'scoring s':>11}{'update s':>10}{'step s':>9}{'kept':>7}{'tokens':>8}"
+    )
     medians = {}
     for side, values in rows.items():
         m = [statistics.median(column) for column in zip(*values)]
         medians[side] = m[0] + m[1] + m[2]
-        print(f"{side:<12}{m[0]:>11.2f}{m[1]:>11.2f}{m[2]:>10.2f}{medians[side]:>9.2f}{m[3]:>7.2f}{int(m[4]):>8d}")
+        print(
+            f"{side:<12}{m[0]:>11.2f}{m[1]:>11.2f}{m[2]:>10.2f}{medians[side]:>9.2f}{m[3]:>7.2f}{int(m[4]):>8d}"
+        )
     print(f"RESULT step {medians['plain'] / medians['this code']:.3f}")
 
 

@@ -4,9 +4,10 @@
     python bench/run_all.py --quick                           # every script's --quick mode
     python bench/run_all.py --trl-python trl-venv/bin/python  # the interpreter that has trl (bench_trl.py)
 
-bench_trl.py runs under --trl-python (default: this interpreter); it is skipped when trl cannot be imported there.
-Exit status 1 when any script fails.
+bench_trl.py runs under --trl-python (default: this interpreter); it is skipped when trl cannot be
+imported there. Exit status 1 when any script fails.
 """
+
 import argparse
 import glob
 import os
@@ -23,8 +24,12 @@ def has_trl(python):
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="pass --quick to every script")
-    parser.add_argument("--threads", type=int, default=2, help="passed to every script (torch.set_num_threads)")
-    parser.add_argument("--trl-python", default=sys.executable, help="interpreter with trl, for bench_trl.py")
+    parser.add_argument(
+        "--threads", type=int, default=2, help="passed to every script (torch.set_num_threads)"
+    )
+    parser.add_argument(
+        "--trl-python", default=sys.executable, help="interpreter with trl, for bench_trl.py"
+    )
     args = parser.parse_args()
 
     results, failed = [], []
@@ -32,10 +37,14 @@ def main():
         name = os.path.basename(script)
         python = args.trl_python if name == "bench_trl.py" else sys.executable
         if name == "bench_trl.py" and not has_trl(python):
-            print(f"== {name}: skipped, trl cannot be imported by {python} (see bench/requirements.txt)\n")
+            print(
+                f"== {name}: skipped, trl cannot be imported by {python} (see bench/requirements.txt)\n"
+            )
             results.append(f"{name}: skipped (no trl)")
             continue
-        command = [python, script, "--threads", str(args.threads)] + (["--quick"] if args.quick else [])
+        command = [python, script, "--threads", str(args.threads)] + (
+            ["--quick"] if args.quick else []
+        )
         print(f"== {' '.join(command)}", flush=True)
         out = subprocess.run(command, capture_output=True, text=True)
         print(out.stdout, flush=True)

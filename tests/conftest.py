@@ -12,8 +12,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")  # tests never touch the network
 
 @pytest.fixture(autouse=True)
 def one_thread():
-    """Tiny matrices: one thread is faster than several fighting over shared cores, and results do not depend on
-    the machine's core count."""
+    """Tiny matrices: one thread is faster than several fighting over shared cores, and results do
+    not depend on the machine's core count."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     yield

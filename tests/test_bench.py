@@ -1,7 +1,9 @@
-"""Every benchmark's --quick mode still runs: exit status 0 and a last `RESULT <name> <finite number>` line.
+"""Every benchmark's --quick mode still runs: exit status 0 and a last `RESULT <name> <finite
+number>` line.
 
-No timing is asserted: the numbers depend on the machine. bench_trl.py needs trl, which is not a dependency of the
-project: it runs under the interpreter named by BENCH_TRL_PYTHON (default: this one) and is skipped without trl.
+No timing is asserted: the numbers depend on the machine. bench_trl.py needs trl, which is not a
+dependency of the project: it runs under the interpreter named by BENCH_TRL_PYTHON (default: this
+one) and is skipped without trl.
 """
 import math
 import os

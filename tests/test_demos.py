@@ -1,7 +1,7 @@
-"""demos.py: what the tiny policy sees (grid + positions line), the demonstrations it is taught (valid, the solver's
-moves, imperfect on purpose), and behaviour cloning (the loss over policy tokens, length-sorted batches, a resumable
-schedule, tested
-through tiny.load_tiny in test_tiny.py)."""
+"""demos.py: what the tiny policy sees (grid + positions line), the demonstrations it is taught
+(valid, the solver's moves, imperfect on purpose), and behaviour cloning (the loss over policy
+tokens, length-sorted batches, a resumable schedule, tested through tiny.load_tiny in
+test_tiny.py)."""
 import random
 
 import pytest
@@ -26,21 +26,27 @@ def test_the_user_turn_is_the_grid_and_the_positions_line(tok):
     assert demos.positions("sokoban", "######\n#P_XO#\n######") == (
         "Player (1,1), box (1,3), target (1,4). Box: 0 Down, 2 Right. Target: 0 Down, 1 Right. "
         "Around: Up wall, Down wall, Left wall, Right floor.")
-    assert demos.positions("sokoban", "######\n#PXXO#\n#O___#\n######").endswith(  # two boxes: no ways
+    # two boxes: no ways
+    assert demos.positions("sokoban", "######\n#PXXO#\n#O___#\n######").endswith(
         "target (1,4), (2,1). Around: Up wall, Down target, Left wall, Right box.")
-    assert demos.around("P_") == "Around: Up wall, Down wall, Left wall, Right floor."  # off the grid is wall
+    # off the grid is wall
+    assert demos.around("P_") == "Around: Up wall, Down wall, Left wall, Right floor."
     assert demos.prompts("bandit")["user"]("Phoenix: pays 0.1", 0.0, 1, 1) == "Phoenix: pays 0.1"
     text = demos.prompts("frozenlake")["user"]("P_\n_G", 0.5, 7, 2)
-    assert text == "P_\n_G\nPlayer (0,0), goal (1,1). Goal: 1 Down, 1 Right."  # no turn, reward or count text
-    assert {"Player", "goal", "Goal", "Down"} <= set(tok.convert_ids_to_tokens(tok.encode(text)))  # words
+    # no turn, reward or count text
+    assert text == "P_\n_G\nPlayer (0,0), goal (1,1). Goal: 1 Down, 1 Right."
+    # words
+    assert {"Player", "goal", "Goal", "Down"} <= set(tok.convert_ids_to_tokens(tok.encode(text)))
     env = envs.make_env("sokoban")
     lengths = set()
-    for seed in range(20):  # every turn of a world has the same shape: the line sits at a fixed distance
+    # every turn of a world has the same shape: the line sits at a fixed distance
+    for seed in range(20):
         obs, _ = env.reset(seed=seed)
         lengths.add(len(tok.encode(demos.prompts("sokoban")["user"](obs, 0.0, 10, 1))))
     assert len(lengths) == 1
     episode = demos.demonstrations(tok, "frozenlake", [3])[0]
-    assert "Goal: 2 Down, 1 Right.<|im_end|>" in tok.decode(episode.ids)  # demonstrations use the same prompts
+    # demonstrations use the same prompts
+    assert "Goal: 2 Down, 1 Right.<|im_end|>" in tok.decode(episode.ids)
 
 
 def test_demonstrations_are_valid_and_imperfect(tok):
@@ -52,13 +58,15 @@ def test_demonstrations_are_valid_and_imperfect(tok):
         text = demos.demonstration(env, rng, noise=0.0)
         think, actions, valid = envs.parse_response("<think>" + text, env.actions)
         assert valid and actions == plan[:len(actions)] and 1 <= len(actions) <= 2
-        assert think == "Goal: 2 Down, 1 Right."  # the way from the player at (1,0) to the goal at (3,1)
+        # the way from the player at (1,0) to the goal at (3,1)
+        assert think == "Goal: 2 Down, 1 Right."
     noisy = [envs.parse_response("<think>" + demos.demonstration(env, rng, noise=1.0), env.actions)
              for _ in range(40)]
     assert all(t.endswith(f"Try {a[0]}.") and len(a) == 1 for t, a, _ in noisy)
     assert len({a[0] for _, a, _ in noisy}) > 1  # random moves, not the plan
     episodes = demos.demonstrations(tok, "frozenlake", range(30), noise=0.0)
-    assert all(e.success for e in episodes)  # the solver's moves, one or two a turn, reach the goal in 5 turns
+    # the solver's moves, one or two a turn, reach the goal in 5 turns
+    assert all(e.success for e in episodes)
     assert all(e.turn_rewards.count(rollout.FORMAT_PENALTY) == 0 for e in episodes)
     stuck = envs.Sokoban(room="#####\n#X_O#\n#P__#\n#####")  # the box sits in a corner: no solution
     stuck.reset()
@@ -69,7 +77,8 @@ def test_demo_loss_equals_plain_loop_over_policy_tokens(tok):
     model = small_model(tok).eval()
     batch = rollout.collate(demos.demonstrations(tok, "bandit", range(3)), tok.pad_token_id)
     with torch.no_grad():
-        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits  # [B, T, V]
+        # [B, T, V]
+        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
         total, count = 0.0, 0
         for b in range(len(batch["input_ids"])):
             for t in range(1, batch["input_ids"].shape[1]):
@@ -81,7 +90,8 @@ def test_demo_loss_equals_plain_loop_over_policy_tokens(tok):
 
 def test_short_warm_start_lowers_demonstration_loss(tok):
     model = small_model(tok)
-    held_out = rollout.collate(demos.demonstrations(tok, "bandit", range(8)), tok.pad_token_id)  # short episodes
+    # short episodes
+    held_out = rollout.collate(demos.demonstrations(tok, "bandit", range(8)), tok.pad_token_id)
     with torch.no_grad():
         before = demos.demo_loss(model, held_out).item()
     losses = demos.imitate(model, tok, "bandit", steps=12, batch_size=4, lr=1e-2)
@@ -101,4 +111,5 @@ def test_warm_start_batches_are_cut_from_length_sorted_rounds(tok, monkeypatch):
     demos.imitate(small_model(tok), tok, "frozenlake", steps=demos.ROUND, batch_size=3)
     assert [len(b) for b in seen] == [3] * demos.ROUND
     spans = sorted((min(b), max(b)) for b in seen)
-    assert all(hi <= lo for (_, hi), (lo, _) in zip(spans, spans[1:]))  # cut from one sorted list: no overlap
+    # cut from one sorted list: no overlap
+    assert all(hi <= lo for (_, hi), (lo, _) in zip(spans, spans[1:]))

@@ -1,5 +1,6 @@
-"""Tests of rollout.py: exact transcripts, masks and rewards with scripted policies; sampling-time log-probs equal a
-recomputed forward pass; the from_pretrained path; malformed model output never crashes."""
+"""Tests of rollout.py: exact transcripts, masks and rewards with scripted policies; sampling-time
+log-probs equal a recomputed forward pass; the from_pretrained path; malformed model output never
+crashes."""
 import pytest
 import torch
 from tokenizers import Tokenizer, decoders, models
@@ -18,8 +19,8 @@ SYSTEM = "Reach G."  # a short system prompt keeps the char-level transcripts sh
 
 
 def make_tokenizer():
-    """Character-level tokenizer over printable ASCII, newline and the grid symbol √, Qwen's special tokens and a
-    ChatML template; no pad token (the loop must cope)."""
+    """Character-level tokenizer over printable ASCII, newline and the grid symbol √, Qwen's special
+    tokens and a ChatML template; no pad token (the loop must cope)."""
     specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
     chars = ["<unk>"] + [chr(i) for i in range(32, 127)] + ["\n", "√"]
     tok = Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(specials + chars)}, merges=[], unk_token="<unk>"))
@@ -52,9 +53,9 @@ def make_model(tokenizer, seed=0):
 
 
 def scripted(tokenizer, scripts, calls=None):
-    """A stand-in policy: episode i (in order of the first call) answers scripts[i][turn] (a str, or a
-    (token list, cut) pair; the last entry repeats); strings get the end-of-turn token appended, like a model that
-    closes its turn."""
+    """A stand-in policy: episode i (in order of the first call) answers scripts[i][turn] (a str, or
+    a (token list, cut) pair; the last entry repeats); strings get the end-of-turn token appended,
+    like a model that closes its turn."""
     owner, turn = {}, {}
     end = tokenizer.convert_tokens_to_ids("<|im_end|>")
 
@@ -119,7 +120,7 @@ def test_end_of_turn_and_pad_without_touching_the_tokenizer(tokenizer):
     assert rollout.end_of_turn_ids(other) == [end, other.convert_tokens_to_ids("<|endoftext|>")]
 
 
-# ---------------------------------------------------------------- scripted episodes, checked by hand
+# --------------------------------------------------------------- scripted episodes, checked by hand
 def test_group_mates_go_on_after_one_succeeds_on_turn_two(tokenizer):
     calls = []
     policy = scripted(tokenizer, [
@@ -142,7 +143,8 @@ def test_group_mates_go_on_after_one_succeeds_on_turn_two(tokenizer):
         sampled = [t for t, m in zip(e.ids, e.policy_mask) if m]
         replies = [tokenizer.encode(r[len("<think>"):], add_special_tokens=False) for r in e.responses]
         end = tokenizer.eos_token_id
-        assert sampled == [t for reply in replies for t in reply + [end]]  # mask 1 = the policy's tokens only
+        # mask 1 = the policy's tokens only
+        assert sampled == [t for reply in replies for t in reply + [end]]
         assert e.response_lengths == [len(r) + 1 for r in replies] and not e.cut
         rewards = rollout.collate([e], 0)["token_rewards"][0]
         last = max(t for t, m in enumerate(e.policy_mask) if m)
@@ -163,7 +165,8 @@ def test_a_group_shares_its_layout_but_not_its_noise(tokenizer):
     eps = rollout.play(policy, tokenizer, "frozenlake", [0, 1], 8, env_kwargs={"success_rate": 1 / 3},
                        max_turns=2, system=SYSTEM)
     first, second = prompts[0][:8], prompts[0][8:]
-    assert len(set(first)) == 1 and len(set(second)) == 1 and first[0] != second[0]  # one layout per group
+    # one layout per group
+    assert len(set(first)) == 1 and len(set(second)) == 1 and first[0] != second[0]
     assert len({e.first_prompt for e in eps[:8]}) == 1
     assert len({p for p, e in zip(prompts[1], [e for e in eps if e.turns == 2]) if e.group == 0}) > 1  # slips differ
 
@@ -174,8 +177,10 @@ def test_malformed_output_is_penalised_never_crashes(tokenizer):
     script = [([], False),  # nothing at all
               ([end], False),  # only the end-of-turn token
               (enc("<think> never closed, cut at the limit"), True),
-              (enc("a") + [start] + enc("</think><answer>Right") + [end], False),  # stray special token, unclosed
-              (enc("</answer><answer> Right </answer></think>") + [end], False)]  # tags out of order
+              # stray special token, unclosed
+              (enc("a") + [start] + enc("</think><answer>Right") + [end], False),
+              # tags out of order
+              (enc("</answer><answer> Right </answer></think>") + [end], False)]
     eps = rollout.play(scripted(tokenizer, [script]), tokenizer, "frozenlake", [3], 1, env_kwargs=LAKE, system=SYSTEM)
     (e,) = eps
     assert e.turns == 5 and e.num_actions == 0 and e.turn_rewards == [-0.1] * 5 and not e.cut
@@ -231,18 +236,21 @@ def test_sampling_logprobs_equal_a_forward_pass(tokenizer, device, temperature, 
     policy = rollout.hf_policy(model, tokenizer, max_new_tokens=40, temperature=temperature, top_p=top_p)
     torch.manual_seed(1)
     eps = rollout.play(policy, tokenizer, "frozenlake", [0, 1], 2, max_turns=3, system=SYSTEM)
-    assert any(e.cut for e in eps) and any(n < 40 for e in eps for n in e.response_lengths)  # both endings occur
+    # both endings occur
+    assert any(e.cut for e in eps) and any(n < 40 for e in eps for n in e.response_lengths)
     batch = {k: v.to(device) for k, v in rollout.collate(eps, rollout.pad_token_id(tokenizer)).items()}
     table, recomputed = forward_logprobs(model, batch, temperature)
     mask = batch["policy_mask"][:, 1:] == 1  # [B, T-1]
     assert batch["policy_mask"][:, 0].sum() == 0
     torch.testing.assert_close(batch["logprobs"][:, 1:][mask], recomputed[mask], atol=1e-4, rtol=0)
-    # every sampled token lies in the top-p nucleus: less than top_p of the mass is on likelier tokens
+    # every sampled token lies in the top-p nucleus: less than top_p of the mass is on likelier
+    # tokens
     probs = table.exp()
     chosen = probs.gather(-1, batch["input_ids"][:, 1:, None])  # [B, T-1, 1]
     above = (probs * (probs > chosen)).sum(-1)  # [B, T-1]
     assert (above[mask] < top_p + 1e-5).all()
-    for e in eps:  # every turn but the last ends with the end-of-turn token: sampled (mask 1) or appended (mask 0)
+    # every turn but the last ends with the end-of-turn token: sampled (mask 1) or appended (mask 0)
+    for e in eps:
         ids, m = e.ids, e.policy_mask
         run_ends = [i for i in range(1, len(m)) if m[i - 1] == 1 and m[i] == 0]
         assert len(run_ends) == e.turns - 1
@@ -262,7 +270,8 @@ def test_greedy_picks_the_argmax(tokenizer):
 def test_from_pretrained_round_trip_is_identical(tokenizer, tmp_path):
     model = make_model(tokenizer, seed=3)
     model.save_pretrained(tmp_path / "model")
-    # its own folder: next to a qwen2 config.json, AutoTokenizer would build Qwen's byte-level tokenizer instead
+    # its own folder: next to a qwen2 config.json, AutoTokenizer would build Qwen's byte-level
+    # tokenizer instead
     tokenizer.save_pretrained(tmp_path / "tokenizer")
     loaded_model = AutoModelForCausalLM.from_pretrained(tmp_path / "model").eval()
     loaded_tokenizer = AutoTokenizer.from_pretrained(tmp_path / "tokenizer")

@@ -1,6 +1,6 @@
-"""runs.py: flags, the run folder, checkpoints and resume. A run survives a kill at every moment that matters and
-resumes exactly; bad input is one line and exit code 2, leaving nothing behind; running out of memory is exit 3."""
-import builtins
+"""runs.py: flags, the run folder, checkpoints and resume. A run survives a kill at every moment
+that matters and resumes exactly; bad input is one line and exit code 2, leaving nothing behind;
+running out of memory is exit 3."""
 import dataclasses
 import errno
 import json
@@ -13,6 +13,7 @@ import time
 import pytest
 import torch
 
+import models
 import runs
 import tiny
 import train
@@ -28,8 +29,9 @@ def records(out):
 
 
 def same_metrics(a, b):
-    """Two runs' metrics agree on everything but timings. The MI metrics of a re-loaded model may differ in the last
-    float32 bits of a summed log-likelihood (1e-6), far below any meaningful change."""
+    """Two runs' metrics agree on everything but timings. The MI metrics of a re-loaded model may
+    differ in the last float32 bits of a summed log-likelihood (1e-6), far below any meaningful
+    change."""
     assert [r["step"] for r in a] == [r["step"] for r in b]
     for x, y in zip(a, b):
         assert set(x) == set(y)
@@ -43,8 +45,8 @@ def same_metrics(a, b):
 
 
 def fails(argv, capsys, words, code=2, started=False):
-    """The command exits with `code` and one error line; before training started (no progress bar yet) that line
-    is all there is on stderr."""
+    """The command exits with `code` and one error line; before training started (no progress bar
+    yet) that line is all there is on stderr."""
     assert train.main(argv) == code
     err = capsys.readouterr().err.strip()
     last = err.splitlines()[-1]
@@ -53,14 +55,15 @@ def fails(argv, capsys, words, code=2, started=False):
     return last
 
 
-# ------------------------------------------------------------------------------------------------ flags
+# -------------------------------------------------------------------------------------------- flags
 
 def test_help_is_one_line_per_flag_with_its_default(capsys):
     with pytest.raises(SystemExit):
         runs.build_parser(train.Args).parse_args(["--help"])
     lines = capsys.readouterr().out.splitlines()
     options = lines[[i for i, line in enumerate(lines) if line.startswith("options")][0] + 1:]
-    assert all(line.lstrip().startswith("-") and len(line) <= 110 for line in options)  # no wrapped lines
+    # no wrapped lines
+    assert all(line.lstrip().startswith("-") and len(line) <= 110 for line in options)
     assert len(options) == len(dataclasses.fields(train.Args)) + 1  # every flag, and --help
     text = "\n".join(options)
     assert "environment: sokoban, frozenlake, bandit [sokoban]" in text and "[0.9]" in text and "[on]" in text
@@ -93,7 +96,8 @@ def test_bad_arguments_print_one_line_exit_2_and_leave_nothing(tmp_path, argv, w
     started = time.time()
     fails(["--steps", "1", "--no-warm-start", "--out", str(out)] + argv, capsys, words)
     assert not out.exists()  # a failed start leaves no folder behind
-    assert time.time() - started < 20  # fails fast: no network retries (a bound far above the ~1 s it takes)
+    # fails fast: no network retries (a bound far above the ~1 s it takes)
+    assert time.time() - started < 20
 
 
 def test_bad_arguments_from_the_shell_give_no_traceback():
@@ -111,19 +115,20 @@ def test_unusable_out_folders(tmp_path, capsys):
     out = str(tmp_path / "run")
     assert train.main(SMALL + ["--steps", "1", "--out", out, "--mi-every", "0"]) == 0
     capsys.readouterr()
-    fails(SMALL + ["--steps", "1", "--out", out], capsys, "already holds a run")  # never overwritten
+    # never overwritten
+    fails(SMALL + ["--steps", "1", "--out", out], capsys, "already holds a run")
     assert [r["step"] for r in records(out)] == [0, 1]
     with runs.lock_folder(out):  # another process is using it
         fails(["--resume", out, "--steps", "2"], capsys, "in use by another")
 
 
-# ------------------------------------------------------------------------------------------------ resume
+# ------------------------------------------------------------------------------------------- resume
 
 def test_resume_continues_exactly_like_an_uninterrupted_run(tmp_path):
     common = SMALL + ["--algo", "ppo", "--mi-every", "1", "--val-every", "2"]
     straight, broken = str(tmp_path / "straight"), str(tmp_path / "broken")
     assert train.main(common + ["--steps", "3", "--out", straight]) == 0
-    assert train.main(common + ["--steps", "2", "--out", broken]) == 0      # "interrupted" after step 2
+    assert train.main(common + ["--steps", "2", "--out", broken]) == 0  # "interrupted" after step 2
     assert train.main(["--resume", broken, "--steps", "3"]) == 0
     same_metrics(records(straight), records(broken))
 
@@ -161,14 +166,16 @@ def test_a_damaged_run_folder_is_one_line(tmp_path, capsys, damage, words):
 
 
 class Killed(BaseException):
-    """Stands for kill -9: nothing after the moment it is raised runs (no except clause catches a BaseException
-    that is not KeyboardInterrupt, and what `finally` blocks do is only closing files, which a kill also does)."""
+    """Stands for kill -9: nothing after the moment it is raised runs (no except clause catches a
+    BaseException that is not KeyboardInterrupt, and what `finally` blocks do is only closing files,
+    which a kill also does)."""
 
 
 def test_a_kill_at_every_file_operation_then_resume_is_exact(tmp_path, monkeypatch):
-    """Every rename of a 3-step run -- the config, the first checkpoint, each rotation (checkpoint -> .old,
-    .tmp -> checkpoint) -- is a moment a kill can hit. Kill at each, resume, and the metrics equal the
-    uninterrupted run's: nothing lost, nothing logged twice, never a crash on the leftovers."""
+    """Every rename of a 3-step run -- the config, the first checkpoint, each rotation (checkpoint
+    -> .old, .tmp -> checkpoint) -- is a moment a kill can hit. Kill at each, resume, and the
+    metrics equal the uninterrupted run's: nothing lost, nothing logged twice, never a crash on the
+    leftovers."""
     common = SMALL + ["--algo", "grpo", "--mi-every", "1", "--val-every", "2", "--steps", "3"]
     straight = str(tmp_path / "straight")
     assert train.main(common + ["--out", straight]) == 0
@@ -194,7 +201,8 @@ def test_a_kill_at_every_file_operation_then_resume_is_exact(tmp_path, monkeypat
             break  # kill_at is past the run's last rename: every moment was covered
         if os.path.isfile(os.path.join(out, "config.json")):
             assert train.main(["--resume", out]) == 0
-        else:  # killed while starting: there is no run yet (in this simulation start() removes its folder)
+        # killed while starting: there is no run yet (in this simulation start() removes its folder)
+        else:
             assert train.main(common + ["--out", out]) == 0
         same_metrics(records(straight), records(out))
         assert sorted(os.listdir(out)) == [".lock", "checkpoint", "config.json", "metrics.jsonl"]
@@ -242,7 +250,8 @@ def test_out_of_memory_is_one_line_naming_the_phase(tmp_path, capsys, monkeypatc
     out = str(tmp_path / "run")
     update = train.update_policy
 
-    def update_policy(run, *args):  # named like the phase it stands for: the message names the phase
+    # named like the phase it stands for: the message names the phase
+    def update_policy(run, *args):
         if run.step == 1:
             raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 6.8 GiB")
         return update(run, *args)
@@ -253,13 +262,14 @@ def test_out_of_memory_is_one_line_naming_the_phase(tmp_path, capsys, monkeypatc
     assert runs.checkpoint_step(runs.recover_checkpoint(out)) == 1  # the last checkpoint is intact
 
 
-# ------------------------------------------------------------------------------------------------ the same result
+# ---------------------------------------------------------------------------------- the same result
 
 def test_the_same_result_whether_the_warm_start_was_built_or_loaded(tmp_path, monkeypatch):
     monkeypatch.setattr(tiny, "WARM_START_STEPS", 4)
     common = ["--model", "tiny", "--env", "bandit", "--groups", "2", "--group-size", "4", "--val-seeds", "2",
               "--mi-samples", "4", "--no-plot", "--steps", "2", "--tiny-cache", str(tmp_path / "cache")]
-    assert train.main(common + ["--out", str(tmp_path / "built")]) == 0  # builds the warm start in-process
+    # builds the warm start in-process
+    assert train.main(common + ["--out", str(tmp_path / "built")]) == 0
     assert train.main(common + ["--out", str(tmp_path / "loaded")]) == 0  # loads it
     same_metrics(records(tmp_path / "built"), records(tmp_path / "loaded"))
 
@@ -273,25 +283,28 @@ def test_evaluating_a_checkpoint_is_one_command(tmp_path, capsys):
     assert "2 held-out seeds, one rollout each, temperature 0.5" in capsys.readouterr().out
     (r,) = records(ev)
     assert r["step"] == 0 and 0.0 <= r["val_success"] <= 1.0
-    tok = runs.load_policy(train.Args(), ckpt, torch.device("cpu"))[1]  # the tiny tokenizer, unchanged
+    tok = models.load_policy(train.Args(), ckpt, torch.device("cpu"), {})[1]  # the tiny tokenizer
     text = "<think> P at row 2 </think> <answer> Up || Left </answer>"
     assert tok.decode(tok.encode(text, add_special_tokens=False)) == text
 
 
-# ------------------------------------------------------------------------------------------------ GPU memory
+# --------------------------------------------------------------------------------------- GPU memory
 
 def test_memory_plan_fits_the_budget_and_prefers_no_checkpointing():
     from transformers import Qwen2Config
-    qwen05 = Qwen2Config(hidden_size=896, intermediate_size=4864, num_hidden_layers=24)  # Qwen2.5-0.5B's shapes
+    # Qwen2.5-0.5B's shapes
+    qwen05 = Qwen2Config(hidden_size=896, intermediate_size=4864, num_hidden_layers=24)
     n = 494_000_000
     a = train.Args(max_new_tokens=400)
-    mb24, ckpt24, roll24, longest = runs.memory_plan(a, qwen05, n, n, 24 * 2 ** 30)
-    mb80, ckpt80, roll80, _ = runs.memory_plan(a, qwen05, n, n, 80 * 2 ** 30)
+    mb24, ckpt24, roll24, longest = models.memory_plan(a, qwen05, n, n, 24 * 2 ** 30)
+    mb80, ckpt80, roll80, _ = models.memory_plan(a, qwen05, n, n, 80 * 2 ** 30)
     assert longest == 400 + 5 * 700 and ckpt24 and mb24 >= 1  # 24 GB: checkpointing needed
     assert not ckpt80 or mb80 >= mb24  # 80 GB: no checkpointing, or at least as large a micro-batch
     assert 16 <= roll24 < 128 and roll24 <= roll80 <= 128 and roll24 % 16 == 0  # whole groups of 16
     lora = dataclasses.replace(a, lora=16)
-    mb_lora, ckpt_lora, roll_lora, _ = runs.memory_plan(lora, qwen05, n, 4_000_000, 24 * 2 ** 30)
-    assert (not ckpt_lora, mb_lora) >= (not ckpt24, mb24) and roll_lora >= roll24  # adapters: more room
+    mb_lora, ckpt_lora, roll_lora, _ = models.memory_plan(lora, qwen05, n, 4_000_000, 24 * 2 ** 30)
+    # adapters: more room
+    assert (not ckpt_lora, mb_lora) >= (not ckpt24, mb24) and roll_lora >= roll24
     given = dataclasses.replace(a, micro_batch=3, grad_checkpointing=False, rollout_batch=32)
-    assert runs.memory_plan(given, qwen05, n, n, 24 * 2 ** 30)[:3] == (3, False, 32)  # the user's choice stays
+    # the user's choice stays
+    assert models.memory_plan(given, qwen05, n, n, 24 * 2 ** 30)[:3] == (3, False, 32)

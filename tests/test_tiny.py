@@ -1,5 +1,6 @@
-"""tiny.py: tokenizer round trip, Qwen-style chat template, the model, and the warm-start cache (reused, rebuilt when
-damaged, continued after an interruption, built by one process while another waits)."""
+"""tiny.py: tokenizer round trip, Qwen-style chat template, the model, and the warm-start cache
+(reused, rebuilt when damaged, continued after an interruption, built by one process while another
+waits)."""
 import json
 import os
 import threading
@@ -41,7 +42,8 @@ def test_unseen_text_falls_back_to_characters(tok):
     text = "Zebra walks 123.456 steps\t\tfast!"
     ids = tok.encode(text, add_special_tokens=False)
     assert tok.decode(ids) == text and tok.unk_token_id not in ids
-    assert tok.convert_ids_to_tokens(tok.encode("Upward"))[:1] == ["Up"]  # longest known prefix first
+    # longest known prefix first
+    assert tok.convert_ids_to_tokens(tok.encode("Upward"))[:1] == ["Up"]
 
 
 def test_one_token_per_grid_cell(tok):
@@ -81,7 +83,8 @@ def test_weights_start_at_init_std_and_leave_the_global_random_stream_alone(tok)
         expected = torch.rand(3)
         torch.manual_seed(7)
         model = tiny.build_model(tok, init_std=std)
-        assert torch.equal(torch.rand(3), expected)  # building consumed nothing of the caller's stream
+        # building consumed nothing of the caller's stream
+        assert torch.equal(torch.rand(3), expected)
         # ~33k embedding entries: the sample std is within 2% of the true one
         assert abs(model.model.embed_tokens.weight.std().item() - std) < 0.02 * std
         assert abs(model.model.layers[0].self_attn.q_proj.weight.std().item() - std) < 0.05 * std
@@ -103,7 +106,7 @@ def test_save_and_load_round_trip(tok, tmp_path):
         assert torch.equal(model(x).logits, model2(x).logits)
 
 
-# ------------------------------------------------------------------------------------------------ the cache
+# ---------------------------------------------------------------------------------------- the cache
 
 def build(tmp_path, **kw):
     return tiny.load_tiny("bandit", cache_dir=str(tmp_path), steps=4, progress=False, **SIZES, **kw)
@@ -125,19 +128,23 @@ def test_cache_is_reused_and_rebuild_retrains(tmp_path, monkeypatch):
     assert tokenizer2.get_vocab() == tokenizer.get_vocab()
     with pytest.raises(AssertionError, match="trained again"):
         build(tmp_path, rebuild=True)
-    with pytest.raises(AssertionError, match="trained again"):  # other settings: another cache folder
+    # other settings: another cache folder
+    with pytest.raises(AssertionError, match="trained again"):
         build(tmp_path, seed=1)
     random_model, _ = build(tmp_path, warm_start=False)
     assert len([f for f in tmp_path.iterdir() if f.is_dir()]) == 1 and random_model is not None
 
 
 @pytest.mark.parametrize("damage", [
-    lambda f: (f / "model.safetensors").write_bytes((f / "model.safetensors").read_bytes()[:-100]),  # truncated
+    # truncated
+    lambda f: (f / "model.safetensors").write_bytes((f / "model.safetensors").read_bytes()[:-100]),
     lambda f: (f / "model.safetensors").write_bytes(b""),  # empty
     lambda f: (f / "model.safetensors").unlink(),  # deleted
-    lambda f: (f / "config.json").unlink(),  # from_pretrained would build a default-size Qwen2 from nothing
+    # from_pretrained would build a default-size Qwen2 from nothing
+    lambda f: (f / "config.json").unlink(),
     lambda f: (f / "tokenizer.json").write_text("{"),
-    lambda f: (f / "model.safetensors").write_bytes(_flip(f / "model.safetensors")),  # loads, but wrong numbers
+    # loads, but wrong numbers
+    lambda f: (f / "model.safetensors").write_bytes(_flip(f / "model.safetensors")),
 ])
 def test_a_damaged_cache_entry_is_built_again(tmp_path, capsys, damage):
     model, _ = build(tmp_path)
@@ -145,8 +152,10 @@ def test_a_damaged_cache_entry_is_built_again(tmp_path, capsys, damage):
     damage(folder)
     again, _ = build(tmp_path)
     assert "is damaged" in capsys.readouterr().out
-    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), again.parameters()))  # built the same again
-    assert build(tmp_path)[0] is not None and "is damaged" not in capsys.readouterr().out  # and intact now
+    # built the same again
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), again.parameters()))
+    # and intact now
+    assert build(tmp_path)[0] is not None and "is damaged" not in capsys.readouterr().out
 
 
 def _flip(path):

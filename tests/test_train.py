@@ -1,6 +1,7 @@
-"""train.py: every env x algorithm x filter performs a real, filtered update; the update's fast path equals the plain
-full-logits computation; the filter drops whole groups exactly; the gradient decomposition sees reward spread;
-LoRA trains adapters only. The plumbing around the loop (flags, resume, checkpoints) is tested in test_runs.py."""
+"""train.py: every env x algorithm x filter performs a real, filtered update; the update's fast path
+equals the plain full-logits computation; the filter drops whole groups exactly; the gradient
+decomposition sees reward spread; LoRA trains adapters only. The plumbing around the loop (flags,
+resume, checkpoints) is tested in test_runs.py."""
 import copy
 import json
 import math
@@ -11,6 +12,7 @@ import torch
 
 import envs
 import grpo
+import models
 import ppo
 import rollout
 import runs
@@ -37,9 +39,10 @@ def finite(record):
 
 
 def scripted(tokenizer, group_size):
-    """A stand-in for the sampled policy with known reward spread: in group 0 every rollout writes garbage (all earn
-    the same format penalties: zero spread); in the other groups the even rollouts play the solver's moves and the
-    odd ones write garbage. Roles are fixed at the first call, where play passes the episodes group by group."""
+    """A stand-in for the sampled policy with known reward spread: in group 0 every rollout writes
+    garbage (all earn the same format penalties: zero spread); in the other groups the even rollouts
+    play the solver's moves and the odd ones write garbage. Roles are fixed at the first call, where
+    play passes the episodes group by group."""
     end = rollout.end_of_turn_ids(tokenizer)[0]
     good = {}
 
@@ -61,26 +64,33 @@ def scripted_rollouts(monkeypatch):
     monkeypatch.setattr(train.rollout, "hf_policy", lambda model, tokenizer, *args, **kwargs: scripted(tokenizer, 4))
 
 
+def load_checkpoint(out):
+    """The policy a run's checkpoint holds."""
+    return models.load_policy(train.Args(), os.path.join(out, "checkpoint"), CPU, {})[0].state_dict()
+
+
 def make_run(tmp_path, **settings):
     """A runs.Run around the random tiny model, without a run folder: for calling train's steps directly."""
     a = train.Args(model="tiny", warm_start=False, out=str(tmp_path / "run"), max_turns=2, max_new_tokens=8,
                    **settings)
     runs.resolve_defaults(a, CPU)
-    return runs.load(a, CPU)
+    return runs.load_run(a, CPU, a.model)
 
 
-# ------------------------------------------------------------------------------------------------ the whole loop
+# ----------------------------------------------------------------------------------- the whole loop
 
 @pytest.mark.parametrize("env", sorted(envs.ENVS))
 @pytest.mark.parametrize("algo", ["ppo", "grpo", "drgrpo"])
 @pytest.mark.parametrize("filt", ["none", "topp", "topk"])
 def test_every_combination_performs_a_real_filtered_update(tmp_path, scripted_rollouts, env, algo, filt):
     out = str(tmp_path / "run")
-    # no entropy bonus: every gradient is the task's (ratio 1 and zero-mean advantages make the loss itself 0)
+    # no entropy bonus: every gradient is the task's (ratio 1 and zero-mean advantages make the loss
+    # itself 0)
     assert train.main(SMALL + ["--env", env, "--algo", algo, "--filter", filt, "--steps", "2", "--out", out,
                                "--entropy-coef", "0"]) == 0
     start, first, last = records(out)
-    assert start == {"step": 0, "val_success": start["val_success"]}  # the warm start's score, before training
+    # the warm start's score, before training
+    assert start == {"step": 0, "val_success": start["val_success"]}
     assert first["step"] == 1 and last["step"] == 2 and "val_success" in last
     assert DIAGNOSIS <= set(first)
     for r in (first, last):
@@ -88,18 +98,20 @@ def test_every_combination_performs_a_real_filtered_update(tmp_path, scripted_ro
         assert r["num_zero_var"] >= 1  # group 0 never has spread
         assert not r["skipped"] and UPDATE <= set(r) and ("value_loss" in r) == (algo == "ppo")
         assert r["grad_norm"] > 0  # a real task gradient
-        # none keeps all 3 groups; Top-P keeps only groups with spread; Top-K 0.5 keeps int(1.5) = 1 group
+        # none keeps all 3 groups; Top-P keeps only groups with spread; Top-K 0.5 keeps int(1.5) = 1
+        # group
         assert r["num_kept"] == {"none": 3, "topk": 1}.get(filt, r["num_kept"])
         if filt == "topp":
             assert 1 <= r["num_kept"] <= 3 - r["num_zero_var"]
     before = tiny.build_model(tiny.build_tokenizer()).state_dict()
-    after = runs.load_policy(train.Args(), os.path.join(out, "checkpoint"), CPU)[0].state_dict()
+    after = load_checkpoint(out)
     assert any(not torch.equal(before[k], after[k]) for k in before)  # the weights moved
 
 
 def test_zero_spread_batches_skip_the_update_and_stop_after_five(tmp_path, capsys):
-    # A random network never writes a valid action: every rollout earns the same format penalties, no group has
-    # spread, Top-P keeps nothing, and the run stops after MAX_SKIPS skipped steps in a row -- without NaN.
+    # A random network never writes a valid action: every rollout earns the same format penalties,
+    # no group has spread, Top-P keeps nothing, and the run stops after MAX_SKIPS skipped steps in a
+    # row -- without NaN.
     out = str(tmp_path / "run")
     before = tiny.build_model(tiny.build_tokenizer()).state_dict()
     assert train.main(SMALL + ["--filter", "topp", "--steps", "8", "--out", out, "--mi-every", "0",
@@ -108,11 +120,11 @@ def test_zero_spread_batches_skip_the_update_and_stop_after_five(tmp_path, capsy
     assert [r["step"] for r in rs] == list(range(1, train.MAX_SKIPS + 1))
     assert all(r["skipped"] and r["kept_ratio"] == 0 and r["zero_var_frac"] == 1 and finite(r) for r in rs)
     assert "no group had any reward spread" in capsys.readouterr().out
-    after = runs.load_policy(train.Args(), os.path.join(out, "checkpoint"), CPU)[0].state_dict()
+    after = load_checkpoint(out)
     assert all(torch.equal(before[k], after[k]) for k in before)  # no update ever happened
 
 
-# ------------------------------------------------------------------------------------------------ the update
+# --------------------------------------------------------------------------------------- the update
 
 def play_scripted(run, seeds, group_size=4):
     return rollout.play(scripted(run.tokenizer, group_size), run.tokenizer, run.args.env, seeds, group_size,
@@ -122,8 +134,9 @@ def play_scripted(run, seeds, group_size=4):
 def test_policy_logprobs_equal_the_full_logits_and_their_gradient(tmp_path):
     run = make_run(tmp_path, env="frozenlake")
     batch = train.rollout_batch(run, play_scripted(run, [3, 5]))
-    ids, mask = batch["input_ids"], batch["policy_mask"][:, 1:]                  # right-padded [B, T], [B, T-1]
-    logits = run.policy(input_ids=ids, attention_mask=batch["attention_mask"]).logits[:, :-1]  # plain: [B, T-1, V]
+    ids, mask = batch["input_ids"], batch["policy_mask"][:, 1:]  # right-padded [B, T], [B, T-1]
+    # plain: [B, T-1, V]
+    logits = run.policy(input_ids=ids, attention_mask=batch["attention_mask"]).logits[:, :-1]
     plain = ppo.token_logprobs(logits, ids[:, 1:]) * mask
     plain_entropy = ppo.entropy_from_logits(logits) * mask
     (plain.sum() + plain_entropy.sum()).backward()
@@ -141,14 +154,16 @@ def test_policy_logprobs_equal_the_full_logits_and_their_gradient(tmp_path):
 
 @pytest.mark.parametrize("algo", ["ppo", "grpo"])
 def test_the_update_equals_a_plain_full_batch_step(tmp_path, algo):
-    """update_policy (length-sorted micro-batches of their own width, no attention mask, log-probs only at policy
-    tokens, gradient accumulation) takes the same optimiser step as one plain full-logits pass over the batch."""
+    """update_policy (length-sorted micro-batches of their own width, no attention mask, log-probs
+    only at policy tokens, gradient accumulation) takes the same optimiser step as one plain
+    full-logits pass over the batch."""
     runs_ = [make_run(tmp_path, env="sokoban", algo=algo, mini_batch_size=16, micro_batch=m, lr=1e-2,
                       critic_lr=1e-2) for m in (3, 16)]
     episodes = play_scripted(runs_[0], [3, 5, 8, 13], group_size=4)
     rewards = torch.tensor([e.total_reward for e in episodes]).view(4, 4)
     a, b = runs_
-    for run in runs_:  # plain SGD: the step is the gradient itself (Adam's first step, g / |g|, magnifies noise)
+    # plain SGD: the step is the gradient itself (Adam's first step, g / |g|, magnifies noise)
+    for run in runs_:
         run.optimizers = [torch.optim.SGD(ps, lr=1.0) for ps in (run.policy_params, run.critic_params) if ps]
     if algo == "ppo":
         b.critic.load_state_dict(a.critic.state_dict())
@@ -189,7 +204,8 @@ def test_the_update_equals_a_plain_full_batch_step(tmp_path, algo):
 def test_update_on_kept_groups_equals_an_update_on_a_batch_without_the_dropped_ones(tmp_path):
     for algo in ("ppo", "grpo"):
         results = []
-        for seeds in ([3, 0, 5], [3, 5]):  # group 0 of the first list is the zero-spread one: dropped
+        # group 0 of the first list is the zero-spread one: dropped
+        for seeds in ([3, 0, 5], [3, 5]):
             run = make_run(tmp_path, env="frozenlake", algo=algo, group_size=4, micro_batch=3, mini_batch_size=5,
                            lr=1e-3, critic_lr=1e-3)
             episodes = rollout.play(_spread_except(run.tokenizer, seeds, 4, bad_seed=0), run.tokenizer,
@@ -209,8 +225,8 @@ def test_update_on_kept_groups_equals_an_update_on_a_batch_without_the_dropped_o
 
 
 def _spread_except(tokenizer, seeds, group_size, bad_seed):
-    """Every rollout of the group of `bad_seed` plays the solver (all equal: zero spread); in the other groups the
-    even rollouts do and the odd ones write garbage."""
+    """Every rollout of the group of `bad_seed` plays the solver (all equal: zero spread); in the
+    other groups the even rollouts do and the odd ones write garbage."""
     end = rollout.end_of_turn_ids(tokenizer)[0]
     good = {}
 
@@ -226,11 +242,12 @@ def _spread_except(tokenizer, seeds, group_size, bad_seed):
     return policy
 
 
-# ------------------------------------------------------------------------------------------------ Fig. 4
+# ------------------------------------------------------------------------------------------- Fig. 4
 
 def test_gradient_decomposition_task_norm_grows_with_real_spread(tmp_path):
-    """Three groups with identical transcripts and rewards scaled 0, 1, 3: the task gradient norm is 0, then
-    positive and proportional to the spread; the entropy gradient does not depend on the rewards."""
+    """Three groups with identical transcripts and rewards scaled 0, 1, 3: the task gradient norm is
+    0, then positive and proportional to the spread; the entropy gradient does not depend on the
+    rewards."""
     run = make_run(tmp_path, env="frozenlake", groups=3, group_size=4)
     played = play_scripted(run, [2, 5], group_size=4)[4:]  # group 1: half solve, half write garbage
     base = torch.tensor([e.total_reward for e in played])
@@ -240,15 +257,17 @@ def test_gradient_decomposition_task_norm_grows_with_real_spread(tmp_path):
         e.group = i // 4
     rewards = torch.stack([0 * base, base, 3 * base])  # [G, K] spreads 0, s, 3s
     buckets = train.decompose_gradients(run, episodes, rewards)
-    assert [b["n_groups"] for b in buckets] == [1, 1, 1]  # three groups: three buckets, lowest spread first
+    # three groups: three buckets, lowest spread first
+    assert [b["n_groups"] for b in buckets] == [1, 1, 1]
     task = [b["task_grad_norm"] for b in buckets]
     assert task[0] == 0.0 and task[1] > 0
     assert task[2] == pytest.approx(3 * task[1], rel=1e-4)
     assert len({round(b["entropy_grad_norm"], 6) for b in buckets}) == 1
-    assert all(p.grad is None for p in run.policy.parameters())  # no optimiser step, no gradient left behind
+    # no optimiser step, no gradient left behind
+    assert all(p.grad is None for p in run.policy.parameters())
 
 
-# ------------------------------------------------------------------------------------------------ LoRA
+# --------------------------------------------------------------------------------------------- LoRA
 
 def test_lora_trains_only_adapters_and_its_reference_is_the_base(tmp_path, scripted_rollouts):
     out = str(tmp_path / "run")
@@ -256,12 +275,14 @@ def test_lora_trains_only_adapters_and_its_reference_is_the_base(tmp_path, scrip
                     "--out", out]
     assert train.main(argv + ["--steps", "2"]) == 0
     (start, first, second) = records(out)
-    assert first["kl_loss"] == pytest.approx(0.0, abs=1e-7)  # LoRA's B starts at 0: the policy is its base
+    # LoRA's B starts at 0: the policy is its base
+    assert first["kl_loss"] == pytest.approx(0.0, abs=1e-7)
     assert not first["skipped"] and first["grad_norm"] > 0 and "value_loss" in first
     ckpt = os.path.join(out, "checkpoint")
     assert os.path.isfile(os.path.join(ckpt, "adapter_model.safetensors"))
-    assert not os.path.exists(os.path.join(ckpt, "model.safetensors"))  # adapters only, not a copy of the base
-    loaded = runs.load_policy(train.Args(env="frozenlake", algo="ppo", warm_start=False), ckpt, CPU)[0]
+    # adapters only, not a copy of the base
+    assert not os.path.exists(os.path.join(ckpt, "model.safetensors"))
+    loaded = models.load_policy(train.Args(env="frozenlake", algo="ppo", warm_start=False), ckpt, CPU, {})[0]
     base = tiny.build_model(tiny.build_tokenizer()).state_dict()
     with loaded.disable_adapter():
         merged = {k.replace("base_model.model.", "").replace(".base_layer", ""): v
@@ -270,7 +291,8 @@ def test_lora_trains_only_adapters_and_its_reference_is_the_base(tmp_path, scrip
     lora = {k: v for k, v in loaded.state_dict().items() if "lora_B" in k and ".default." in k}
     assert lora and any(v.abs().sum() > 0 for v in lora.values())  # the policy's adapters did
     critic = {k: v for k, v in loaded.state_dict().items() if "lora_B" in k and ".critic." in k}
-    # and so did the critic's (from step 2 on: its head starts at 0, so at step 1 no gradient reaches the body)
+    # and so did the critic's (from step 2 on: its head starts at 0, so at step 1 no gradient
+    # reaches the body)
     assert critic and any(v.abs().sum() > 0 for v in critic.values())
     assert train.main(["--resume", out, "--steps", "3"]) == 0  # a LoRA run resumes
     assert [r["step"] for r in records(out)] == [0, 1, 2, 3]

@@ -1,0 +1,325 @@
+"""The models of a run: the policy (tiny, a Hugging Face id or folder, or a checkpoint of ours),
+LoRA adapters, the PPO critic, the KL reference, and the GPU memory plan that decides micro-batches
+and rollout batches.
+
+A new top-level file because loading is a concept of its own, which train.py's loop never needs to
+see: it gets a policy, a critic and a reference that behave alike whether the weights are all
+trained or only LoRA adapters are. With LoRA (peft) only adapters train: the reference is the base
+with its adapters switched off, and the critic is the same frozen base seen through a second adapter
+plus its value head, so no copy of the base exists.
+"""
+
+import contextlib
+import difflib
+import json
+import os
+import socket
+
+import torch
+
+import ppo
+
+
+class ModelError(ValueError):
+    """A model that cannot be loaded: train.py prints it as one line and exits with code 2."""
+
+
+def load(a, device, source, env_kwargs):
+    """Policy, tokenizer and prompt from `source`; with LoRA the adapters; the critic (PPO), the
+    reference (--kl-coef), the optimisers and the lists of trained parameters, as a dict. GPU memory
+    settings that were not given are chosen here (gpu_memory_settings)."""
+    policy, tokenizer, prompt = load_policy(a, source, device, env_kwargs)
+    if a.lora and not hasattr(policy, "disable_adapter"):
+        policy = add_lora(policy, a)
+    if device.type == "cuda" and None in (a.micro_batch, a.grad_checkpointing, a.rollout_batch):
+        gpu_memory_settings(a, policy, device)
+    if a.grad_checkpointing:
+        (
+            getattr(policy, "activation_checkpointing_enable", None)
+            or policy.gradient_checkpointing_enable
+        )()
+    critic, critic_params = None, []
+    if a.algo == "ppo":
+        critic = (make_lora_critic(policy) if a.lora else ppo.make_critic(policy)).to(device)
+        critic_params = [p for p in critic.parameters() if p.requires_grad]
+        critic_params += lora_params(policy, "critic") if a.lora else []
+    reference_model = None
+    # the reference is the initial policy, loaded again from its source
+    if a.kl_coef > 0 and not a.lora:
+        reference_model = (
+            load_policy(a, a.model, device, env_kwargs)[0].eval().requires_grad_(False)
+        )
+    policy_params = lora_params(policy, "default") if a.lora else list(policy.parameters())
+    optimizers = [torch.optim.AdamW(policy_params, lr=a.lr, weight_decay=0.0)]
+    if critic is not None:
+        optimizers.append(torch.optim.AdamW(critic_params, lr=a.critic_lr, weight_decay=0.0))
+    return dict(
+        policy=policy,
+        tokenizer=tokenizer,
+        prompt=prompt,
+        critic=critic,
+        reference_model=reference_model,
+        optimizers=optimizers,
+        policy_params=policy_params,
+        critic_params=critic_params,
+    )
+
+
+def load_policy(a, source, device, env_kwargs):
+    """(model, tokenizer, prompt) from 'tiny', a checkpoint of ours, a local folder or a Hugging
+    Face hub id; prompt holds rollout.play's `system` / `user` pieces for the tiny policy, else
+    nothing."""
+    import tiny
+
+    if source == "tiny":
+        model, tokenizer = tiny.load_tiny(
+            a.env,
+            env_kwargs,
+            cache_dir=a.tiny_cache,
+            rebuild=a.rebuild_tiny,
+            warm_start=a.warm_start,
+        )
+        return model.to(device), tokenizer, tiny.prompts(a.env)
+    folder = os.path.expanduser(source)
+    saved = {}  # what a checkpoint of ours adds: its prompt, its attention kernel, its LoRA base
+    if os.path.isfile(os.path.join(folder, "policy.json")):
+        with open(os.path.join(folder, "policy.json")) as f:
+            saved = json.load(f)
+    # LoRA adapters: the base model first, then the adapters on it
+    if saved.get("lora_base") is not None:
+        from peft import PeftModel
+
+        base, tokenizer, prompt = load_policy(a, saved["lora_base"], device, env_kwargs)
+        model = PeftModel.from_pretrained(base, folder, is_trainable=True)
+        if a.algo == "ppo" and os.path.isdir(os.path.join(folder, "critic")):
+            model.load_adapter(
+                os.path.join(folder, "critic"), adapter_name="critic", is_trainable=True
+            )
+        model.set_adapter("default")
+        return model.to(device), tokenizer, prompt
+    model, tokenizer = load_hf(source, saved.get("attn_implementation"))
+    return model.to(device), tokenizer, tiny.prompts(a.env) if saved.get("prompt") == "tiny" else {}
+
+
+def load_hf(source, attn_implementation=None):
+    """A Hugging Face causal LM and its tokenizer from a folder or hub id. Without a network it
+    fails at once (no retries) unless the id is in the local cache; a name close to 'tiny' is taken
+    for a typo."""
+    folder = os.path.expanduser(source)
+    local = source.startswith((".", "/", "~")) or os.path.exists(folder)
+    if local and not os.path.isdir(folder):
+        raise ModelError(f"--model {source}: no such folder")
+    if not local:
+        if difflib.get_close_matches(source, ["tiny"], n=1, cutoff=0.6):
+            raise ModelError(
+                f"--model {source}: not a folder or hub id; did you mean --model tiny?"
+            )
+        if not hub_reachable():
+            try:  # a hub id is usable without a network when it is in the local cache
+                return load_hf_files(source, attn_implementation, local_files_only=True)
+            except (OSError, ValueError):
+                raise ModelError(
+                    f"--model {source}: not in the local Hugging Face cache, and the hub cannot "
+                    f"be reached (no network, or HF_HUB_OFFLINE is set)"
+                ) from None
+    try:
+        return load_hf_files(folder if local else source, attn_implementation)
+    # a missing, truncated or foreign file: whatever the loader raises, one line
+    except Exception as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ModelError(f"--model {source}: cannot load it ({first})") from None
+
+
+def load_hf_files(source, attn_implementation, local_files_only=False):
+    from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast
+
+    loader = PreTrainedTokenizerFast if _plain_fast_tokenizer(source) else AutoTokenizer
+    tokenizer = loader.from_pretrained(source, local_files_only=local_files_only)
+    model = AutoModelForCausalLM.from_pretrained(
+        source,
+        dtype=torch.float32,
+        local_files_only=local_files_only,
+        attn_implementation=attn_implementation,
+    )
+    return model, tokenizer
+
+
+def hub_reachable(timeout=3.0):
+    if os.environ.get("HF_HUB_OFFLINE", "0") not in ("0", "", "false", "False"):
+        return False
+    try:
+        socket.create_connection(("huggingface.co", 443), timeout=timeout).close()
+        return True
+    except OSError:
+        return False
+
+
+def _plain_fast_tokenizer(folder):
+    """True for a folder saved from a plain PreTrainedTokenizerFast (the tiny policy's; transformers
+    5 names its class TokenizersBackend): next to a qwen2 config.json, AutoTokenizer would rebuild
+    it as Qwen2's byte-level tokenizer, which splits text differently."""
+    path = os.path.join(folder, "tokenizer_config.json")
+    if not os.path.isfile(path):
+        return False
+    with open(path) as f:
+        return json.load(f).get("tokenizer_class") in (
+            "PreTrainedTokenizerFast",
+            "TokenizersBackend",
+        )
+
+
+def save_policy(run, folder):
+    """The policy's weights (or LoRA adapters, with where their base comes from) and tokenizer,
+    loadable again by load_policy; policy.json records what a checkpoint of ours adds."""
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # no "Writing model shards" bar between our lines
+    policy = run.policy
+    info = {"prompt": "tiny" if run.prompt else None}
+    if hasattr(policy, "disable_adapter"):
+        policy.save_pretrained(folder, selected_adapters=["default"])
+        # peft writes a second adapter into critic/critic/: moved up
+        if "critic" in policy.peft_config:
+            policy.save_pretrained(os.path.join(folder, "critic"), selected_adapters=["critic"])
+            inner = os.path.join(folder, "critic", "critic")
+            for name in os.listdir(inner):
+                os.replace(os.path.join(inner, name), os.path.join(folder, "critic", name))
+            os.rmdir(inner)
+        info["lora_base"] = run.args.model
+    else:
+        policy.save_pretrained(folder)
+        info["attn_implementation"] = policy.config._attn_implementation
+    run.tokenizer.save_pretrained(folder)
+    with open(os.path.join(folder, "policy.json"), "w") as f:
+        json.dump(info, f)
+
+
+# --------------------------------------------------------------------------------------------- LoRA
+
+
+def add_lora(model, a):
+    """Wrap the policy in LoRA adapters (peft): "default" for the policy and, for PPO, "critic"
+    for the critic."""
+    from peft import LoraConfig, get_peft_model
+
+    targets = a.lora_targets if a.lora_targets == "all-linear" else a.lora_targets.split(",")
+    config = dict(
+        r=a.lora,
+        lora_alpha=a.lora_alpha,
+        target_modules=targets,
+        lora_dropout=0.0,
+        bias="none",
+        task_type="CAUSAL_LM",
+    )
+    peft_model = get_peft_model(model, LoraConfig(**config))
+    if a.algo == "ppo":
+        peft_model.add_adapter("critic", LoraConfig(**config))
+    peft_model.set_adapter("default")
+    return peft_model
+
+
+def lora_params(model, adapter):
+    return [p for n, p in model.named_parameters() if f".{adapter}." in n and "lora_" in n]
+
+
+@contextlib.contextmanager
+def adapter(model, name):
+    """Run with LoRA adapter `name` active, then switch back. peft leaves only the active adapter
+    trainable; the critic's adapter is made trainable again for its own optimiser."""
+    before = model.active_adapter
+    model.set_adapter(name)
+    try:
+        yield model
+    finally:
+        model.set_adapter(before)
+        for p in lora_params(model, "critic"):
+            p.requires_grad_(True)
+
+
+class AdapterBody(torch.nn.Module):
+    """The critic's body under LoRA: the policy's frozen base seen through its "critic" adapter. The
+    base is not a submodule here, so the critic's own parameters are its head (the adapter goes to
+    its optimiser)."""
+
+    def __init__(self, peft_model):
+        super().__init__()
+        object.__setattr__(self, "peft_model", peft_model)
+
+    def forward(self, input_ids, attention_mask=None):
+        with adapter(self.peft_model, "critic"):
+            decoder = self.peft_model.get_base_model().get_decoder()
+            return decoder(input_ids=input_ids, attention_mask=attention_mask)
+
+
+def make_lora_critic(peft_model):
+    return ppo.Critic(AdapterBody(peft_model), peft_model.config.get_text_config().hidden_size)
+
+
+@contextlib.contextmanager
+def reference(run):
+    """The reference policy for the KL term: the frozen copy, or under LoRA the base with its
+    adapters off."""
+    if run.reference_model is not None:
+        yield run.reference_model
+    else:
+        with run.policy.disable_adapter():
+            yield run.policy
+
+
+# --------------------------------------------------------------------------------------- GPU memory
+
+
+def gpu_memory_settings(a, policy, device):
+    """--micro-batch, --grad-checkpointing and --rollout-batch when not given, for the GPU's
+    memory, said aloud."""
+    total = torch.cuda.get_device_properties(device).total_memory
+    n_all = sum(p.numel() for p in policy.parameters())
+    n_train = sum(p.numel() for p in policy.parameters() if p.requires_grad)
+    plan = memory_plan(a, policy.config.get_text_config(), n_all, n_train, total)
+    a.micro_batch, a.grad_checkpointing, a.rollout_batch, longest = plan
+    print(
+        f"memory: {total / 2 ** 30:.0f} GiB GPU; chose --micro-batch {a.micro_batch}"
+        f"{' --grad-checkpointing' if a.grad_checkpointing else ''} --rollout-batch {a.rollout_batch} "
+        f"for transcripts up to {longest} tokens"
+    )
+
+
+def memory_plan(a, cfg, n_all, n_train, total, budget=0.85):
+    """(micro_batch, grad_checkpointing, rollout_batch, longest) for `budget` of `total` bytes at
+    the worst-case transcript length `longest`, estimated from the model's shapes; settings the user
+    gave are kept.
+
+    Always resident: fp32 weights and the AdamW state of what trains (x2 for PPO's critic; + a
+    reference copy). The update adds gradients and the bf16 activations of one micro-batch: the
+    largest micro-batch (up to the mini-batch) that fits, without checkpointing when 4 sequences fit
+    that way (checkpointing costs ~30% more compute). Rollouts add the bf16 key/value cache of the
+    episodes sampled at once: as many whole groups as fit.
+    """
+    models = 2 if a.algo == "ppo" else 1
+    resident = models * (4 * n_all + 8 * n_train) + (4 * n_all if a.kl_coef and not a.lora else 0)
+    free = budget * total - resident
+    # prompt + turns x (reply + observation), tokens
+    longest = 400 + a.max_turns * (a.max_new_tokens + 300)
+    # bytes a layer keeps for backward per token under bf16 autocast: the fp32 residual stream and
+    # norms, the bf16 inputs of every projection, attention's q, k, v and output, the MLP's gate, up
+    # and activation
+    per_token = 24 * cfg.hidden_size + 8 * cfg.intermediate_size
+    per_seq = {
+        False: cfg.num_hidden_layers * longest * per_token,  # every layer's activations
+        # layer inputs
+        True: longest * (cfg.num_hidden_layers * cfg.hidden_size * 4 + per_token),
+    }
+    grads = models * 4 * n_train
+    micro, ckpt = a.micro_batch, a.grad_checkpointing
+    for option in [ckpt] if ckpt is not None else [False, True]:
+        fit = int((free - grads) // per_seq[option])
+        if fit >= min(4, a.mini_batch_size) or micro is not None or option or ckpt is not None:
+            micro, ckpt = micro or max(1, min(fit, a.mini_batch_size)), option
+            break
+    kv_heads, head_dim = cfg.num_key_value_heads, cfg.hidden_size // cfg.num_attention_heads
+    kv_per_seq = longest * cfg.num_hidden_layers * 2 * kv_heads * head_dim * 2 + 4 * cfg.vocab_size
+    episodes = a.groups * a.group_size
+    # autocast's bf16 weight copies: 2 n_all
+    fit = min(episodes, int((free - 2 * n_all) // kv_per_seq))
+    rollout = a.rollout_batch or max(a.group_size, fit // a.group_size * a.group_size)
+    return micro, ckpt, rollout, longest
