@@ -103,11 +103,8 @@ def around(obs):
         inside = 0 <= rr < len(rows) and 0 <= cc < len(rows[rr])
         return envs.Sokoban.SYMBOLS[rows[rr][cc]] if inside else "wall"
 
-    return (
-        "Around: "
-        + ", ".join(f"{name} {cell(r + dr, c + dc)}" for name, dr, dc in NEIGHBOURS)
-        + "."
-    )
+    ways = ", ".join(f"{name} {cell(r + dr, c + dc)}" for name, dr, dc in NEIGHBOURS)
+    return f"Around: {ways}."
 
 
 def user_turn(env_name):
@@ -147,7 +144,8 @@ def _next_push(env, plan):
 def describe(env, plan):
     """Reasoning for the current state and what `plan` (the solver's moves to come) does.
 
-    >>> env = envs.Sokoban(room="######\\n#P_XO#\\n######"); _ = env.reset(); describe(env, ["Right", "Right"])
+    >>> env = envs.Sokoban(room="######\\n#P_XO#\\n######"); _ = env.reset()
+    >>> describe(env, ["Right", "Right"])
     'Box 0 Down, 2 Right. Target 0 Down, 1 Right. Push Right from 0 Down, 1 Right.'
     """
     if env.name == "sokoban":
@@ -162,10 +160,9 @@ def describe(env, plan):
         (player,), (goal,) = _cells(env.name, env.render())
         return f"Goal: {_way(player, goal)}."
     if env.name == "bandit":
-        return f"{env.risky} expects {env.high_reward * env.high_prob:g}, {env.safe} pays {env.low_reward:g}."
-    raise ValueError(
-        f"no demonstrations for world {env.name!r}; valid: sokoban, frozenlake, bandit"
-    )
+        expected = env.high_reward * env.high_prob
+        return f"{env.risky} expects {expected:g}, {env.safe} pays {env.low_reward:g}."
+    raise ValueError(f"no demonstrations for world {env.name!r}: sokoban, frozenlake or bandit")
 
 
 def demonstration(env, rng, noise=0.2, max_actions=2):
@@ -195,15 +192,9 @@ def demo_policy(tokenizer, noise=0.2, max_actions=2, seed=0):
     end = rollout.end_of_turn_ids(tokenizer)[0]
 
     def policy(prompt_ids, worlds):
-        return [
-            rollout.Generation(
-                tokenizer.encode(
-                    demonstration(env, rng, noise, max_actions), add_special_tokens=False
-                )
-                + [end]
-            )
-            for env in worlds
-        ]
+        texts = [demonstration(env, rng, noise, max_actions) for env in worlds]
+        return [rollout.Generation(tokenizer.encode(text, add_special_tokens=False) + [end])
+                for text in texts]
 
     return policy
 
@@ -213,17 +204,9 @@ def demonstrations(tokenizer, env_name, seeds, env_kwargs=None, noise=0.2, seed=
     """Demonstration episodes (rollout.Episode) on `seeds`, one each, in the tiny policy's
     prompts."""
     policy = demo_policy(tokenizer, noise=noise, max_actions=max_actions_per_turn, seed=seed)
-    return rollout.play(
-        policy,
-        tokenizer,
-        env_name,
-        seeds,
-        1,
-        env_kwargs=env_kwargs,
-        max_turns=max_turns,
-        max_actions_per_turn=max_actions_per_turn,
-        **prompts(env_name),
-    )
+    return rollout.play(policy, tokenizer, env_name, seeds, 1, env_kwargs=env_kwargs,
+                        max_turns=max_turns, max_actions_per_turn=max_actions_per_turn,
+                        **prompts(env_name))
 
 
 # -------------------------------------------------------------------------------- behaviour cloning
@@ -249,21 +232,8 @@ def schedule(step, steps):
                                                                 max(1, steps - warmup))))
 
 
-def imitate(
-    model,
-    tokenizer,
-    env_name,
-    env_kwargs=None,
-    steps=800,
-    batch_size=16,
-    lr=1e-2,
-    noise=0.2,
-    seed=0,
-    turns=5,
-    start=0,
-    state=None,
-    on_step=None,
-):
+def imitate(model, tokenizer, env_name, env_kwargs=None, steps=600, batch_size=16, lr=1e-2,
+            noise=0.2, seed=0, turns=5, start=0, state=None, on_step=None):
     """Behaviour cloning: `steps` AdamW steps, each on `batch_size` fresh demonstrations; returns
     the loss per step.
 
@@ -282,18 +252,10 @@ def imitate(
         if step % ROUND == 0 or step == start:  # play ROUND batches at once and cut them by length
             # fresh layouts every round
             first = DEMO_SEEDS + (seed * steps + step - step % ROUND) * batch_size
-            played = sorted(
-                demonstrations(
-                    tokenizer,
-                    env_name,
-                    range(first, first + ROUND * batch_size),
-                    env_kwargs,
-                    noise,
-                    seed=first,
-                    max_turns=turns,
-                ),
-                key=lambda e: len(e.ids),
-            )
+            seeds = range(first, first + ROUND * batch_size)
+            played = demonstrations(tokenizer, env_name, seeds, env_kwargs, noise, seed=first,
+                                    max_turns=turns)
+            played.sort(key=lambda e: len(e.ids))
             batches = [played[k:k + batch_size] for k in range(0, len(played), batch_size)]
             random.Random(first).shuffle(batches)
         for group in optimizer.param_groups:

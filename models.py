@@ -171,9 +171,6 @@ def _plain_fast_tokenizer(folder):
 def save_policy(run, folder):
     """The policy's weights (or LoRA adapters, with where their base comes from) and tokenizer,
     loadable again by load_policy; policy.json records what a checkpoint of ours adds."""
-    from transformers.utils import logging as hf_logging
-
-    hf_logging.disable_progress_bar()  # no "Writing model shards" bar between our lines
     policy = run.policy
     info = {"prompt": "tiny" if run.prompt else None}
     if hasattr(policy, "disable_adapter"):
@@ -277,11 +274,9 @@ def gpu_memory_settings(a, policy, device):
     n_train = sum(p.numel() for p in policy.parameters() if p.requires_grad)
     plan = memory_plan(a, policy.config.get_text_config(), n_all, n_train, total)
     a.micro_batch, a.grad_checkpointing, a.rollout_batch, longest = plan
-    print(
-        f"memory: {total / 2 ** 30:.0f} GiB GPU; chose --micro-batch {a.micro_batch}"
-        f"{' --grad-checkpointing' if a.grad_checkpointing else ''} --rollout-batch {a.rollout_batch} "
-        f"for transcripts up to {longest} tokens"
-    )
+    ckpt = " --grad-checkpointing" if a.grad_checkpointing else ""
+    print(f"memory: {total / 2 ** 30:.0f} GiB GPU; chose --micro-batch {a.micro_batch}{ckpt} "
+          f"--rollout-batch {a.rollout_batch} for transcripts up to {longest} tokens")
 
 
 def memory_plan(a, cfg, n_all, n_train, total, budget=0.85):

@@ -5,15 +5,15 @@ object per step, this file turns those into PNGs. Runs given the same label (sev
 setting) are drawn as their mean with a band of +- one standard error; runs with their own labels
 are overlaid in distinct styles.
 
-    success.png   train success (smoothed over 5 steps) and validation success from step 0, the warm start (Fig. 7)
-    collapse.png  what healthy and collapsed reasoning look like (Fig. 1, 6, 8): the MI estimate under its log N
-                  ceiling, retrieval accuracy over its chance level, H(Z) and H(Z|X) (the MI is the
-                  gap between them), and the policy's token entropy -- what entropy monitoring alone
-                  would see
+    success.png   train success (smoothed over 5 steps), validation success from step 0 (Fig. 7)
+    collapse.png  what healthy and collapsed reasoning look like (Fig. 1, 6, 8): the MI estimate
+                  under its log N ceiling, retrieval accuracy over its chance level, H(Z) and
+                  H(Z|X) (the MI is the gap between them), and the policy's token entropy -- what
+                  entropy monitoring alone would see
     filter.png    kept ratio and zero-variance group fraction (Fig. 11a-b)
     length.png    response length per turn (Fig. 8)
 
-    python plots.py runs/sokoban-ppo-topp-* runs/sokoban-ppo-none-*       # PNGs into the first run folder
+    python plots.py runs/sokoban-ppo-topp-* runs/sokoban-ppo-none-*   # PNGs into the first run
     python plots.py RUN [RUN ...] --out figures/
 """
 

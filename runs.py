@@ -61,6 +61,9 @@ class UsageError(Exception):
 def main(Args, train, validate, argv):
     """Parse, start, train (or evaluate), finish; every failure becomes one line and an exit
     code."""
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # no loading and saving bars of transformers between our lines
     run = None
     try:
         args = parse_args(Args, argv)

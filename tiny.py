@@ -117,31 +117,17 @@ def build_tokenizer():
     core.decoder = decoders.Fuse()  # decoding = concatenation: exact round trip
     core.add_tokens([AddedToken(t, normalized=False, special=False) for t in TAGS])
     core.add_special_tokens([AddedToken(t, normalized=False, special=True) for t in SPECIAL])
-    return PreTrainedTokenizerFast(
-        tokenizer_object=core,
-        eos_token="<|im_end|>",
-        pad_token="<|endoftext|>",
-        unk_token=UNK,
-        chat_template=CHAT_TEMPLATE,
-        clean_up_tokenization_spaces=False,
-        padding_side="left",
-        model_max_length=4096,
-    )
+    return PreTrainedTokenizerFast(tokenizer_object=core, eos_token="<|im_end|>", unk_token=UNK,
+                                   pad_token="<|endoftext|>", chat_template=CHAT_TEMPLATE,
+                                   clean_up_tokenization_spaces=False, padding_side="left",
+                                   model_max_length=4096)
 
 
 # -------------------------------------------------------------------------------------------- model
 
 
-def build_model(
-    tokenizer,
-    hidden_size=64,
-    num_layers=2,
-    num_heads=4,
-    num_kv_heads=2,
-    intermediate_size=128,
-    init_std=0.2,
-    seed=0,
-):
+def build_model(tokenizer, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
+                intermediate_size=128, init_std=0.2, seed=0):
     """A Qwen2ForCausalLM from a Qwen2Config (grouped-query attention, RoPE, RMSNorm, SwiGLU), tied
     embeddings, its weights drawn from `seed` without touching the global random stream.
 
@@ -153,21 +139,13 @@ def build_model(
     if hidden_size % num_heads or num_heads % num_kv_heads:
         raise ValueError(f"hidden_size must divide by num_heads and num_heads by num_kv_heads, got "
                          f"{hidden_size}, {num_heads}, {num_kv_heads}")
-    config = Qwen2Config(
-        vocab_size=len(tokenizer),
-        hidden_size=hidden_size,
-        intermediate_size=intermediate_size,
-        num_hidden_layers=num_layers,
-        num_attention_heads=num_heads,
-        num_key_value_heads=num_kv_heads,
-        max_position_embeddings=4096,
-        rope_theta=10_000.0,
-        tie_word_embeddings=True,
-        initializer_range=init_std,
-        bos_token_id=None,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-    )
+    config = Qwen2Config(vocab_size=len(tokenizer), hidden_size=hidden_size,
+                         num_hidden_layers=num_layers, intermediate_size=intermediate_size,
+                         num_attention_heads=num_heads,
+                         num_key_value_heads=num_kv_heads, max_position_embeddings=4096,
+                         rope_theta=10_000.0, tie_word_embeddings=True, initializer_range=init_std,
+                         bos_token_id=None, eos_token_id=tokenizer.eos_token_id,
+                         pad_token_id=tokenizer.pad_token_id)
     with torch.random.fork_rng():
         torch.manual_seed(seed)
         model = Qwen2ForCausalLM(config)
@@ -183,17 +161,9 @@ def cache_folder(cache_dir, env_name, tokenizer, env_kwargs=None, **settings):
     vocabulary and FORMAT_VERSION, so a change to any of them builds a new model instead of loading
     a stale one."""
     vocab = tokenizer.get_vocab()
-    key = json.dumps(
-        {
-            "env": env_name,
-            "env_kwargs": env_kwargs or {},
-            "settings": settings,
-            "version": FORMAT_VERSION,
-            "vocab": sorted(vocab.items()),
-        },
-        sort_keys=True,
-        default=str,
-    )
+    key = json.dumps({"env": env_name, "env_kwargs": env_kwargs or {}, "settings": settings,
+                      "version": FORMAT_VERSION, "vocab": sorted(vocab.items())},
+                     sort_keys=True, default=str)
     return os.path.join(cache_dir, f"{env_name}-{hashlib.sha256(key.encode()).hexdigest()[:12]}")
 
 
@@ -202,14 +172,8 @@ def checksums(folder):
     def digest(path):
         with open(path, "rb") as f:
             return hashlib.sha256(f.read()).hexdigest()
-    return {
-        name: (
-            digest(os.path.join(folder, name))
-            if os.path.isfile(os.path.join(folder, name))
-            else None
-        )
-        for name in CHECKED_FILES
-    }
+    paths = {name: os.path.join(folder, name) for name in CHECKED_FILES}
+    return {name: digest(path) if os.path.isfile(path) else None for name, path in paths.items()}
 
 
 def load_tiny(env_name, env_kwargs=None, cache_dir=".cache/tiny", rebuild=False, warm_start=True,
@@ -227,9 +191,8 @@ def load_tiny(env_name, env_kwargs=None, cache_dir=".cache/tiny", rebuild=False,
     tokenizer = build_tokenizer()
     if not warm_start:
         return build_model(tokenizer, seed=seed, **sizes), tokenizer
-    folder = cache_folder(
-        cache_dir, env_name, tokenizer, env_kwargs, steps=steps, seed=seed, **sizes
-    )
+    settings = dict(steps=steps, seed=seed, **sizes)
+    folder = cache_folder(cache_dir, env_name, tokenizer, env_kwargs, **settings)
     os.makedirs(cache_dir, exist_ok=True)
     with open(folder + ".lock", "w") as lock:
         try:
@@ -242,13 +205,10 @@ def load_tiny(env_name, env_kwargs=None, cache_dir=".cache/tiny", rebuild=False,
             if model is not None:
                 return model, PreTrainedTokenizerFast.from_pretrained(folder)
             if problem:
-                print(
-                    f"the cached tiny warm start in {folder} is damaged ({problem}); building it again"
-                )
-        return (
-            _build(folder, tokenizer, env_name, env_kwargs, steps, seed, progress, sizes),
-            tokenizer,
-        )
+                print(f"the cached tiny warm start in {folder} is damaged ({problem}); "
+                      f"building it again")
+        model = _build(folder, tokenizer, env_name, env_kwargs, steps, seed, progress, sizes)
+        return model, tokenizer
 
 
 def _load_cached(folder):
@@ -283,17 +243,15 @@ def _build(folder, tokenizer, env_name, env_kwargs, steps, seed, progress, sizes
         except (OSError, RuntimeError, KeyError, EOFError, ValueError):
             # a damaged partial build: start over
             model = build_model(tokenizer, seed=seed, **sizes)
-    print(
-        f"building the tiny policy's warm start for {env_name}: behaviour cloning on solver demonstrations, "
-        f"{steps} steps{f' (continuing at step {start})' if start else ''}. A one-time build, cached in "
-        f"{folder}; later runs load it."
-    )
+    again = f" (continuing at step {start})" if start else ""
+    print(f"building the tiny policy's warm start for {env_name}: behaviour cloning on solver "
+          f"demonstrations, {steps} steps{again}. A one-time build, cached in {folder}; later runs "
+          f"load it.")
     bar = None
     if progress:
         from tqdm.auto import tqdm
-        bar = tqdm(
-            total=steps, initial=start, desc=f"tiny warm start ({env_name})", dynamic_ncols=True
-        )
+        bar = tqdm(total=steps, initial=start, desc=f"tiny warm start ({env_name})",
+                   dynamic_ncols=True)
 
     def on_step(step, loss, optimizer):
         losses.append(loss)
@@ -301,37 +259,20 @@ def _build(folder, tokenizer, env_name, env_kwargs, steps, seed, progress, sizes
             bar.update(1)
             bar.set_postfix(loss=f"{loss:.3f}")
         if (step + 1) % SAVE_EVERY == 0 and step + 1 < steps:
-            torch.save(
-                {
-                    "model": model.state_dict(),
-                    "optimizer": optimizer.state_dict(),
-                    "step": step + 1,
-                    "losses": losses,
-                },
-                partial + ".tmp",
-            )
+            torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(),
+                        "step": step + 1, "losses": losses}, partial + ".tmp")
             os.replace(partial + ".tmp", partial)
 
     threads = torch.get_num_threads()
     torch.set_num_threads(min(BUILD_THREADS, os.cpu_count() or 1))
     began = time.time()
     try:
-        demos.imitate(
-            model,
-            tokenizer,
-            env_name,
-            env_kwargs,
-            steps=steps,
-            seed=seed,
-            start=start,
-            state=state,
-            on_step=on_step,
-        )
+        demos.imitate(model, tokenizer, env_name, env_kwargs, steps=steps, seed=seed, start=start,
+                      state=state, on_step=on_step)
     except KeyboardInterrupt:
         done = len(losses) - len(losses) % SAVE_EVERY
-        print(
-            f"\nthe warm start stopped at step {len(losses)}; the next run continues from step {done}"
-        )
+        print(f"\nthe warm start stopped at step {len(losses)}; the next run continues from step "
+              f"{done}")
         raise
     finally:
         torch.set_num_threads(threads)
@@ -339,8 +280,6 @@ def _build(folder, tokenizer, env_name, env_kwargs, steps, seed, progress, sizes
             bar.close()
     tmp = folder + ".tmp"
     shutil.rmtree(tmp, ignore_errors=True)
-    from transformers.utils import logging as hf_logging
-    hf_logging.disable_progress_bar()
     model.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
     # written last: marks a complete folder
