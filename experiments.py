@@ -32,6 +32,7 @@ import plots
 ROOT = os.path.dirname(os.path.abspath(__file__))
 RUNS = os.path.join("runs", "experiments")
 RESULTS = "results"
+MAX_SKIPS = 5  # train.MAX_SKIPS (not imported: experiments.py stays light)
 WINDOW = 10  # per-step metrics in a table are the mean of the WINDOW steps ending at the table step
 COMMON = ["--mi-every", "5", "--val-every", "10", "--threads", "1", "--no-plot"]
 
@@ -137,10 +138,11 @@ def runs_of(name):
 
 
 def finished(folder, steps):
-    records = (
-        plots.read_metrics(folder) if os.path.isfile(os.path.join(folder, "metrics.jsonl")) else []
-    )
-    return any(r.get("step") == steps and "train_success" in r for r in records)
+    """The run did its steps, or train.py stopped it: MAX_SKIPS steps in a row without spread."""
+    path = os.path.join(folder, "metrics.jsonl")
+    records = [r for r in plots.read_metrics(folder) if r.get("step")] if os.path.isfile(path) else []
+    stopped = len(records) >= MAX_SKIPS and all(r.get("skipped") for r in records[-MAX_SKIPS:])
+    return stopped or any(r["step"] == steps for r in records)
 
 
 # ------------------------------------------------------------------------------------------ running

@@ -41,6 +41,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import demos  # noqa: E402
 import envs  # noqa: E402
 import grpo  # noqa: E402
 import ppo  # noqa: E402
@@ -62,7 +63,7 @@ def first_prompts(tokenizer, groups):
         env = envs.make_env("sokoban")
         obs, _ = env.reset(seed=seed)
         messages = [
-            {"role": "system", "content": tiny.TINY_SYSTEM},
+            {"role": "system", "content": demos.TINY_SYSTEM},
             {"role": "user", "content": rollout.user_message(obs, 0.0, env.max_steps, 1)},
         ]
         texts.append(
@@ -150,26 +151,21 @@ def shared_policy(model, tokenizer, max_new_tokens, K):
         ids = torch.tensor(prompt_ids)  # [G*K, P]
         cache = model(input_ids=ids[::K, :-1], use_cache=True).past_key_values  # G rows
         cache.batch_repeat_interleave(K)
-        record, finish = rollout._logprob_recorder(1.0)
-        out = model.generate(
-            input_ids=ids,
-            attention_mask=torch.ones_like(ids),
-            past_key_values=cache,
-            max_new_tokens=max_new_tokens,
-            do_sample=True,
-            temperature=1.0,
-            top_p=1.0,
-            top_k=0,
-            eos_token_id=stop_ids,
-            pad_token_id=pad,
-            logits_processor=[record],
-        )
-        new = out[:, ids.shape[1] :]  # [G*K, N]
+        tables = []  # every step's log-softmax, for the sampled tokens' log-probs
+
+        def record(input_ids, scores):
+            tables.append(torch.log_softmax(scores.float(), dim=-1))
+            return scores
+
+        out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), past_key_values=cache,
+                             max_new_tokens=max_new_tokens, do_sample=True, temperature=1.0, top_p=1.0,
+                             top_k=0, eos_token_id=stop_ids, pad_token_id=pad, logits_processor=[record])
+        new = out[:, ids.shape[1]:]  # [G*K, N]
+        logprobs = torch.stack(tables, 1)[:, :new.shape[1]].gather(-1, new[..., None])[..., 0]
         generations = []
-        for row, lp in zip(new.tolist(), finish(new).tolist()):
+        for row, lp in zip(new.tolist(), logprobs.tolist()):
             end = next((i + 1 for i, t in enumerate(row) if t in stop_ids), None)
-            length = end if end is not None else len(row)
-            generations.append(rollout.Generation(row[:length], lp[:length], cut=end is None))
+            generations.append(rollout.Generation(row[:end], lp[:end], cut=end is None))
         return generations
 
     return policy

@@ -7,6 +7,7 @@ import os
 import pytest
 
 import experiments
+import train
 
 
 def fake_run(folder, steps, success, mi, val=None):
@@ -48,6 +49,10 @@ def test_a_finished_run_is_not_run_again(grid):
     _, _, folder, _ = experiments.runs_of(grid)[0]
     fake_run(folder, 20, 0.5, lambda s: 0.3)
     assert experiments.finished(folder, 20) and not experiments.finished(folder, 30)
+    with open(os.path.join(folder, "metrics.jsonl"), "a") as f:  # then train.py stopped it: no spread
+        for s in range(21, 21 + train.MAX_SKIPS):
+            f.write(json.dumps({"step": s, "skipped": True}) + "\n")
+    assert experiments.finished(folder, 30) and experiments.MAX_SKIPS == train.MAX_SKIPS
 
 
 def test_the_table_is_mean_and_standard_error_over_seeds(grid):

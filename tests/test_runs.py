@@ -210,6 +210,30 @@ def test_a_kill_at_every_file_operation_then_resume_is_exact(tmp_path, monkeypat
     assert kill_at >= 8  # config + 3 saves of 1-3 renames each
 
 
+def test_recovery_picks_the_newest_complete_checkpoint(tmp_path):
+    """Every state a kill can leave between the renames of save_checkpoint, and what a start finds."""
+    def state(**folders):  # name -> the step its "complete" file holds, or None: written, incomplete
+        out = tmp_path / f"run{len(list(tmp_path.iterdir()))}"
+        for name, step in folders.items():
+            os.makedirs(out / name)
+            if step is not None:
+                (out / name / "complete").write_text(json.dumps({"step": step}))
+        return str(out)
+
+    cases = [({"checkpoint": 3}, 3),  # no kill
+             ({"checkpoint": 3, "checkpoint_old": 2}, 3),  # after the swap, before removing .old
+             ({"checkpoint_old": 2, "checkpoint_tmp": 3}, 3),  # between the two renames
+             ({"checkpoint": 2, "checkpoint_tmp": None}, 2),  # while writing .tmp
+             ({"checkpoint_old": 2, "checkpoint_tmp": None}, 2),
+             ({"checkpoint_tmp": None}, None)]  # during the first save: no checkpoint yet
+    for folders, step in cases:
+        out = state(**{k.replace("_", "."): v for k, v in folders.items()})
+        found = runs.recover_checkpoint(out)
+        assert (runs.checkpoint_step(found) if found else None) == step, folders
+        assert sorted(os.listdir(out)) == (["checkpoint"] if step else sorted(
+            k.replace("_", ".") for k in folders)), folders  # leftovers gone once a checkpoint exists
+
+
 def test_kill_9_of_a_real_run_then_resume_is_exact(tmp_path):
     common = SMALL + ["--algo", "ppo", "--mi-every", "2", "--val-every", "0", "--steps", "6"]
     straight, killed = str(tmp_path / "straight"), str(tmp_path / "killed")

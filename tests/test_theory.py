@@ -100,8 +100,7 @@ def test_the_light_modules_expose_what_theory_names():
 
 def test_every_reference_in_the_readme_reading_map_exists():
     text = readme_reading_map()
-    if text is None:
-        pytest.skip("README.md has no 'Reading alongside the paper' / 'Exercises' sections")
+    assert text is not None, "README.md lost its 'Reading alongside the paper' / 'Exercises' sections"
     assert CODE_REF.search(text) and TEST_REF.search(text)
     assert missing_references(text) == []
 

@@ -201,6 +201,18 @@ def test_the_update_equals_a_plain_full_batch_step(tmp_path, algo):
             torch.testing.assert_close(p, q, atol=2e-5, rtol=1e-4)
 
 
+def test_later_mini_batches_compare_against_the_policy_before_the_update(tmp_path):
+    """The ratio's old log-probs are the sampling policy's: after the first mini-batch's optimiser
+    step, the second mini-batch sees ratios away from 1 (approx_kl > 0), while the first sees
+    exactly 1 -- old log-probs taken from the moving policy would give 0 for both."""
+    run = make_run(tmp_path, env="sokoban", algo="grpo", mini_batch_size=8, lr=1e-2)
+    episodes = play_scripted(run, [3, 5, 8, 13], group_size=4)
+    rewards = torch.tensor([e.total_reward for e in episodes]).view(4, 4)
+    stats = train.update_policy(run, episodes, rewards, torch.Generator().manual_seed(0))
+    assert stats["optimizer_steps"] == 2
+    assert stats["approx_kl"] > 1e-6  # the mean over the two mini-batches: the second one moved
+
+
 def test_update_on_kept_groups_equals_an_update_on_a_batch_without_the_dropped_ones(tmp_path):
     for algo in ("ppo", "grpo"):
         results = []
@@ -240,6 +252,17 @@ def _spread_except(tokenizer, seeds, group_size, bad_seed):
             out.append(rollout.Generation(tokenizer.encode(text, add_special_tokens=False) + [end]))
         return out
     return policy
+
+
+def test_the_diagnosis_counts_identical_prompts_as_one_target(tmp_path):
+    """Two groups of the same layout have the same prompt: as in the official metric, a reasoning is
+    retrieved when its best prompt is identical to its own, and chance is count / N (here 1)."""
+    run = make_run(tmp_path, env="frozenlake", groups=2, group_size=4, mi_samples=8)
+    same = train.diagnose(run, play_scripted(run, [5, 5]))
+    assert same["retrieval_chance"] == 1.0 and same["retrieval_acc"] == 1.0
+    assert abs(same["mi_estimate"]) < 1e-6  # identical prompts: the reasoning cannot tell them apart
+    different = train.diagnose(run, play_scripted(run, [5, 6]))
+    assert different["retrieval_chance"] == 0.5
 
 
 # ------------------------------------------------------------------------------------------- Fig. 4
