@@ -254,6 +254,7 @@ def summarize(name):
             "retrieval_acc",
             "reasoning_entropy",
             "conditional_entropy",
+            "token_entropy",
             "kept_ratio",
             "num_zero_var",
             "time_step",

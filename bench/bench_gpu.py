@@ -39,8 +39,9 @@ SHAPES = {
 VOCAB = 151_936
 
 
-def qwen_shaped(size, device):
-    """A random Qwen2ForCausalLM with Qwen2.5's shapes, in float32 on `device`, and a tokenizer over its vocab."""
+def qwen_shaped(size, device, vocab_size=VOCAB):
+    """A random Qwen2ForCausalLM with Qwen2.5's shapes, in float32 on `device`, and a word-level
+    tokenizer over its vocab (vocab_size: Qwen's 151,936 unless a test asks for fewer)."""
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
@@ -49,10 +50,10 @@ def qwen_shaped(size, device):
     hidden, inter, layers, heads, kv = SHAPES[size]
     base = tiny.build_tokenizer()
     vocab = dict(base.get_vocab())
-    for i in range(len(vocab), VOCAB):
+    for i in range(len(vocab), vocab_size):
         vocab[f"<t{i}>"] = i
     core = Tokenizer(
-        models.WordLevel({k: v for k, v in vocab.items() if v < VOCAB - 3}, unk_token=tiny.UNK)
+        models.WordLevel({k: v for k, v in vocab.items() if v < vocab_size - 3}, unk_token=tiny.UNK)
     )
     core.pre_tokenizer = pre_tokenizers.Split(tiny.Regex(tiny.PIECE), behavior="isolated")
     core.decoder = decoders.Fuse()
@@ -65,7 +66,7 @@ def qwen_shaped(size, device):
         chat_template=tiny.CHAT_TEMPLATE,
     )
     config = Qwen2Config(
-        vocab_size=VOCAB,
+        vocab_size=vocab_size,
         hidden_size=hidden,
         intermediate_size=inter,
         num_hidden_layers=layers,

@@ -2,29 +2,28 @@
 path vs this code.
 
 The plain path runs the policy on every position of every transcript and keeps full-vocabulary
-logits -- [b, T, V] floats, then their log-softmax and entropy -- for the backward pass: with V =
-151,936 that is what fills the memory, whatever the model's width. This code (ppo.policy_logprobs)
-gathers the hidden states at the policy's own tokens and runs the output layer on them in chunks
-under torch.utils.checkpoint, so the backward pass keeps [N, D] hidden states and one chunk of
-logits at a time. The plain side is bench_step's (plain_logprobs, plain_pieces).
+logits -- [b, T, V] floats, then their log-softmax and entropy -- for the backward pass: with
+V = 151,936 that is what fills the memory, whatever the model's width. This code
+(ppo.policy_logprobs) gathers the hidden states at the policy's own tokens and runs the output layer
+on them in chunks under torch.utils.checkpoint, so the backward pass keeps [N, D] hidden states and
+one chunk of logits at a time. The plain side is bench_step's (plain_logprobs, plain_pieces).
 
 The model is Qwen2 64 wide, 2 layers (the tiny policy's shapes) with Qwen's vocabulary
-(bench_gpu.qwen_shaped), the update one PPO step (train.update_policy: old log-probs, critic values,
-GAE, clipped loss, backward, optimiser steps) on B transcripts of T tokens, a third of them the
-policy's (the worst-case length of the tiny main command: 5 turns of 64 sampled + 140 template
-tokens). Each configuration runs in a fresh subprocess on CPU; glibc serves every block over 64 KiB
-with mmap (MALLOC_MMAP_THRESHOLD_), so freed tensors leave the resident set at once and the kernel's
-high-water mark VmHWM tracks live memory. After a warm-up update (optimiser state, allocator) the
-high-water mark is reset and the measured update's peak growth over the resident set before it is
-what the configuration costs.
+(bench_gpu.qwen_shaped); the update is one PPO step (train.update_policy: old log-probs, critic
+values, GAE, clipped loss, backward, optimiser steps) on B transcripts of T tokens, a third of them
+the policy's (1024 is about the worst-case length of the tiny main command: 5 turns of 64 sampled
+and ~140 template tokens). Each configuration runs in a fresh subprocess on CPU; glibc serves every
+block over 64 KiB with mmap (MALLOC_MMAP_THRESHOLD_), so freed tensors leave the resident set at
+once and the kernel's high-water mark VmHWM tracks live memory. After a warm-up update (optimiser
+state, allocator) the high-water mark is reset; the measured update's peak growth over the
+resident set before it is what the configuration costs.
 
-    python bench/bench_memory.py              # 16 transcripts: both paths at 512 tokens, this code at 1024 too
-    python bench/bench_memory.py --quick      # small sizes: proves the script runs
+    python bench/bench_memory.py           # 16 transcripts: both paths at 512 tokens, ours at 1024
+    python bench/bench_memory.py --quick   # small sizes and vocabulary: proves the script runs
 
-Last line: RESULT memory <plain path's peak / this code's peak, micro-batch 2, 512 tokens> (higher
-is better).
+Last line: RESULT memory <plain peak / this code's peak, micro-batch 2, 512 tokens> (higher is
+better).
 """
-
 import argparse
 import json
 import os
@@ -56,45 +55,19 @@ def child(args, path, micro_batch):
     from bench_gpu import qwen_shaped
 
     torch.manual_seed(0)
-    model, tokenizer = qwen_shaped("tiny", torch.device("cpu"))
-    run = bench_step.make_run(
-        [
-            "--algo",
-            "ppo",
-            "--groups",
-            "2",
-            "--group-size",
-            str(args.batch // 2),
-            "--mini-batch-size",
-            str(args.batch),
-            "--micro-batch",
-            str(micro_batch),
-            "--threads",
-            str(args.threads),
-            "--model",
-            "qwen-vocab-tiny",
-        ],
-        model,
-        tokenizer,
-    )
+    model, tokenizer = qwen_shaped("tiny", torch.device("cpu"), args.vocab)
+    flags = ["--algo", "ppo", "--groups", "2", "--group-size", str(args.batch // 2),
+             "--mini-batch-size", str(args.batch), "--micro-batch", str(micro_batch),
+             "--threads", str(args.threads), "--model", "qwen-vocab-tiny"]
+    run = bench_step.make_run(flags, model, tokenizer)
     gen = torch.Generator().manual_seed(0)
-    episodes = []
-    for i in range(args.batch):  # T tokens: a third the policy's, at the end of each turn
-        ids = torch.randint(10, 500, (args.seq_len,), generator=gen).tolist()
-        mask = [float(t % 200 >= 134) for t in range(args.seq_len)]
-        episodes.append(
-            rollout.Episode(
-                env=None,
-                group=i * 2 // args.batch,
-                seed=0,
-                noise_seed=i,
-                ids=ids,
-                policy_mask=mask,
-                logprobs=None,
-                prompt_text="",
-                turn_rewards=[float(torch.randn(1, generator=gen))],
-            )
-        )
+    period = min(200, args.seq_len)  # a turn: two thirds template, one third sampled
+    mask = [float(t % period >= 2 * period // 3) for t in range(args.seq_len)]
+    episodes = [rollout.Episode(env=None, group=i * 2 // args.batch, seed=0, noise_seed=i,
+                                ids=torch.randint(10, 500, (args.seq_len,), generator=gen).tolist(),
+                                policy_mask=mask, logprobs=None, prompt_text="",
+                                turn_rewards=[float(torch.randn(1, generator=gen))])
+                for i in range(args.batch)]
     rewards = torch.tensor([e.total_reward for e in episodes]).view(2, args.batch // 2)
     if path == "plain":
         bench_step.PAD[0] = run.pad_id
@@ -113,19 +86,9 @@ def child(args, path, micro_batch):
 
 
 def measure(args, path, micro_batch, seq_len):
-    seq_len = min(seq_len, args.seq_len)
-    command = [
-        sys.executable,
-        os.path.abspath(__file__),
-        "--child",
-        json.dumps([path, micro_batch]),
-        "--threads",
-        str(args.threads),
-        "--batch",
-        str(args.batch),
-        "--seq-len",
-        str(seq_len),
-    ]
+    command = [sys.executable, os.path.abspath(__file__), "--child", json.dumps([path, micro_batch]),
+               "--threads", str(args.threads), "--batch", str(args.batch),
+               "--seq-len", str(min(seq_len, args.seq_len)), "--vocab", str(args.vocab)]
     env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536"}
     out = subprocess.run(command, capture_output=True, text=True, env=env)
     if out.returncode != 0:
@@ -137,31 +100,28 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--threads", type=int, default=2, help="torch.set_num_threads")
     parser.add_argument("--batch", type=int, default=16, help="transcripts in the update")
-    parser.add_argument(
-        "--seq-len", type=int, default=1024, help="longest transcript measured, in tokens"
-    )
+    parser.add_argument("--seq-len", type=int, default=1024, help="longest transcript, in tokens")
+    parser.add_argument("--vocab", type=int, default=151_936, help="vocabulary size (Qwen's)")
     parser.add_argument("--quick", action="store_true", help="small sizes")
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
         import torch
-
         torch.set_num_threads(args.threads)
         return child(args, *json.loads(args.child))
-    if args.quick:
-        args.batch, args.seq_len = 4, 200
-    results = {config: measure(args, *config) for config in CONFIGS}
+    configs = CONFIGS
+    if args.quick:  # the two paths once, small: proves the script runs
+        args.batch, args.seq_len, args.vocab, configs = 4, 100, 4096, CONFIGS[:2]
+    results = {config: measure(args, *config) for config in configs}
     base = next(iter(results.values()))["before_mib"]
-    print(
-        f"Qwen2 64 wide, 2 layers, vocabulary 151,936; PPO update of {args.batch} transcripts (a third of each "
-        f"sampled); torch threads {args.threads}; resident set before the update ~{base:.0f} MiB"
-    )
+    print(f"Qwen2 64 wide, 2 layers, vocabulary {args.vocab:,}; PPO update of {args.batch} "
+          f"transcripts (a third of each sampled); torch threads {args.threads}; resident set "
+          f"before the update ~{base:.0f} MiB")
     print(f"{'path':<12}{'micro-batch':>12}{'tokens':>8}{'peak growth MiB':>17}")
     for (path, micro, seq_len), r in results.items():
         print(f"{path:<12}{micro:>12}{min(seq_len, args.seq_len):>8}{r['peak_mib']:>17.0f}")
     plain, ours = (results[(p, 2, 512)]["peak_mib"] for p in ("plain", "this code"))
-    ratio = plain / max(ours, 1e-9)
-    print(f"RESULT memory {ratio:.2f}")
+    print(f"RESULT memory {plain / max(ours, 1e-9):.2f}")
 
 
 if __name__ == "__main__":
