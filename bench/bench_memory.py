@@ -87,7 +87,8 @@ def child(args, path, micro_batch):
 
 def measure(args, path, micro_batch, seq_len):
     child_args = json.dumps([path, micro_batch])
-    command = [sys.executable, os.path.abspath(__file__), "--child", child_args, "--threads", str(args.threads), "--batch", str(args.batch),
+    command = [sys.executable, os.path.abspath(__file__), "--child", child_args,
+               "--threads", str(args.threads), "--batch", str(args.batch),
                "--seq-len", str(min(seq_len, args.seq_len)), "--vocab", str(args.vocab)]
     env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536"}
     out = subprocess.run(command, capture_output=True, text=True, env=env)
