@@ -2,11 +2,11 @@
 run folder (config, metrics log, checkpoints), resuming, and turning failures into one-line errors.
 
 A run folder holds config.json (the resolved settings), metrics.jsonl (one JSON object per step,
-flushed as it is written), checkpoint/ (weights or LoRA adapters, tokenizer, critic, optimisers, RNG
-states) and the figures. What a run guarantees:
-- A kill at any moment (Ctrl-C, kill -9, a full disk) loses at most the step in flight. A checkpoint
-  is written to checkpoint.tmp, marked complete by its last file, then swapped in by renames;
-  whatever moment a kill hits, the next start finds the newest complete checkpoint
+flushed as it is written), checkpoint/ (weights or LoRA adapters, tokenizer, critic, optimisers,
+RNG states) and the figures. What a run guarantees:
+- A kill at any moment (Ctrl-C, kill -9, a full disk) loses at most the step in flight. A
+  checkpoint is written to checkpoint.tmp, marked complete by its last file, then swapped in by
+  renames; whatever moment a kill hits, the next start finds the newest complete checkpoint
   (recover_checkpoint), and `--resume` runs the lost step again exactly: the same metrics as a run
   never interrupted.
 - `--resume DIR` continues with the run's own settings; only --steps (to extend), --val-every,
@@ -19,7 +19,6 @@ states) and the figures. What a run guarantees:
   exit code 2, and a failed start leaves no folder behind; running out of GPU memory is one line
   naming the phase, code 3.
 """
-
 import argparse
 import contextlib
 import dataclasses
@@ -43,15 +42,9 @@ import envs
 import models
 import rollout
 
-# flags a resumed run may change
-RESUMABLE = ("steps", "val_every", "save_every", "plot", "threads")
-PHASES = {
-    "collect_rollouts": "rollouts",
-    "diagnose": "the MI diagnosis",
-    "validate": "validation",
-    "update_policy": "the update",
-    "decompose_gradients": "the gradient decomposition",
-}
+RESUMABLE = ("steps", "val_every", "save_every", "plot", "threads")  # what a resumed run may change
+PHASES = {"collect_rollouts": "rollouts", "diagnose": "the MI diagnosis", "validate": "validation",
+          "update_policy": "the update", "decompose_gradients": "the gradient decomposition"}
 
 
 class UsageError(Exception):
@@ -59,11 +52,9 @@ class UsageError(Exception):
 
 
 def main(Args, train, validate, argv):
-    """Parse, start, train (or evaluate), finish; every failure becomes one line and an exit
-    code."""
+    """Parse, start, train (or evaluate), finish; each failure becomes one line and an exit code."""
     from transformers.utils import logging as hf_logging
-
-    hf_logging.disable_progress_bar()  # no loading and saving bars of transformers between our lines
+    hf_logging.disable_progress_bar()  # no loading bars of transformers between our lines
     run = None
     try:
         args = parse_args(Args, argv)
@@ -71,10 +62,8 @@ def main(Args, train, validate, argv):
         if run is None:
             return 0
         if args.steps == 0:
-            print(
-                f"evaluating {args.model} on {args.env}: {args.val_seeds} held-out seeds, one "
-                f"rollout each, temperature {args.val_temperature}; results in {args.out}"
-            )
+            print(f"evaluating {args.model} on {args.env}: {args.val_seeds} held-out seeds, one "
+                  f"rollout each, temperature {args.val_temperature}; results in {args.out}")
             record(run, {"step": 0, "val_success": validate(run)})
         else:
             if run.step == 0 and args.val_every:  # the starting point, to judge what training adds
@@ -90,18 +79,14 @@ def main(Args, train, validate, argv):
         close(run)
         frames = reversed(traceback.extract_tb(e.__traceback__))
         phase = next((PHASES[f.name] for f in frames if f.name in PHASES), "loading the models")
-        print(
-            f"error: out of GPU memory during {phase}; the last checkpoint is intact. Try "
-            f"--micro-batch 1, --rollout-batch 16, --grad-checkpointing, --lora 16 or fewer "
-            f"--max-new-tokens",
-            file=sys.stderr,
-        )
+        print(f"error: out of GPU memory during {phase}; the last checkpoint is intact. Try "
+              f"--micro-batch 1, --rollout-batch 16, --grad-checkpointing, --lora 16 or fewer "
+              f"--max-new-tokens", file=sys.stderr)
         return 3
     except KeyboardInterrupt:
         close(run)
-        resume = (
-            f"; continue with: python train.py --resume {run.args.out}" if run and run.step else ""
-        )
+        resume = (f"; continue with: python train.py --resume {run.args.out}"
+                  if run and run.step else "")
         print(f"\ninterrupted{resume}", file=sys.stderr)
         return 130
     finally:
@@ -110,58 +95,36 @@ def main(Args, train, validate, argv):
 
 # ------------------------------------------------------------------------------------- command line
 
-
 def build_parser(Args, defaults=True):
-    """One flag per Args field, one line of help each with the default in brackets; a boolean field
-    is --name and --no-name (hidden). defaults=False leaves out the flags not given (for --resume).
-    No abbreviations: --step is an error, not --steps."""
-
+    """One flag per Args field, one line of help each with the default in brackets; a boolean
+    field is --name and --no-name (hidden). defaults=False leaves out the flags not given (for
+    --resume). No abbreviations: --step is an error, not --steps."""
     class Parser(argparse.ArgumentParser):
         def error(self, message):  # argparse would print the usage too; one line is enough
             raise UsageError(message)
 
-    description = (
-        "RAGEN-2 in miniature: PPO / GRPO with SNR-aware filtering and the MI "
-        "diagnosis. Defaults in brackets; every on/off flag has a --no- form too."
-    )
+    description = ("RAGEN-2 in miniature: PPO / GRPO with SNR-aware filtering and the MI "
+                   "diagnosis. Defaults in brackets; every on/off flag has a --no- form too.")
     formatter = functools.partial(argparse.HelpFormatter, max_help_position=30, width=110)
-    parser = Parser(
-        prog="train.py",
-        usage="python train.py [flags]",
-        description=description,
-        allow_abbrev=False,
-        argument_default=None if defaults else argparse.SUPPRESS,
-        formatter_class=formatter,
-    )
+    parser = Parser(prog="train.py", usage="python train.py [flags]", description=description,
+                    allow_abbrev=False, argument_default=None if defaults else argparse.SUPPRESS,
+                    formatter_class=formatter)
+    on_off = {True: "on", False: "off"}
     for f in dataclasses.fields(Args):
         flag, dest = "--" + f.name.replace("_", "-"), f.name
         default = f.default if defaults else argparse.SUPPRESS
-        on_off = {True: "on", False: "off"}
         shown = "" if f.default is None else f" [{on_off.get(f.default, f.default)}]"
         if f.type is bool:
-            parser.add_argument(
-                flag,
-                action="store_true",
-                dest=dest,
-                default=default,
-                help=f.metadata["help"] + shown,
-            )
-            parser.add_argument(
-                "--no-" + flag[2:], action="store_false", dest=dest, help=argparse.SUPPRESS
-            )
+            parser.add_argument(flag, action="store_true", dest=dest, default=default,
+                                help=f.metadata["help"] + shown)
+            parser.add_argument("--no-" + flag[2:], action="store_false", dest=dest,
+                                help=argparse.SUPPRESS)
         else:
             choices = f.metadata.get("choices")
             listed = not choices or all(c in f.metadata["help"] for c in choices)
             text = f.metadata["help"] + ("" if listed else f": {', '.join(choices)}") + shown
-            parser.add_argument(
-                flag,
-                type=f.type,
-                dest=dest,
-                default=default,
-                choices=choices,
-                help=text,
-                metavar=f.type.__name__.upper(),
-            )
+            parser.add_argument(flag, type=f.type, dest=dest, default=default, choices=choices,
+                                help=text, metavar=f.type.__name__.upper())
     return parser
 
 
@@ -173,22 +136,18 @@ def parse_args(Args, argv):
         given = vars(build_parser(Args, defaults=False).parse_args(argv))
         saved = read_config(args.resume, Args)
         if given.get("out") not in (None, args.resume):
-            raise UsageError(
-                f"--out {given['out']}: a resumed run stays in its folder {args.resume}"
-            )
-        changed = sorted(
-            k for k, v in given.items() if k not in ("resume", "out") and v != saved.get(k)
-        )
+            raise UsageError(f"--out {given['out']}: a resumed run stays in its folder "
+                             f"{args.resume}")
+        changed = sorted(k for k, v in given.items()
+                         if k not in ("resume", "out") and v != saved.get(k))
         fixed = [k for k in changed if k not in RESUMABLE]
         if fixed:
             k, allowed = fixed[0], ", --".join(RESUMABLE).replace("_", "-")
-            raise UsageError(
-                f"--{k.replace('_', '-')} {given[k]} differs from the run's {saved.get(k)}: a "
-                f"resumed run keeps its settings (it may change --{allowed})"
-            )
-        args = Args(
-            **{**saved, **{k: given[k] for k in changed}, "resume": args.resume, "out": args.resume}
-        )
+            raise UsageError(f"--{k.replace('_', '-')} {given[k]} differs from the run's "
+                             f"{saved.get(k)}: a resumed run keeps its settings (it may change "
+                             f"--{allowed})")
+        args = Args(**{**saved, **{k: given[k] for k in changed}, "resume": args.resume,
+                       "out": args.resume})
     check_args(args)
     return args
 
@@ -209,65 +168,47 @@ def read_config(folder, Args):
     for k, v in saved.items():
         kind = fields[k].type
         number = isinstance(v, (int, float)) and not isinstance(v, bool)
-        if not (
-            v is None
-            or (kind is bool and isinstance(v, bool))
-            or (kind is float and number)
-            or (kind is int and number and isinstance(v, int))
-            or (kind is str and isinstance(v, str))
-        ):
-            raise UsageError(
-                f"--resume {folder}: config.json has {k} = {v!r}, not a {kind.__name__}"
-            )
+        if not (v is None or (kind is bool and isinstance(v, bool)) or (kind is float and number)
+                or (kind is int and number and isinstance(v, int))
+                or (kind is str and isinstance(v, str))):
+            raise UsageError(f"--resume {folder}: config.json has {k} = {v!r}, "
+                             f"not a {kind.__name__}")
     return {**saved, "resume": None}
 
 
 def check_args(a):
     """Every setting a run could not use, as one clear line."""
-
     def need(ok, message):
         if not ok:
             raise UsageError(message)
 
     numbers = [v for v in dataclasses.asdict(a).values() if isinstance(v, float)]
     need(all(math.isfinite(v) for v in numbers), "every number must be finite (no nan / inf)")
-    need(0 <= a.seed <= 2**32 - 1, f"--seed must be in 0..2**32-1, got {a.seed}")
+    need(0 <= a.seed <= 2 ** 32 - 1, f"--seed must be in 0..2**32-1, got {a.seed}")
     need(a.steps >= 0, f"--steps must be >= 0, got {a.steps}")
     need(0 < a.top_p <= 1, f"--top-p must be in (0, 1], got {a.top_p}")
     need(0 < a.top_k <= 1, f"--top-k is a fraction of the groups in (0, 1], got {a.top_k}")
     need(a.groups >= 1 and a.group_size >= 1, "--groups and --group-size must be >= 1")
-    need(
-        a.max_turns >= 1 and a.max_actions_per_turn >= 1,
-        "--max-turns and --max-actions-per-turn must be >= 1",
-    )
+    need(a.max_turns >= 1 and a.max_actions_per_turn >= 1,
+         "--max-turns and --max-actions-per-turn must be >= 1")
     need(a.mini_batch_size >= 1 and a.epochs >= 1, "--mini-batch-size and --epochs must be >= 1")
-    need(
-        all(x is None or x >= 1 for x in (a.micro_batch, a.rollout_batch)),
-        "--micro-batch and --rollout-batch must be >= 1",
-    )
+    need(all(x is None or x >= 1 for x in (a.micro_batch, a.rollout_batch)),
+         "--micro-batch and --rollout-batch must be >= 1")
     need(all(x is None or x > 0 for x in (a.lr, a.critic_lr)), "learning rates must be > 0")
-    need(
-        0 <= a.gamma <= 1 and 0 <= a.lam <= 1,
-        f"--gamma and --lam must be in [0, 1], got {a.gamma}, {a.lam}",
-    )
+    need(0 <= a.gamma <= 1 and 0 <= a.lam <= 1,
+         f"--gamma and --lam must be in [0, 1], got {a.gamma}, {a.lam}")
     need(0 < a.clip_low < 1 and a.clip_high > 0, "need 0 < --clip-low < 1 and --clip-high > 0")
     need(a.clip_c == 0 or a.clip_c > 1, f"--clip-c must be > 1 (or 0 = off), got {a.clip_c}")
     need(a.value_clip > 0 and a.grad_clip > 0, "--value-clip and --grad-clip must be > 0")
     need(a.kl_coef >= 0 and a.entropy_coef >= 0, "--kl-coef and --entropy-coef must be >= 0")
-    need(
-        a.temperature > 0 and a.val_temperature >= 0 and 0 < a.sample_top_p <= 1,
-        "need --temperature > 0, --val-temperature >= 0, --sample-top-p in (0, 1]",
-    )
+    need(a.temperature > 0 and a.val_temperature >= 0 and 0 < a.sample_top_p <= 1,
+         "need --temperature > 0, --val-temperature >= 0, --sample-top-p in (0, 1]")
     need(a.max_new_tokens is None or a.max_new_tokens >= 1, "--max-new-tokens must be >= 1")
     need(a.mi_samples >= 1 and a.val_seeds >= 1, "--mi-samples and --val-seeds must be >= 1")
-    need(
-        min(a.mi_every, a.val_every, a.grad_decomp_every, a.save_every) >= 0,
-        "--*-every must be >= 0",
-    )
-    need(
-        a.lora >= 0 and (a.lora_alpha is None or a.lora_alpha > 0),
-        "--lora must be >= 0, --lora-alpha > 0",
-    )
+    need(min(a.mi_every, a.val_every, a.grad_decomp_every, a.save_every) >= 0,
+         "--*-every must be >= 0")
+    need(a.lora >= 0 and (a.lora_alpha is None or a.lora_alpha > 0),
+         "--lora must be >= 0, --lora-alpha > 0")
     need(a.threads is None or a.threads >= 1, "--threads must be >= 1")
     try:
         envs.make_env(a.env, **env_kwargs(a)).reset(seed=0)
@@ -276,21 +217,17 @@ def check_args(a):
 
 
 def env_kwargs(a):
-    return {
-        "sokoban": dict(dim_room=(a.room_size, a.room_size), num_boxes=a.num_boxes),
-        "frozenlake": dict(size=a.lake_size, success_rate=a.success_rate),
-        "bandit": dict(high_prob=a.high_prob),
-    }.get(a.env, {})
+    return {"sokoban": dict(dim_room=(a.room_size, a.room_size), num_boxes=a.num_boxes),
+            "frozenlake": dict(size=a.lake_size, success_rate=a.success_rate),
+            "bandit": dict(high_prob=a.high_prob)}.get(a.env, {})
 
 
 # ------------------------------------------------------------------------------------------ the run
-
 
 @dataclass
 class Run:
     """One bundle for what the loop uses: settings, models, optimisers, the run folder and the
     loop's state."""
-
     args: object
     device: torch.device
     ctx: object  # autocast for the run's dtype (a no-op in float32)
@@ -298,16 +235,14 @@ class Run:
     tokenizer: object
     prompt: dict  # rollout.play's `system` / `user` pieces for the tiny policy, else {}
     critic: torch.nn.Module  # PPO only, else None
-    # a frozen copy of the initial policy for --kl-coef (not with LoRA)
-    reference_model: torch.nn.Module
+    reference_model: torch.nn.Module  # a frozen initial policy for --kl-coef (not with LoRA)
     optimizers: list
     policy_params: list
     critic_params: list
     pad_id: int = 0
     step: int = 0  # steps done
     state: dict = field(default_factory=lambda: {"skips": 0, "std_ema": None})
-    # the newest value of every metric: summary and progress bar
-    last: dict = field(default_factory=dict)
+    last: dict = field(default_factory=dict)  # every metric's newest value: summary, progress bar
     log: object = None
     bar: object = None
     lock: object = None
@@ -328,8 +263,7 @@ def start(a):
         ckpt = recover_checkpoint(a.out) if a.resume else None
         run = load_run(a, device, ckpt or a.model)
         run.lock = lock
-        # after the models: whether a warm start was built or loaded, the same run
-        seed_everything(a.seed)
+        seed_everything(a.seed)  # after the models: whether a warm start was built or loaded
         if ckpt:
             run.step, run.state = restore(run, ckpt)
             print(f"resuming {a.out} after step {run.step}")
@@ -341,7 +275,6 @@ def start(a):
         run.log = open(os.path.join(a.out, "metrics.jsonl"), "a")
         if a.steps > 0:
             from tqdm import tqdm
-
             run.bar = tqdm(total=a.steps, initial=run.step, desc=a.out, dynamic_ncols=True)
         return run
     except BaseException:
@@ -355,11 +288,8 @@ def start(a):
 def load_run(a, device, source):
     """A Run around the models loaded from `source`, without a run folder (start uses it; so can
     a script)."""
-    ctx = (
-        torch.autocast(device.type, dtype=torch.bfloat16)
-        if a.dtype == "bfloat16"
-        else (contextlib.nullcontext())
-    )
+    bf16 = a.dtype == "bfloat16"
+    ctx = torch.autocast(device.type, dtype=torch.bfloat16) if bf16 else contextlib.nullcontext()
     run = Run(args=a, device=device, ctx=ctx, **models.load(a, device, source, env_kwargs(a)))
     run.pad_id = rollout.pad_token_id(run.tokenizer)
     return run
@@ -369,34 +299,28 @@ def resolve_defaults(a, device):
     """Fill in the settings that depend on the machine and the model, and say what was chosen."""
     if a.model is None:
         a.model = "Qwen/Qwen2.5-0.5B-Instruct" if device.type == "cuda" else "tiny"
-        print(
-            f"model: {a.model} ({'a GPU is present' if device.type == 'cuda' else 'no GPU found'}; "
-            f"--model chooses another)"
-        )
+        why = "a GPU is present" if device.type == "cuda" else "no GPU found"
+        print(f"model: {a.model} ({why}; --model chooses another)")
     tiny = a.model == "tiny"
     a.lr = a.lr or (1e-4 if tiny else 1e-6)
     a.critic_lr = a.critic_lr or (1e-3 if tiny else 1e-5)
     a.max_new_tokens = a.max_new_tokens or (64 if tiny else 400)
     a.dtype = a.dtype or ("bfloat16" if device.type == "cuda" else "float32")
     a.lora_alpha = a.lora_alpha or (2.0 * a.lora if a.lora else None)
-    # tiny: 2 whatever the machine (results depend on it)
-    if a.threads is None and device.type == "cpu":
+    if a.threads is None and device.type == "cpu":  # 2 whatever the machine: results depend on it
         a.threads = min(2, os.cpu_count() or 1) if tiny else (os.cpu_count() or 1)
     if a.threads:
         torch.set_num_threads(a.threads)
     if a.micro_batch is None and device.type == "cpu":
-        # memory is not the limit here; fewer, larger passes are faster
-        a.micro_batch = a.mini_batch_size
+        a.micro_batch = a.mini_batch_size  # memory is not the limit; larger passes are faster
     stamp = time.strftime("%Y%m%d-%H%M%S")
     if a.steps == 0 and a.out is None:  # evaluating a model
-        a.out = os.path.join(
-            "runs", f"eval-{a.env}-{os.path.basename(os.path.normpath(a.model))}-{stamp}"
-        )
+        name = os.path.basename(os.path.normpath(a.model))
+        a.out = os.path.join("runs", f"eval-{a.env}-{name}-{stamp}")
     a.out = a.out or os.path.join("runs", f"{a.env}-{a.algo}-{a.filter}-{stamp}")
 
 
 # ----------------------------------------------------------------------------------- the run folder
-
 
 def open_folder(a):
     """Create --out for a new run (True), or check the folder of a resumed one (False). A new run
@@ -406,10 +330,8 @@ def open_folder(a):
             raise UsageError(f"--resume {a.out}: no such run folder")
         return False
     if any(os.path.isfile(os.path.join(a.out, f)) for f in ("config.json", "metrics.jsonl")):
-        raise UsageError(
-            f"--out {a.out} already holds a run: continue it with --resume {a.out}, or choose "
-            f"another --out"
-        )
+        raise UsageError(f"--out {a.out} already holds a run: continue it with --resume {a.out}, "
+                         f"or choose another --out")
     existed = os.path.isdir(a.out)
     try:
         os.makedirs(a.out, exist_ok=True)
@@ -424,8 +346,7 @@ def open_folder(a):
 
 
 def lock_folder(out):
-    """An exclusive lock on the run folder for the life of the process: two runs never share one
-    folder."""
+    """An exclusive lock on the run folder for the life of the process: two runs never share one."""
     handle = open(os.path.join(out, ".lock"), "w")
     try:
         fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -448,10 +369,8 @@ def finished(a):
 
 
 def write_config(a):
-    atomic_write(
-        os.path.join(a.out, "config.json"),
-        json.dumps({k: v for k, v in dataclasses.asdict(a).items() if k != "resume"}, indent=1),
-    )
+    settings = {k: v for k, v in dataclasses.asdict(a).items() if k != "resume"}
+    atomic_write(os.path.join(a.out, "config.json"), json.dumps(settings, indent=1))
 
 
 def atomic_write(path, text):
@@ -463,12 +382,10 @@ def atomic_write(path, text):
 
 
 def truncate_metrics(path, step):
-    """Keep the lines of steps <= step: the steps after the checkpoint run again, and are not
-    logged twice."""
+    """Keep the lines of steps <= step: the steps after the checkpoint run again, logged once."""
     if os.path.isfile(path):
-        atomic_write(
-            path, "".join(line for line in open(path) if line.strip() and _step_of(line) <= step)
-        )
+        kept = [line for line in open(path) if line.strip() and _step_of(line) <= step]
+        atomic_write(path, "".join(kept))
 
 
 def _step_of(line):
@@ -490,7 +407,7 @@ def last_metrics(path):
 def record(run, m):
     """Step 7's bookkeeping: the metrics line (flushed), a checkpoint when due, the progress bar."""
     if run.device.type == "cuda":
-        m["gpu_peak_gb"] = torch.cuda.max_memory_allocated() / 2**30
+        m["gpu_peak_gb"] = torch.cuda.max_memory_allocated() / 2 ** 30
     run.log.write(json.dumps(m) + "\n")
     run.log.flush()
     run.last.update({k: v for k, v in m.items() if not isinstance(v, list)})
@@ -502,10 +419,8 @@ def record(run, m):
     if run.bar is not None:
         get = lambda k: run.last.get(k, float("nan"))  # noqa: E731
         run.bar.update(1)
-        run.bar.set_postfix_str(
-            f"success={get('train_success'):.2f} val={get('val_success'):.2f} "
-            f"kept={get('kept_ratio'):.2f} mi={get('mi_estimate'):.2f}nats"
-        )
+        run.bar.set_postfix_str(f"success={get('train_success'):.2f} val={get('val_success'):.2f} "
+                                f"kept={get('kept_ratio'):.2f} mi={get('mi_estimate'):.2f}nats")
 
 
 def finish(run):
@@ -513,7 +428,6 @@ def finish(run):
         run.bar.close()
     if run.args.plot and run.args.steps > 0:
         import plots
-
         plots.plot_runs([run.args.out], run.args.out)
     keys = ("step", "train_success", "val_success", "kept_ratio", "mi_estimate", "retrieval_acc")
     print(json.dumps({k: run.last[k] for k in keys if k in run.last}))
@@ -529,47 +443,36 @@ def close(run):
 
 # -------------------------------------------------------------------------------------- checkpoints
 
+def _checkpoint_paths(out):
+    return [os.path.join(out, name) for name in ("checkpoint", "checkpoint.tmp", "checkpoint.old")]
+
 
 def save_checkpoint(run, step):
     """Everything needed to continue exactly. Written to checkpoint.tmp, marked complete by its last
     file, then swapped in: checkpoint -> checkpoint.old, checkpoint.tmp -> checkpoint, remove
     checkpoint.old."""
     out = run.args.out
-    final, tmp, old = (
-        os.path.join(out, name) for name in ("checkpoint", "checkpoint.tmp", "checkpoint.old")
-    )
+    final, tmp, old = _checkpoint_paths(out)
     recover_checkpoint(out)
     shutil.rmtree(tmp, ignore_errors=True)
     try:
         os.makedirs(tmp)
         models.save_policy(run, tmp)
-        rng = {
-            "torch": torch.get_rng_state(),
-            "numpy": np.random.get_state(),
-            "python": random.getstate(),
-            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
-        }
-        torch.save(
-            {
-                "step": step,
-                "state": run.state,
-                "rng": rng,
-                "critic": run.critic.state_dict() if run.critic is not None else None,
-                "optimizers": [o.state_dict() for o in run.optimizers],
-            },
-            os.path.join(tmp, "trainer_state.pt"),
-        )
+        rng = {"torch": torch.get_rng_state(), "numpy": np.random.get_state(),
+               "python": random.getstate(),
+               "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}
+        torch.save({"step": step, "state": run.state, "rng": rng,
+                    "critic": run.critic.state_dict() if run.critic is not None else None,
+                    "optimizers": [o.state_dict() for o in run.optimizers]},
+                   os.path.join(tmp, "trainer_state.pt"))
         atomic_write(os.path.join(tmp, "complete"), json.dumps({"step": step}))
     except (OSError, RuntimeError) as e:
         shutil.rmtree(tmp, ignore_errors=True)
-        full = (isinstance(e, OSError) and e.errno == errno.ENOSPC) or shutil.disk_usage(
-            out
-        ).free < 2**26
+        full = ((isinstance(e, OSError) and e.errno == errno.ENOSPC)
+                or shutil.disk_usage(out).free < 2 ** 26)
         reason = "no space left on the device" if full else str(e).strip().splitlines()[0]
-        raise UsageError(
-            f"cannot write the checkpoint of step {step} to {out}: {reason}; the previous one "
-            f"is intact"
-        ) from None
+        raise UsageError(f"cannot write the checkpoint of step {step} to {out}: {reason}; the "
+                         f"previous one is intact") from None
     if os.path.isdir(final):
         os.replace(final, old)
     os.replace(tmp, final)
@@ -581,9 +484,7 @@ def recover_checkpoint(out):
     complete checkpoint.tmp is newer than checkpoint and checkpoint.old; checkpoint is complete by
     construction (it is only ever renamed into place); checkpoint.old stands in when checkpoint is
     missing. Leftovers are removed."""
-    final, tmp, old = (
-        os.path.join(out, name) for name in ("checkpoint", "checkpoint.tmp", "checkpoint.old")
-    )
+    final, tmp, old = _checkpoint_paths(out)
     if os.path.isfile(os.path.join(tmp, "complete")) and not os.path.isdir(final):
         os.replace(tmp, final)
     if not os.path.isdir(final) and os.path.isfile(os.path.join(old, "complete")):
@@ -603,8 +504,7 @@ def checkpoint_step(folder):
 
 
 def restore(run, folder):
-    """The critic, optimisers and random streams of a checkpoint (the policy came with
-    models.load)."""
+    """The critic, optimisers and random streams of a checkpoint (models.load gave the policy)."""
     try:
         ckpt = torch.load(os.path.join(folder, "trainer_state.pt"), weights_only=False)
         if run.critic is not None:
@@ -612,9 +512,8 @@ def restore(run, folder):
         for opt, s in zip(run.optimizers, ckpt["optimizers"]):
             opt.load_state_dict(s)
     except (OSError, RuntimeError, KeyError, ValueError, EOFError, TypeError) as e:
-        raise UsageError(
-            f"cannot resume: {folder} is damaged ({str(e).strip().splitlines()[0]})"
-        ) from None
+        first = str(e).strip().splitlines()[0]
+        raise UsageError(f"cannot resume: {folder} is damaged ({first})") from None
     torch.set_rng_state(ckpt["rng"]["torch"])
     np.random.set_state(ckpt["rng"]["numpy"])
     random.setstate(ckpt["rng"]["python"])
