@@ -35,7 +35,7 @@ WINDOW = 10  # per-step metrics in a table are the mean of the WINDOW steps endi
 COMMON = ["--mi-every", "5", "--val-every", "10", "--threads", "1", "--no-plot"]
 FILTERS = {"none": ["--filter", "none"], "topp": ["--filter", "topp"], "topk": ["--filter", "topk"]}
 
-# ------------------------------------------------------------------------------------ the grids
+# ---------------------------------------------------------------------------------------- the grids
 
 GRIDS = {
     "pilot": dict(
@@ -101,7 +101,7 @@ def finished(folder, steps):
     return stopped or any(r["step"] == steps for r in records)
 
 
-# ------------------------------------------------------------------------------------ running
+# ------------------------------------------------------------------------------------------ running
 
 def run(name, jobs):
     """Every run of the grid that has not finished, `jobs` processes at a time; then the summary."""
@@ -130,7 +130,7 @@ def run(name, jobs):
     summarize(name)
 
 
-# ------------------------------------------------------------------------------------ summaries
+# ---------------------------------------------------------------------------------------- summaries
 
 def value_at(records, key, step):
     """A metric at a table step: validation and diagnosis at the step itself (the nearest diagnosis
@@ -200,7 +200,7 @@ def fmt(m, se):
     return f"{m:.3f}" if se is None or math.isnan(se) else f"{m:.3f} +- {se:.3f}"
 
 
-# ------------------------------------------------------------------------------------ Sec. 5.1
+# ----------------------------------------------------------------------------------------- Sec. 5.1
 
 DIAGNOSTICS = ["mi_zscore_ema", "mi_estimate", "retrieval_acc", "conditional_entropy",
                "reasoning_entropy", "token_entropy"]
@@ -270,7 +270,7 @@ def scatter(points, out):
     plt.close(fig)
 
 
-# ------------------------------------------------------------------------------------ command line
+# ------------------------------------------------------------------------------------- command line
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])

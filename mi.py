@@ -30,7 +30,7 @@ import math
 import numpy as np
 import torch
 
-# -------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # Closed form: discrete distributions, natural log (nats), 0 log 0 = 0
 
 
@@ -108,7 +108,7 @@ def mutual_information(p_z_given_x, p_x=None):
     return max(0.0, float(prior @ (table * np.log(ratio)).sum(axis=1)))   # clamp -1e-17 rounding
 
 
-# -------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # From a cross-score matrix to the paper's metrics
 
 
@@ -246,7 +246,7 @@ def collapse_metrics(scores, owner, lengths=None, topk=(2, 4, 8), prompt_keys=No
     return out
 
 
-# -------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # Smoothing over training steps
 
 
@@ -280,7 +280,7 @@ def mi_zscore_ema(metrics, std_ema=None, decay=0.9, seq=False):
     return estimate / (std_ema + 1e-3), std_ema
 
 
-# -------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # Cross-scoring a causal language model: L[m, j] = log p(z_m | x_j) for every (reasoning, prompt)
 
 
@@ -293,8 +293,9 @@ def _encode(tokenizer, texts, what):
 
 
 def _token_logprobs(lm, hidden, targets, chunk_elements=2 ** 24):
-    """log softmax(output layer(hidden))[target], the output layer applied to a few positions at a time, so no
-    [B, T, V] logits exist (V = 151,936 for Qwen): [B, T, D], [B, T] -> [B, T] float32."""
+    """log softmax(output layer(hidden))[target], the output layer applied to a few positions at a
+    time, so no [B, T, V] logits exist (V = 151,936 for Qwen): [B, T, D], [B, T] -> [B, T] float32.
+    """
     head = lm.get_output_embeddings()
     size = max(1, chunk_elements // head.weight.shape[0])
     flat, out = hidden.reshape(-1, hidden.shape[-1]), []                       # [B*T, D]
@@ -348,7 +349,8 @@ def cross_scores(model, tokenizer, prompts, reasonings, batch_size=8):
         batches.append((batch, tokens.to(device), real.to(device)))
 
     was_training = model.training
-    lm = model.get_base_model() if hasattr(model, "get_base_model") else model  # a peft model: its LM, adapters on
+    # A peft model: its LM, with the adapters on.
+    lm = model.get_base_model() if hasattr(model, "get_base_model") else model
     model.eval()  # no dropout while scoring
     try:
         for j, ids in enumerate(prompt_ids):
@@ -364,8 +366,9 @@ def cross_scores(model, tokenizer, prompts, reasonings, batch_size=8):
                     cache.batch_repeat_interleave(rows)
                     mask = torch.cat([torch.ones(rows, len(ids), dtype=torch.long, device=device),
                                       real[:, :-1].long()], dim=1)         # [B, P + R - 1]
-                    hidden = lm.get_decoder()(input_ids=tokens[:, :-1], attention_mask=mask,
-                                              past_key_values=cache, use_cache=True).last_hidden_state
+                    hidden = lm.get_decoder()(
+                        input_ids=tokens[:, :-1], attention_mask=mask, past_key_values=cache,
+                        use_cache=True).last_hidden_state                  # [B, R - 1, D]
                     logp = _token_logprobs(lm, hidden, tokens[:, 1:])      # [B, R - 1]
                     total = total + (logp * real[:, 1:]).sum(dim=1)        # padding counts 0
                 scores[batch, j] = total.cpu()

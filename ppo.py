@@ -29,7 +29,7 @@ AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum")
 KL_KINDS = ("k1", "k2", "k3")
 
 
-# -------------------------------------------------------------------------------------- reductions
+# --------------------------------------------------------------------------------------- reductions
 
 def masked_mean(x, mask, dim=None):
     """sum(x * mask) / sum(mask), over all elements or along `dim`; an empty mask gives 0, not NaN.
@@ -89,7 +89,7 @@ def aggregate(loss, mask, mode):
     return masked_mean(per_seq, has_tokens)
 
 
-# ------------------------------------------------------------------------------- policy quantities
+# -------------------------------------------------------------------------------- policy quantities
 
 def token_logprobs(logits, tokens):
     """log pi(tokens[b, t]) under softmax(logits[b, t]) -> [B, T]. Logits and tokens must already be
@@ -145,7 +145,7 @@ def kl_estimate(logp, ref_logp, kind):
     return (torch.expm1(-delta) + delta).clamp(0.0, 10.0)
 
 
-# --------------------------------------------------------------------------------------- the actor
+# ---------------------------------------------------------------------------------------- the actor
 
 def clipped_policy_loss(logp, old_logp, adv, mask, clip_low=0.2, clip_high=0.28, agg="token-mean",
                         clip_c=3.0):
@@ -193,7 +193,7 @@ def clipped_policy_loss(logp, old_logp, adv, mask, clip_low=0.2, clip_high=0.28,
     return loss, stats
 
 
-# -------------------------------------------------------------------------------------- advantages
+# --------------------------------------------------------------------------------------- advantages
 
 def gae(rewards, values, mask, gamma=1.0, lam=1.0, whiten=True):
     """Generalised advantage estimation over the policy tokens of [B, T] transcripts
@@ -240,7 +240,7 @@ def gae(rewards, values, mask, gamma=1.0, lam=1.0, whiten=True):
     return advantages, returns
 
 
-# -------------------------------------------------------------------------------------- the critic
+# --------------------------------------------------------------------------------------- the critic
 
 def value_loss(values, old_values, returns, mask, clip=0.5):
     """Clipped value loss: 0.5 * token-mean of max((V - R)^2, (V_clip - R)^2) with
@@ -267,7 +267,8 @@ class Critic(nn.Module):
     def __init__(self, body, hidden_size):
         super().__init__()
         self.body = body
-        device = next(body.parameters(), torch.empty(0)).device  # a body without own weights (LoRA): CPU
+        # A body without weights of its own (LoRA's adapter view) puts the head on the CPU.
+        device = next(body.parameters(), torch.empty(0)).device
         self.head = nn.Linear(hidden_size, 1, device=device)
         nn.init.zeros_(self.head.weight)
         nn.init.zeros_(self.head.bias)
@@ -292,34 +293,39 @@ def critic_values(critic, input_ids, attention_mask):
     return critic(input_ids, attention_mask)
 
 
-# ------------------------------------------------------------------------------------- log-probs where needed
+# --------------------------------------------------------------------------- log-probs where needed
 
 def policy_logprobs(model, input_ids, mask, with_entropy=False, chunk_elements=2 ** 24):
-    """log pi(ids[b, t+1] | ids[b, :t+1]) -- and the entropy of pi there -- only at the positions where
-    mask[b, t] = 1 -> ([B, T-1], [B, T-1] or None), 0 elsewhere. `input_ids` [B, T] is right-padded: a causal mask
-    already hides the padding at the end from every real token, so no attention mask is passed (the fast kernel).
+    """log pi(ids[b, t+1] | ids[b, :t+1]) -- and the entropy of pi there -- only at the positions
+    where mask[b, t] = 1 -> ([B, T-1], [B, T-1] or None), 0 elsewhere. `input_ids` [B, T] is
+    right-padded: a causal mask already hides the padding at the end from every real token, so no
+    attention mask is passed (the fast kernel).
 
-    The output layer is what costs memory: full logits are [B, T, V] floats (V = 151,936 for Qwen). Here the
-    transformer body runs once, its hidden states are gathered at the masked positions ([N, D]), and the output layer
-    runs on them in chunks of chunk_elements / V positions under torch.utils.checkpoint, so the backward pass keeps
-    only the [N, D] inputs and recomputes one chunk's [n, V] logits at a time. Equal to token_logprobs and
-    entropy_from_logits on the full logits (tests check it). Works for peft models (the adapters stay active).
+    The output layer is what costs memory: full logits are [B, T, V] floats (V = 151,936 for Qwen).
+    Here the transformer body runs once, its hidden states are gathered at the masked positions
+    ([N, D]), and the output layer runs on them in chunks of chunk_elements / V positions under
+    torch.utils.checkpoint, so the backward pass keeps only the [N, D] inputs and recomputes one
+    chunk's [n, V] logits at a time. Equal to token_logprobs and entropy_from_logits on the full
+    logits (tests check it). Works for peft models (the adapters stay active).
     """
     lm = model.get_base_model() if hasattr(model, "get_base_model") else model
-    hidden = lm.get_decoder()(input_ids=input_ids).last_hidden_state[:, :-1]          # [B, T-1, D]
-    at = mask.bool()                                                                   # [B, T-1]
+    hidden = lm.get_decoder()(input_ids=input_ids).last_hidden_state[:, :-1]  # [B, T-1, D]
+    at = mask.bool()                                                           # [B, T-1]
     head = lm.get_output_embeddings()
     size = max(1, chunk_elements // head.weight.shape[0])
-    parts = [torch.utils.checkpoint.checkpoint(_head_logprobs, head, h, y, with_entropy, use_reentrant=False)
-             for h, y in zip(hidden[at].split(size), input_ids[:, 1:][at].split(size))]  # [n, D], [n] each
+    chunks = zip(hidden[at].split(size), input_ids[:, 1:][at].split(size))  # [n, D], [n] each
+    parts = [torch.utils.checkpoint.checkpoint(_head_logprobs, head, h, y, with_entropy,
+                                               use_reentrant=False) for h, y in chunks]
     out = []
     for i in range(2 if with_entropy else 1):
-        values = torch.cat([p[i] for p in parts]) if parts else hidden.new_zeros(0, dtype=torch.float32)
-        out.append(torch.zeros(at.shape, dtype=values.dtype, device=values.device).masked_scatter(at, values))
+        values = (torch.cat([p[i] for p in parts]) if parts
+                  else hidden.new_zeros(0, dtype=torch.float32))                # [N]
+        zeros = torch.zeros(at.shape, dtype=values.dtype, device=values.device)
+        out.append(zeros.masked_scatter(at, values))                           # [B, T-1]
     return out[0], out[1] if with_entropy else None
 
 
 def _head_logprobs(head, hidden, targets, with_entropy):
-    logits = head(hidden)                                                              # [n, V]
-    logp = token_logprobs(logits, targets)                                             # [n]
+    logits = head(hidden)                                                      # [n, V]
+    logp = token_logprobs(logits, targets)                                     # [n]
     return (logp, entropy_from_logits(logits)) if with_entropy else (logp,)

@@ -50,7 +50,7 @@ ANSWER_FORMAT = "<think> ... </think> <answer> ... </answer>"
 _MARK = "\u2063MARK\u2063"  # a message text no template alters: rendered text is cut after it
 
 
-# ---------------------------------------------------------------- prompts
+# ------------------------------------------------------------------------------------------ prompts
 def system_prompt(env, max_actions_per_turn=2):
     """Rules, legend, action names and the answer format; for FrozenLake it ends with 'Answer as
     <think> ... </think> <answer> ... </answer>, up to 2 actions separated by ||, e.g. <answer> Up
@@ -81,7 +81,7 @@ def user_message(obs, turn_reward, actions_left, turn):
     )
 
 
-# ---------------------------------------------------------------- chat template, token by token
+# -------------------------------------------------------------------- chat template, token by token
 def _render(tokenizer, messages, add_generation_prompt):
     return tokenizer.apply_chat_template(
         messages, tokenize=False, add_generation_prompt=add_generation_prompt
@@ -278,7 +278,7 @@ def _continued_rows(remembered, prompt_ids, keys):
     return rows
 
 
-# ---------------------------------------------------------------- the loop
+# ----------------------------------------------------------------------------------------- the loop
 @dataclass
 class Episode:
     """One rollout, filled in turn by turn. ids / policy_mask / logprobs run over the
@@ -436,7 +436,7 @@ def play(
     return episodes
 
 
-# ---------------------------------------------------------------- batches for training, validation
+# ----------------------------------------------------------------- batches for training, validation
 def collate(episodes, pad_id):
     """Right-padded tensors [B, T]: input_ids, attention_mask, policy_mask, token_rewards (the
     episode's total reward on its last sampled token, or its last token if it sampled none),

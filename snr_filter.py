@@ -50,7 +50,7 @@ def _as_float64(x, name):
     return x
 
 
-# ---------------------------------------------------------------------------------- reward spread
+# ------------------------------------------------------------------------------------ reward spread
 
 def group_scores(rewards, kind="std"):
     """Spread of each group's total rewards [G, K] -> [G] float64: the unbiased std (`kind="std"`,
@@ -77,7 +77,7 @@ def group_scores(rewards, kind="std"):
     return var.sqrt() if kind == "std" else var
 
 
-# ------------------------------------------------------------------------------ the sqrt(RV) bound
+# ------------------------------------------------------------------------------- the sqrt(RV) bound
 
 def task_gradient_bound(rewards, score_grads):
     """For one group of K samples with rewards [K] and score-function gradients grad log pi(z_k)
@@ -105,7 +105,7 @@ def task_gradient_bound(rewards, score_grads):
     return grad.norm().item(), bound.item()
 
 
-# -------------------------------------------------------------------- buckets and decomposition
+# ------------------------------------------------------------------------ buckets and decomposition
 
 def rv_buckets(scores, n_buckets=6):
     """Split groups into equal-count buckets by score, lowest first (Fig. 4's Q1..Q6) -> list of
@@ -228,7 +228,7 @@ def gradient_decomposition(model, input_ids, attention_mask, policy_mask, reward
     return results
 
 
-# ------------------------------------------------------------------------------------- the filter
+# --------------------------------------------------------------------------------------- the filter
 
 def select_groups(scores, mode, value=None, include_zero=False, prob_mode="linear"):
     """Which groups to train on -> bool mask [G].

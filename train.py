@@ -113,7 +113,7 @@ class Args:
     plot: bool = arg(True, "write PNG figures at the end")
 
 
-# ------------------------------------------------------------------------------------ the loop
+# ----------------------------------------------------------------------------------------- the loop
 
 def train(run):
     """Steps 1-7 until a.steps; `run` (runs.start) holds the models, optimisers, run folder and the
@@ -162,7 +162,7 @@ def train(run):
             break
 
 
-# ------------------------------------------------------------------------------------ the steps
+# ---------------------------------------------------------------------------------------- the steps
 
 def collect_rollouts(run, seeds, group_size, temperature, top_p):
     """Step 1: len(seeds) groups x group_size episodes, sampled in eval mode (no dropout) under the
@@ -321,7 +321,7 @@ def validate(run):
     return float(np.mean([e.success for e in episodes]))
 
 
-# ------------------------------------------------------------------------------------ batches
+# ------------------------------------------------------------------------------------------ batches
 
 def rollout_batch(run, episodes):
     """The episodes as right-padded tensors on the run's device (rollout.collate), with lengths."""

@@ -11,7 +11,7 @@ from ppo import (aggregate, clipped_policy_loss, entropy_from_logits, gae, kl_es
                  masked_whiten, token_logprobs, value_loss)
 
 
-# ------------------------------------------------------------------------------------- reductions
+# --------------------------------------------------------------------------------------- reductions
 
 def test_masked_mean_example_dim_and_empty():
     assert masked_mean(torch.tensor([1., 2., 3.]), torch.tensor([1, 1, 0])).item() == 1.5
@@ -69,7 +69,7 @@ def test_aggregate_bad_mode():
         aggregate(torch.zeros(1, 1), torch.ones(1, 1), "mean")
 
 
-# ------------------------------------------------------------------------------ policy quantities
+# -------------------------------------------------------------------------------- policy quantities
 
 def test_token_logprobs_example_and_reference():
     lp = token_logprobs(torch.tensor([[[0.0, math.log(3.0)]]]), torch.tensor([[1]]))
@@ -108,7 +108,7 @@ def test_entropy_closed_form():
         assert math.isfinite(h) and h == pytest.approx(exact, abs=1e-6)
 
 
-# ---------------------------------------------------------------------------------- KL estimators
+# ------------------------------------------------------------------------------------ KL estimators
 
 def test_kl_estimate_example():
     d = torch.tensor(math.log(2.0))
@@ -151,7 +151,7 @@ def test_kl_estimators_unbiased_under_pi(kind):
     assert abs(k.mean().item() - exact) < 4 * se, (k.mean().item(), exact, se)
 
 
-# -------------------------------------------------------------------------------------- the actor
+# ---------------------------------------------------------------------------------------- the actor
 
 def test_ratio_one_gives_minus_mean_advantage():
     z = torch.zeros(1, 3)
@@ -234,7 +234,7 @@ def test_clipped_gradient_zero_exactly_where_clipped():
     assert stats["clip_frac_lower"] == pytest.approx((capped & on).sum().item() / on.sum().item())
 
 
-# -------------------------------------------------------------------------------------------- GAE
+# ---------------------------------------------------------------------------------------------- GAE
 
 def reference_gae(rewards, values, mask, gamma, lam):
     """Plain per-sequence loop: drop the masked positions, run textbook GAE, scatter back."""
@@ -343,7 +343,7 @@ def test_gae_reward_on_masked_position_raises():
         gae(torch.tensor([[1.0, 0.0]]), torch.zeros(1, 2), torch.tensor([[0, 1]]))
 
 
-# ------------------------------------------------------------------------------------- the critic
+# --------------------------------------------------------------------------------------- the critic
 
 def test_value_loss_example_and_unclipped_case():
     one = torch.ones(1, 1)
@@ -385,7 +385,7 @@ def test_critic_separate_causal_and_trainable():
     torch.testing.assert_close(padded[:, :6], v, atol=1e-5, rtol=1e-5)   # right padding: same
 
 
-# --------------------------------------------------------------- exact policy gradient on a bandit
+# ---------------------------------------------------------------- exact policy gradient on a bandit
 
 def test_softmax_bandit_gradient_exact_enumeration():
     """E_a[-grad loss_a] with A = R_a - E[R] equals sum_a pi_a (R_a - Rbar)(e_a - pi), which is

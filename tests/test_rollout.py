@@ -87,7 +87,7 @@ def chat_ids(tokenizer, episode, system):
     return tokenizer.encode(text[:-1], add_special_tokens=False)
 
 
-# ---------------------------------------------------------------- prompts
+# ------------------------------------------------------------------------------------------ prompts
 def test_prompts_carry_state_reward_budget_and_format():
     env = envs.make_env("frozenlake", **LAKE)
     text = rollout.system_prompt(env, max_actions_per_turn=2)
@@ -241,7 +241,7 @@ def test_collate_right_pads(tokenizer):
         rollout.collate([], 0)
 
 
-# ---------------------------------------------------------------- a real Hugging Face model
+# ------------------------------------------------------------------------ a real Hugging Face model
 def forward_logprobs(model, batch, temperature):
     """log softmax(logits / T) of every token given its prefix, from one forward pass over right-padded ids."""
     with torch.no_grad():

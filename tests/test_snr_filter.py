@@ -17,7 +17,7 @@ from snr_filter import (filter_stats, gradient_decomposition, group_scores, rv_b
 finite = st.floats(-100, 100, allow_nan=False, allow_infinity=False)
 
 
-# ----------------------------------------------------------------------------------- group_scores
+# ------------------------------------------------------------------------------------- group_scores
 
 def test_group_scores_closed_form():
     r = [[0.0, 1.0], [1.0, 1.0], [1.0, 2.0]]
@@ -50,7 +50,7 @@ def test_group_scores_bad_input(args):
         group_scores(*args)
 
 
-# ---------------------------------------------------------------------------------- select_groups
+# ------------------------------------------------------------------------------------ select_groups
 
 def test_paper_worked_example_fig5():
     scores = [9.0, 1.0, 5.0]                                               # A, B, C
@@ -225,7 +225,7 @@ def test_select_groups_numpy_equals_torch():
                            select_groups(as_torch, mode, 0.6, prob_mode=prob_mode))
 
 
-# ----------------------------------------------------------------------------------- filter_stats
+# ------------------------------------------------------------------------------------- filter_stats
 
 def test_filter_stats():
     st_ = filter_stats([9.0, 1.0, 5.0, 0.0], [True, False, True, False])
@@ -239,7 +239,7 @@ def test_filter_stats():
         filter_stats([1.0, 2.0], [True])
 
 
-# ------------------------------------------------------------------------------------- rv_buckets
+# --------------------------------------------------------------------------------------- rv_buckets
 
 def test_rv_buckets_closed_form():
     buckets = rv_buckets([3.0, 0.0, 2.0, 0.0, 1.0], n_buckets=3)           # sizes 1, 1, 1 + 2
@@ -266,7 +266,7 @@ def test_rv_buckets_bad_n():
         rv_buckets([1.0, 2.0], 0)
 
 
-# ---------------------------------------------------------------------------- task_gradient_bound
+# ------------------------------------------------------------------------------ task_gradient_bound
 
 @settings(max_examples=200, deadline=None)
 @given(st.integers(1, 8), st.integers(1, 5), st.data())
@@ -302,7 +302,7 @@ def test_bound_bad_shapes():
         task_gradient_bound([1.0, 2.0], [[1.0], [2.0], [3.0]])
 
 
-# ------------------------------------------------------------------ softmax bandit: exact values
+# --------------------------------------------------------------------- softmax bandit: exact values
 
 @pytest.mark.parametrize("counts", [(2, 1, 1), (3, 3, 1, 1), (1, 4, 2, 1)])
 def test_softmax_bandit_closed_form(counts):
@@ -336,7 +336,7 @@ def test_softmax_bandit_closed_form(counts):
     assert results[2][0] < results[2][1]                                   # strict: not all tight
 
 
-# ------------------------------------------------------------------------- gradient_decomposition
+# --------------------------------------------------------------------------- gradient_decomposition
 
 G, K, T, PROMPT = 6, 4, 12, 5
 

@@ -42,7 +42,7 @@ def readme_reading_map():
     return "\n".join(picked) or None
 
 
-# ------------------------------------------------------------------------------- references exist
+# --------------------------------------------------------------------------------- references exist
 
 def top_level_names(path):
     """Names a module defines at top level (functions, classes, assignments) and the methods of
@@ -114,7 +114,7 @@ def test_reference_checker_catches_a_missing_name():
     assert missing_references(missing) == [missing]
 
 
-# ----------------------------------------------------------------------------------------- layout
+# ------------------------------------------------------------------------------------------- layout
 
 SPINNING_UP = ["Background", "Key equations", "Pseudocode", "Implementation details"]
 
@@ -134,7 +134,7 @@ def test_theory_sections_follow_the_spinning_up_order_and_fit_100_columns():
     assert not re.search(r"(tests/test_\w+\.py::|\w+\.py:)\s*$", text, flags=re.MULTILINE)
 
 
-# -------------------------------------------------------------------------------- worked examples
+# ---------------------------------------------------------------------------------- worked examples
 
 def worked_examples(text):
     """{key: printed value} from the fenced blocks whose first line starts with
