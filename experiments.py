@@ -5,7 +5,8 @@ and figures.
 A new top-level file because it is a concept of its own: each grid below is one claim of RAGEN-2,
 with its exact train.py flags, fixed before its runs. Run folders go to
 runs/experiments/<grid>/<setting>-s<seed> (not committed); a finished run is never run again, an
-interrupted one is resumed (train.py --resume).
+interrupted one is resumed (train.py --resume). Every grid runs the tiny policy, on a GPU machine
+too: its settings (the entropy bonus of the collapse grid) were chosen for it.
 
     python experiments.py list                  # the grids, their claims and sizes
     python experiments.py run filters --jobs 2  # run what is missing (1 thread each), summarise
@@ -32,7 +33,7 @@ RUNS = os.path.join("runs", "experiments")
 RESULTS = "results"
 MAX_SKIPS = 5  # train.MAX_SKIPS (not imported: experiments.py stays light)
 WINDOW = 10  # per-step metrics in a table are the mean of the WINDOW steps ending at the table step
-COMMON = ["--mi-every", "5", "--val-every", "10", "--threads", "1", "--no-plot"]
+COMMON = ["--model", "tiny", "--mi-every", "5", "--val-every", "10", "--threads", "1", "--no-plot"]
 FILTERS = {"none": ["--filter", "none"], "topp": ["--filter", "topp"], "topk": ["--filter", "topk"]}
 
 # ---------------------------------------------------------------------------------------- the grids
