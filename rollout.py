@@ -143,6 +143,22 @@ class Generation:
     cut: bool = False
 
 
+def as_generations(tokens, logprobs, stop_ids):
+    """Sampled rows [B][N] and their log-probs as Generations, each ending after its first
+    end-of-turn token; a row without one was cut by the token limit. Rows sampled together run to
+    the same length, so what follows a row's stop is dropped here.
+
+    >>> out = as_generations([[5, 9, 0], [5, 6, 7]], [[-1.0, -2.0, 0.0], [-1.0, -1.0, -1.0]], [9])
+    >>> [(g.token_ids, g.logprobs, g.cut) for g in out]
+    [([5, 9], [-1.0, -2.0], False), ([5, 6, 7], [-1.0, -1.0, -1.0], True)]
+    """
+    out = []
+    for row, lp in zip(tokens, logprobs):
+        end = next((i + 1 for i, t in enumerate(row) if t in stop_ids), None)
+        out.append(Generation(row[:end], lp[:end], cut=end is None))
+    return out
+
+
 def nucleus(probs, top_p):
     """Top-p filtering: zero every token whose likelier tokens already hold top_p of the mass -> [B,
     V] (unnormalised; torch.multinomial does not need the sum to be 1). The most likely token always
@@ -255,11 +271,7 @@ def hf_policy(model, tokenizer, max_new_tokens, temperature=1.0, top_p=1.0):
         last.update(cache=cache, attention=attention, position=position, rows={
             key: (b, p + [t for t, f in zip(row, on) if f])
             for b, (key, p, row, on) in enumerate(zip(keys, prompt_ids, tokens, fed))})
-        generations = []
-        for row, lp in zip(tokens, logprobs):
-            end = next((i + 1 for i, t in enumerate(row) if t in stop_ids), None)
-            generations.append(Generation(row[:end], lp[:end], cut=end is None))
-        return generations
+        return as_generations(tokens, logprobs, stop_ids)
 
     return policy
 

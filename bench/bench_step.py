@@ -72,11 +72,7 @@ def plain_policy(model, tokenizer, max_new_tokens, temperature=1.0, top_p=1.0):
             )
         new = out[:, width:]
         logprobs = torch.stack(tables, 1)[:, : new.shape[1]].gather(-1, new[..., None])[..., 0]
-        generations = []
-        for row, lp in zip(new.tolist(), logprobs.tolist()):
-            end = next((i + 1 for i, t in enumerate(row) if t in stop_ids), None)
-            generations.append(rollout.Generation(row[:end], lp[:end], cut=end is None))
-        return generations
+        return rollout.as_generations(new.tolist(), logprobs.tolist(), stop_ids)
 
     return policy
 

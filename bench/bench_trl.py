@@ -162,11 +162,7 @@ def shared_policy(model, tokenizer, max_new_tokens, K):
                              top_k=0, eos_token_id=stop_ids, pad_token_id=pad, logits_processor=[record])
         new = out[:, ids.shape[1]:]  # [G*K, N]
         logprobs = torch.stack(tables, 1)[:, :new.shape[1]].gather(-1, new[..., None])[..., 0]
-        generations = []
-        for row, lp in zip(new.tolist(), logprobs.tolist()):
-            end = next((i + 1 for i, t in enumerate(row) if t in stop_ids), None)
-            generations.append(rollout.Generation(row[:end], lp[:end], cut=end is None))
-        return generations
+        return rollout.as_generations(new.tolist(), logprobs.tolist(), stop_ids)
 
     return policy
 
