@@ -38,17 +38,18 @@ def finite(record):
     return all(math.isfinite(v) for v in record.values() if isinstance(v, float))
 
 
-def scripted(tokenizer, group_size):
-    """A stand-in for the sampled policy with known reward spread: in group 0 every rollout writes
-    garbage (all earn the same format penalties: zero spread); in the other groups the even rollouts
-    play the solver's moves and the odd ones write garbage. Roles are fixed at the first call, where
-    play passes the episodes group by group."""
+def scripted(tokenizer, group_size, solves=lambda i, group: group > 0 and i % 2 == 0):
+    """A stand-in for the sampled policy with known reward spread: rollout i of group `group` plays
+    the solver's moves when solves(i, group), else writes garbage (every garbage reply earns the
+    same format penalties). By default group 0 writes garbage (zero spread) and in the other groups
+    the even rollouts solve and the odd ones do not. Roles are fixed at the first call, where play
+    passes the episodes group by group."""
     end = rollout.end_of_turn_ids(tokenizer)[0]
     good = {}
 
     def policy(prompt_ids, env_list):
         if not good:
-            good.update({id(env): i // group_size > 0 and i % 2 == 0 for i, env in enumerate(env_list)})
+            good.update({id(env): solves(i, i // group_size) for i, env in enumerate(env_list)})
         out = []
         for env in env_list:
             plan = envs.solve(env) or [env.actions[0]]
@@ -220,8 +221,9 @@ def test_update_on_kept_groups_equals_an_update_on_a_batch_without_the_dropped_o
         for seeds in ([3, 0, 5], [3, 5]):
             run = make_run(tmp_path, env="frozenlake", algo=algo, group_size=4, micro_batch=3, mini_batch_size=5,
                            lr=1e-3, critic_lr=1e-3)
-            episodes = rollout.play(_spread_except(run.tokenizer, seeds, 4, bad_seed=0), run.tokenizer,
-                                    "frozenlake", seeds, 4, max_turns=2, **run.prompt)
+            # the group of seed 0 all solve (zero spread); in the others the even rollouts do
+            policy = scripted(run.tokenizer, 4, solves=lambda i, group: seeds[group] == 0 or i % 2 == 0)
+            episodes = rollout.play(policy, run.tokenizer, "frozenlake", seeds, 4, max_turns=2, **run.prompt)
             rewards = torch.tensor([e.total_reward for e in episodes]).view(len(seeds), 4)
             keep, _ = train.select(run.args, rewards)
             assert keep.tolist() == [s != 0 for s in seeds]
@@ -234,24 +236,6 @@ def test_update_on_kept_groups_equals_an_update_on_a_batch_without_the_dropped_o
         assert all(torch.allclose(w1[k], w2[k], atol=1e-6) for k in w1)
         initial = tiny.build_model(tiny.build_tokenizer()).state_dict()
         assert any(not torch.equal(w1[k], initial[k]) for k in w1)  # it learned
-
-
-def _spread_except(tokenizer, seeds, group_size, bad_seed):
-    """Every rollout of the group of `bad_seed` plays the solver (all equal: zero spread); in the
-    other groups the even rollouts do and the odd ones write garbage."""
-    end = rollout.end_of_turn_ids(tokenizer)[0]
-    good = {}
-
-    def policy(prompt_ids, env_list):
-        if not good:
-            good.update({id(env): seeds[i // group_size] == bad_seed or i % 2 == 0 for i, env in enumerate(env_list)})
-        out = []
-        for env in env_list:
-            plan = envs.solve(env) or ["Up"]
-            text = f" go </think> <answer> {' || '.join(plan[:2])} </answer>" if good[id(env)] else " ?? </think>"
-            out.append(rollout.Generation(tokenizer.encode(text, add_special_tokens=False) + [end]))
-        return out
-    return policy
 
 
 def test_the_diagnosis_counts_identical_prompts_as_one_target(tmp_path):
