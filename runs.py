@@ -257,10 +257,10 @@ def start(a):
     lock = None
     try:
         lock = lock_folder(a.out)
-        if a.resume and finished(a):
+        ckpt = recover_checkpoint(a.out) if a.resume else None
+        if a.resume and finished(a, ckpt):
             lock.close()
             return None
-        ckpt = recover_checkpoint(a.out) if a.resume else None
         run = load_run(a, device, ckpt or a.model)
         run.lock = lock
         seed_everything(a.seed)  # after the models: whether a warm start was built or loaded
@@ -356,9 +356,9 @@ def lock_folder(out):
     return handle
 
 
-def finished(a):
-    """A resumed run that already did its steps: say so and leave it as it is."""
-    ckpt = recover_checkpoint(a.out)
+def finished(a, ckpt):
+    """A resumed run (its newest checkpoint `ckpt`, or None) that already did its steps: say so and
+    leave it as it is."""
     done = checkpoint_step(ckpt) if ckpt else 0
     if a.steps < done:
         raise UsageError(f"--steps {a.steps} is below the {done} steps this run has done")
