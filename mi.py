@@ -30,6 +30,8 @@ import math
 import numpy as np
 import torch
 
+import ppo
+
 # --------------------------------------------------------------------------------------------------
 # Closed form: discrete distributions, natural log (nats), 0 log 0 = 0
 
@@ -292,19 +294,6 @@ def _encode(tokenizer, texts, what):
     return [list(ids) for ids in tokenizer(list(texts), add_special_tokens=False)["input_ids"]]
 
 
-def _token_logprobs(lm, hidden, targets, chunk_elements=2 ** 24):
-    """log softmax(output layer(hidden))[target], the output layer applied to a few positions at a
-    time, so no [B, T, V] logits exist (V = 151,936 for Qwen): [B, T, D], [B, T] -> [B, T] float32.
-    """
-    head = lm.get_output_embeddings()
-    size = max(1, chunk_elements // head.weight.shape[0])
-    flat, out = hidden.reshape(-1, hidden.shape[-1]), []                       # [B*T, D]
-    for h, y in zip(flat.split(size), targets.reshape(-1).split(size)):
-        logits = head(h).float()                                                # [n, V]
-        out.append(logits.gather(-1, y[:, None])[:, 0] - torch.logsumexp(logits, dim=-1))
-    return torch.cat(out).view(targets.shape)
-
-
 @torch.inference_mode()
 def cross_scores(model, tokenizer, prompts, reasonings, batch_size=8):
     """Score every reasoning under every prompt: returns (scores_sum [M, N] float32, lengths [M]
@@ -319,7 +308,7 @@ def cross_scores(model, tokenizer, prompts, reasonings, batch_size=8):
     Cost: each prompt is encoded once; its key/value cache is then repeated over a batch of at most
     `batch_size` reasonings (right-padded, attention-masked), so the work grows with
     N x (reasoning tokens) instead of N x (prompt + reasoning tokens). The output layer runs on a
-    few positions at a time (_token_logprobs), so peak memory is the batch's hidden states, not
+    few positions at a time (ppo.head_logprobs), so peak memory is the batch's hidden states, not
     [batch_size, longest reasoning, vocab] logits. Grouping by prompt means prompts of different
     lengths never share a batch and need no padding.
     """
@@ -369,7 +358,9 @@ def cross_scores(model, tokenizer, prompts, reasonings, batch_size=8):
                     hidden = lm.get_decoder()(
                         input_ids=tokens[:, :-1], attention_mask=mask, past_key_values=cache,
                         use_cache=True).last_hidden_state                  # [B, R - 1, D]
-                    logp = _token_logprobs(lm, hidden, tokens[:, 1:])      # [B, R - 1]
+                    targets = tokens[:, 1:]                                # [B, R - 1]
+                    logp = ppo.head_logprobs(lm, hidden.reshape(-1, hidden.shape[-1]),
+                                             targets.reshape(-1))[0].view(targets.shape)
                     total = total + (logp * real[:, 1:]).sum(dim=1)        # padding counts 0
                 scores[batch, j] = total.cpu()
     finally:

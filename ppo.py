@@ -303,25 +303,33 @@ def policy_logprobs(model, input_ids, mask, with_entropy=False, chunk_elements=2
 
     The output layer is what costs memory: full logits are [B, T, V] floats (V = 151,936 for Qwen).
     Here the transformer body runs once, its hidden states are gathered at the masked positions
-    ([N, D]), and the output layer runs on them in chunks of chunk_elements / V positions under
-    torch.utils.checkpoint, so the backward pass keeps only the [N, D] inputs and recomputes one
-    chunk's [n, V] logits at a time. Equal to token_logprobs and entropy_from_logits on the full
-    logits (tests check it). Works for peft models (the adapters stay active).
+    ([N, D]), and the output layer runs on them a chunk at a time (head_logprobs), so the backward
+    pass keeps only the [N, D] inputs and recomputes one chunk's [n, V] logits at a time. Equal to
+    token_logprobs and entropy_from_logits on the full logits (tests check it). Works for peft
+    models (the adapters stay active).
     """
     lm = model.get_base_model() if hasattr(model, "get_base_model") else model
     hidden = lm.get_decoder()(input_ids=input_ids).last_hidden_state[:, :-1]  # [B, T-1, D]
     at = mask.bool()                                                           # [B, T-1]
+    logp, entropy = head_logprobs(lm, hidden[at], input_ids[:, 1:][at], with_entropy,
+                                  chunk_elements)                              # [N] each
+    zeros = torch.zeros(at.shape, dtype=logp.dtype, device=logp.device)        # [B, T-1]
+    return zeros.masked_scatter(at, logp), (zeros.masked_scatter(at, entropy) if with_entropy
+                                            else None)
+
+
+def head_logprobs(lm, hidden, targets, with_entropy=False, chunk_elements=2 ** 24):
+    """log pi(targets) -- and the entropy of pi -- from hidden states [N, D] and targets [N] ->
+    ([N], [N] or None) float32: `lm`'s output layer runs on chunk_elements / V positions at a time
+    under torch.utils.checkpoint, so neither the forward nor the backward pass holds more than one
+    chunk's [n, V] logits. mi.cross_scores uses it too (without gradients)."""
     head = lm.get_output_embeddings()
     size = max(1, chunk_elements // head.weight.shape[0])
-    chunks = zip(hidden[at].split(size), input_ids[:, 1:][at].split(size))  # [n, D], [n] each
     parts = [torch.utils.checkpoint.checkpoint(_head_logprobs, head, h, y, with_entropy,
-                                               use_reentrant=False) for h, y in chunks]
-    out = []
-    for i in range(2 if with_entropy else 1):
-        values = (torch.cat([p[i] for p in parts]) if parts
-                  else hidden.new_zeros(0, dtype=torch.float32))                # [N]
-        zeros = torch.zeros(at.shape, dtype=values.dtype, device=values.device)
-        out.append(zeros.masked_scatter(at, values))                           # [B, T-1]
+                                               use_reentrant=False)
+             for h, y in zip(hidden.split(size), targets.split(size))]  # [n, D], [n] each
+    out = [torch.cat([p[i] for p in parts]) if parts else hidden.new_zeros(0, dtype=torch.float32)
+           for i in range(2 if with_entropy else 1)]                           # [N] each
     return out[0], out[1] if with_entropy else None
 
 
