@@ -262,6 +262,11 @@ def update_policy(run, episodes, rewards, shuffle):
     logs = {k: [] for k in ("pg_loss", "entropy_loss", "clip_frac", "clip_frac_lower", "approx_kl",
                             "grad_norm") + ("kl_loss",) * (b_ref is not None)
             + ("value_loss",) * (run.critic is not None)}
+    # Hugging Face layers recompute activations (--grad-checkpointing) only in training mode; the
+    # models here have no dropout, so nothing else changes
+    run.policy.train()
+    if run.critic is not None:
+        run.critic.train()
     for _ in range(a.epochs):
         order = torch.randperm(B, generator=shuffle)
         for mb_rows in order.split(a.mini_batch_size):

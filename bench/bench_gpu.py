@@ -10,7 +10,7 @@ practically never writes the end-of-turn token (one id in 151,936), so every tur
 limit and every answer earns the format penalty: 5 full turns, the longest transcripts a real run
 can reach. Each row is one train.py step (8 groups x 16 rollouts, the MI diagnosis at step 1, no
 validation) through train.py's own code, in a fresh process; micro-batch and gradient checkpointing
-are what train.py chooses for the budget (runs.memory_plan) unless given. With --budget-gb the
+are what train.py chooses for the budget (models.memory_plan) unless given. With --budget-gb the
 process may allocate only that much (torch.cuda.set_per_process_memory_fraction): a row that fits
 has really fit in that budget.
 
@@ -131,7 +131,7 @@ def one_row(args):
         n_all = sum(p.numel() for p in model.parameters())
         # adapters: about 1% at rank 16 on all linear layers
         n_train = n_all if not args.lora else n_all // 100
-        a.micro_batch, a.grad_checkpointing, a.rollout_batch, _ = runs.memory_plan(
+        a.micro_batch, a.grad_checkpointing, a.rollout_batch, _ = models.memory_plan(
             a, model.config, n_all, n_train, args.budget_gb * 2**30
         )
     models.load_policy = lambda *args: (model, tokenizer, {})

@@ -202,6 +202,27 @@ def test_the_update_equals_a_plain_full_batch_step(tmp_path, algo):
             torch.testing.assert_close(p, q, atol=2e-5, rtol=1e-4)
 
 
+@pytest.mark.parametrize("algo", ["ppo", "grpo"])
+def test_grad_checkpointing_really_recomputes_in_the_update(tmp_path, algo):
+    """--grad-checkpointing saves memory only if the layers recompute in backward, which Hugging Face
+    does only in training mode: the rollouts leave the policy in eval mode (and a critic copied from
+    a loaded policy starts so), so the update must switch both back. Recomputation shows as extra
+    calls of each model's attention."""
+    calls = {}
+    for ckpt in (False, True):
+        run = make_run(tmp_path, env="sokoban", algo=algo, grad_checkpointing=ckpt)
+        episodes = play_scripted(run, [3, 5], group_size=4)
+        rewards = torch.tensor([e.total_reward for e in episodes]).view(2, 4)
+        bodies = [run.policy.get_decoder()] + ([run.critic.body] if run.critic is not None else [])
+        calls[ckpt] = [0] * len(bodies)
+        for i, body in enumerate(bodies):
+            body.eval()
+            body.layers[0].self_attn.register_forward_hook(
+                lambda *_, i=i, c=calls[ckpt]: c.__setitem__(i, c[i] + 1))
+        train.update_policy(run, episodes, rewards, torch.Generator().manual_seed(0))
+    assert all(with_ > without > 0 for with_, without in zip(calls[True], calls[False]))
+
+
 def test_later_mini_batches_compare_against_the_policy_before_the_update(tmp_path):
     """The ratio's old log-probs are the sampling policy's: after the first mini-batch's optimiser
     step, the second mini-batch sees ratios away from 1 (approx_kl > 0), while the first sees
