@@ -92,7 +92,7 @@ class Args:
     lora: int = arg(0, "LoRA rank: train adapters instead of all weights (0 = off)")
     lora_alpha: float = arg(None, "LoRA alpha (2 x rank)")
     lora_targets: str = arg("all-linear", "LoRA targets: all-linear or comma-separated names")
-    micro_batch: int = arg(None, "trajectories per forward/backward (CPU: all; GPU: by memory)")
+    micro_batch: int = arg(None, "trajectories per forward/backward (CPU: 8; GPU: by memory)")
     rollout_batch: int = arg(None, "episodes sampled at once (all; GPU: by memory)")
     grad_checkpointing: bool = arg(None, "recompute activations in backward (GPU: by memory)")
     threads: int = arg(None, "CPU threads for torch (tiny: 2, else all cores)")

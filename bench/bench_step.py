@@ -12,8 +12,8 @@ only:
            them.
 This code: rollout.hf_policy (an explicit sampling loop that keeps each episode's key/value cache
 between turns) and train.update_policy (length-sorted micro-batches of their own width, causal
-attention without a mask, the output layer only at policy tokens, 8 transcripts a
-micro-batch on a CPU). Both update the same kept episodes from the same weights; both rollouts start from the same
+attention without a mask, the output layer only at policy tokens, 8 transcripts a micro-batch on
+a CPU). Both update the same kept episodes from the same weights; both rollouts start from the same
 random state, so they sample the same tokens (checked and printed). Scoring (MI diagnosis + filter)
 is the same code on both sides. Sides take turns; medians over --repeats.
 
