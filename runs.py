@@ -312,8 +312,8 @@ def resolve_defaults(a, device):
     if a.threads:
         torch.set_num_threads(a.threads)
     if a.micro_batch is None and device.type == "cpu":
-        # memory is not the limit, but padding is: 8 length-sorted transcripts a pass wastes less
-        # on padding than a whole mini-batch (bench/bench_step.py: the update ~30% faster)
+        # memory is not the limit, padding is: 8 length-sorted transcripts a pass pad less than a
+        # whole mini-batch
         a.micro_batch = min(8, a.mini_batch_size)
     stamp = time.strftime("%Y%m%d-%H%M%S")
     if a.steps == 0 and a.out is None:  # evaluating a model

@@ -214,12 +214,12 @@ def test_grad_checkpointing_really_recomputes_in_the_update(tmp_path, algo):
         episodes = play_scripted(run, [3, 5], group_size=4)
         rewards = torch.tensor([e.total_reward for e in episodes]).view(2, 4)
         bodies = [run.policy.get_decoder()] + ([run.critic.body] if run.critic is not None else [])
-        calls[ckpt] = [0] * len(bodies)
-        for i, body in enumerate(bodies):
+        attentions, seen = [body.layers[0].self_attn for body in bodies], []
+        for body, attention in zip(bodies, attentions):
             body.eval()
-            body.layers[0].self_attn.register_forward_hook(
-                lambda *_, i=i, c=calls[ckpt]: c.__setitem__(i, c[i] + 1))
+            attention.register_forward_hook(lambda module, *_: seen.append(module))
         train.update_policy(run, episodes, rewards, torch.Generator().manual_seed(0))
+        calls[ckpt] = [seen.count(attention) for attention in attentions]
     assert all(with_ > without > 0 for with_, without in zip(calls[True], calls[False]))
 
 
