@@ -41,7 +41,8 @@ renormalised nucleus is not what is recorded: training compares against the temp
 from dataclasses import dataclass, field
 
 import torch
-from transformers import DynamicCache
+from transformers import Cache
+from transformers.cache_utils import DynamicLayer
 
 import envs
 
@@ -172,6 +173,35 @@ def nucleus(probs, top_p):
     return torch.zeros_like(probs).scatter(-1, order, ranked.masked_fill(drop, 0.0))
 
 
+class GrowingLayer(DynamicLayer):
+    """One layer's key/value cache that writes new tokens into spare room: Hugging Face's
+    DynamicLayer concatenates, which copies the whole cache at every sampled token (about an eighth
+    of a CPU rollout of the tiny policy; bench/bench_step.py). The room grows by SPARE tokens when
+    full, and attention reads a view of its filled part: the same numbers, no copy."""
+
+    SPARE = 256  # tokens; on a GPU at most this many tokens' keys and values a row are unused
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        n = self.get_seq_length()
+        end = n + key_states.shape[-2]
+        if n == 0 or end > self.room[0].shape[-2]:  # (re)allocate and copy the filled part once
+            room = [x.new_empty(*x.shape[:2], end + self.SPARE, x.shape[-1])
+                    for x in (key_states, value_states)]                       # [B, H, W, D]
+            if n:
+                room[0][:, :, :n], room[1][:, :, :n] = self.keys, self.values
+            self.room, self.is_initialized = room, True
+            self.dtype, self.device = key_states.dtype, key_states.device
+        self.room[0][:, :, n:end], self.room[1][:, :, n:end] = key_states, value_states
+        self.keys, self.values = self.room[0][:, :, :end], self.room[1][:, :, :end]
+        return self.keys, self.values
+
+    def batch_select_indices(self, indices):
+        n = self.get_seq_length()
+        if n:
+            self.room = [x[indices] for x in self.room]
+            self.keys, self.values = self.room[0][:, :, :n], self.room[1][:, :, :n]
+
+
 def hf_policy(model, tokenizer, max_new_tokens, temperature=1.0, top_p=1.0):
     """A Hugging Face causal LM as a policy(prompt_ids, envs) -> list[Generation]: one batched call
     for all prompts, left-padded, each stopping at an end-of-turn token or after max_new_tokens;
@@ -200,7 +230,8 @@ def hf_policy(model, tokenizer, max_new_tokens, temperature=1.0, top_p=1.0):
         keys = [id(env) for env in env_list] if env_list is not None else list(range(B))
         rows = _continued_rows(last["rows"], prompt_ids, keys)
         if rows is None:  # start afresh: an empty cache
-            cache, attention = DynamicCache(), torch.zeros(B, 0, dtype=torch.long, device=device)
+            cache = Cache(layer_class_to_replicate=GrowingLayer)
+            attention = torch.zeros(B, 0, dtype=torch.long, device=device)
             position, known = torch.zeros(B, dtype=torch.long, device=device), [0] * B
         else:  # keep the rows of the prompts that continue, in the new order
             index = torch.tensor(rows, device=device)

@@ -278,6 +278,23 @@ def test_sampling_logprobs_equal_a_forward_pass(tokenizer, device, temperature, 
         assert all(tokenizer.eos_token_id in (ids[i - 1], ids[i]) for i in run_ends)
 
 
+def test_growing_cache_holds_what_concatenation_holds():
+    """GrowingLayer against Hugging Face's DynamicLayer: the same keys and values after a prefill,
+    single tokens, a regrowth past its spare room and a batch selection (a row dropped, two
+    reordered)."""
+    from transformers.cache_utils import DynamicLayer
+    grow, plain, spare = rollout.GrowingLayer(), DynamicLayer(), rollout.GrowingLayer.SPARE
+    g = torch.Generator().manual_seed(0)
+    for width, rows in [(7, 3), (1, 3), (spare + 3, 3), (1, 2), (5, 2)]:
+        if grow.get_seq_length() and rows < grow.keys.shape[0]:
+            for layer in (grow, plain):
+                layer.batch_select_indices(torch.tensor([2, 0]))
+        k, v = torch.randn(2, rows, 4, width, 8, generator=g)                 # [B, H, W, D] each
+        for ours, theirs in zip(grow.update(k, v), plain.update(k, v)):
+            assert torch.equal(ours, theirs)
+    assert grow.get_seq_length() == 7 + 1 + spare + 3 + 1 + 5
+
+
 def test_greedy_picks_the_argmax(tokenizer):
     model = make_model(tokenizer)
     policy = rollout.hf_policy(model, tokenizer, max_new_tokens=10, temperature=0)
