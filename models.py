@@ -18,6 +18,7 @@ import socket
 import torch
 
 import ppo
+import rollout
 
 
 class ModelError(ValueError):
@@ -312,9 +313,11 @@ def memory_plan(a, cfg, n_all, n_train, total, budget=0.85):
             micro, ckpt = micro or max(1, min(fit, a.mini_batch_size)), option
             break
     kv_heads, head_dim = cfg.num_key_value_heads, cfg.hidden_size // cfg.num_attention_heads
-    kv_per_seq = longest * cfg.num_hidden_layers * 2 * kv_heads * head_dim * 2 + 4 * cfg.vocab_size
+    # the sampler's cache keeps up to GrowingLayer.SPARE tokens of room a row
+    kv_per_seq = ((longest + rollout.GrowingLayer.SPARE) * cfg.num_hidden_layers * 2 * kv_heads
+                  * head_dim * 2 + 4 * cfg.vocab_size)
     episodes = a.groups * a.group_size
     # autocast's bf16 weight copies: 2 n_all
     fit = min(episodes, int((free - 2 * n_all) // kv_per_seq))
-    rollout = a.rollout_batch or max(a.group_size, fit // a.group_size * a.group_size)
-    return micro, ckpt, rollout, longest
+    at_once = a.rollout_batch or max(a.group_size, fit // a.group_size * a.group_size)
+    return micro, ckpt, at_once, longest
