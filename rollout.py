@@ -175,9 +175,9 @@ def nucleus(probs, top_p):
 
 class GrowingLayer(DynamicLayer):
     """One layer's key/value cache that writes new tokens into spare room: Hugging Face's
-    DynamicLayer concatenates, which copies the whole cache at every sampled token (about an eighth
-    of a CPU rollout of the tiny policy; bench/bench_step.py). The room grows by SPARE tokens when
-    full, and attention reads a view of its filled part: the same numbers, no copy."""
+    DynamicLayer concatenates, which copies the whole cache at every sampled token (on a CPU a
+    large share of the tiny policy's rollout time). The room grows by SPARE tokens when full, and
+    attention reads a view of its filled part: the same numbers, no copy."""
 
     SPARE = 256  # tokens; on a GPU at most this many tokens' keys and values a row are unused
 

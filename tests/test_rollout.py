@@ -7,6 +7,7 @@ import pytest
 import torch
 from tokenizers import Tokenizer, decoders, models
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast
+from transformers.cache_utils import DynamicLayer
 
 import envs
 import rollout
@@ -282,7 +283,6 @@ def test_growing_cache_holds_what_concatenation_holds():
     """GrowingLayer against Hugging Face's DynamicLayer: the same keys and values after a prefill,
     single tokens, a regrowth past its spare room and a batch selection (a row dropped, two
     reordered)."""
-    from transformers.cache_utils import DynamicLayer
     grow, plain, spare = rollout.GrowingLayer(), DynamicLayer(), rollout.GrowingLayer.SPARE
     g = torch.Generator().manual_seed(0)
     for width, rows in [(7, 3), (1, 3), (spare + 3, 3), (1, 2), (5, 2)]:
