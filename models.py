@@ -18,7 +18,7 @@ import socket
 import torch
 
 import ppo
-import rollout
+import sampler
 
 
 class ModelError(ValueError):
@@ -314,7 +314,7 @@ def memory_plan(a, cfg, n_all, n_train, total, budget=0.85):
             break
     kv_heads, head_dim = cfg.num_key_value_heads, cfg.hidden_size // cfg.num_attention_heads
     # the sampler's cache keeps up to GrowingLayer.SPARE tokens of room a row
-    kv_per_seq = ((longest + rollout.GrowingLayer.SPARE) * cfg.num_hidden_layers * 2 * kv_heads
+    kv_per_seq = ((longest + sampler.GrowingLayer.SPARE) * cfg.num_hidden_layers * 2 * kv_heads
                   * head_dim * 2 + 4 * cfg.vocab_size)
     episodes = a.groups * a.group_size
     # autocast's bf16 weight copies: 2 n_all

@@ -31,6 +31,7 @@ import models
 import ppo
 import rollout
 import runs
+import sampler
 import snr_filter
 
 VAL_SEED_BASE = 10_000_000  # validation seeds are 10_000_000 + i; training seeds are drawn below it
@@ -173,7 +174,7 @@ def collect_rollouts(run, seeds, group_size, temperature, top_p):
     per_call = max(1, (a.rollout_batch or len(seeds) * group_size) // group_size)  # whole groups
     episodes = []
     for first in range(0, len(seeds), per_call):
-        policy = rollout.hf_policy(run.policy, run.tokenizer, a.max_new_tokens, temperature, top_p)
+        policy = sampler.hf_policy(run.policy, run.tokenizer, a.max_new_tokens, temperature, top_p)
         with run.ctx:
             played = rollout.play(policy, run.tokenizer, a.env, seeds[first:first + per_call],
                                   group_size, runs.env_kwargs(a), a.max_turns,

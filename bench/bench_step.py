@@ -10,7 +10,7 @@ only:
   update   every micro-batch (8 transcripts) padded to the longest transcript of the batch, run with an attention
            mask, full-vocabulary logits at every position, then log-probs and entropies taken from
            them.
-This code: rollout.hf_policy (an explicit sampling loop that keeps each episode's key/value cache
+This code: sampler.hf_policy (an explicit sampling loop that keeps each episode's key/value cache
 between turns) and train.update_policy (length-sorted micro-batches of their own width, causal
 attention without a mask, the output layer only at policy tokens, 8 transcripts a micro-batch on
 a CPU). Both update the same kept episodes from the same weights; both rollouts start from the same
@@ -34,6 +34,7 @@ import models  # noqa: E402
 import ppo  # noqa: E402
 import rollout  # noqa: E402
 import runs  # noqa: E402
+import sampler  # noqa: E402
 import train  # noqa: E402
 
 
@@ -72,7 +73,7 @@ def plain_policy(model, tokenizer, max_new_tokens, temperature=1.0, top_p=1.0):
             )
         new = out[:, width:]
         logprobs = torch.stack(tables, 1)[:, : new.shape[1]].gather(-1, new[..., None])[..., 0]
-        return rollout.as_generations(new.tolist(), logprobs.tolist(), stop_ids)
+        return sampler.as_generations(new.tolist(), logprobs.tolist(), stop_ids)
 
     return policy
 
@@ -164,19 +165,19 @@ def main():
             for opt, state in zip(run.optimizers, start[2]):
                 opt.load_state_dict(state)
             torch.manual_seed(repeat)
-            sampler = plain_policy if side == "plain" else rollout.hf_policy
+            policy_fn = plain_policy if side == "plain" else sampler.hf_policy
             original = (
-                rollout.hf_policy,
+                sampler.hf_policy,
                 train.pieces,
                 ppo.policy_logprobs,
                 a.micro_batch,
                 train.critic_pass,
             )
-            rollout.hf_policy = sampler
+            sampler.hf_policy = policy_fn
             episodes, t_rollout = timed(
                 lambda: train.collect_rollouts(run, seeds, a.group_size, 1.0, 1.0)
             )
-            rollout.hf_policy = original[0]
+            sampler.hf_policy = original[0]
             tokens[side] = [e.ids for e in episodes]
             rewards = torch.tensor([e.total_reward for e in episodes]).view(a.groups, a.group_size)
 

@@ -9,7 +9,7 @@ tiny policy's first Sokoban prompt, one seed per group), the same K, the same to
 temperature 1, clip 0.2 / 0.28, grad clip 1.0, AdamW, no KL term, no gradient checkpointing (TRL
 turns it on by default; off here so both do the same work -- --trl-grad-checkpointing puts it back).
 
-Ours is lean: rollout.hf_policy samples and records each token's log-prob (these are the old
+Ours is lean: sampler.hf_policy samples and records each token's log-prob (these are the old
 log-probs of the ratio: no second forward), grpo.group_advantages, one forward with
 ppo.token_logprobs, grpo.grpo_loss, backward, step. A second variant of ours, in this script only,
 adds group sharing: each group's prompt is encoded once and its key/value cache repeated across the
@@ -46,6 +46,7 @@ import envs  # noqa: E402
 import grpo  # noqa: E402
 import ppo  # noqa: E402
 import rollout  # noqa: E402
+import sampler  # noqa: E402
 import tiny  # noqa: E402
 
 ACTIONS = envs.make_env("sokoban").actions
@@ -140,7 +141,7 @@ def our_step(model, optimizer, policy, prompt_ids, G, K, tokenizer, pad, shared_
 
 
 def shared_policy(model, tokenizer, max_new_tokens, K):
-    """rollout.hf_policy's sampling (temperature 1, log-probs recorded) with each group's prompt
+    """sampler.hf_policy's sampling (temperature 1, log-probs recorded) with each group's prompt
     encoded once: the G distinct prompts minus their last token are run, the cache is repeated K
     times and handed to model.generate, which starts from the last prompt token. Needs equal-length
     prompts, given K-fold repeated in group order."""
@@ -162,7 +163,7 @@ def shared_policy(model, tokenizer, max_new_tokens, K):
                              top_k=0, eos_token_id=stop_ids, pad_token_id=pad, logits_processor=[record])
         new = out[:, ids.shape[1]:]  # [G*K, N]
         logprobs = torch.stack(tables, 1)[:, :new.shape[1]].gather(-1, new[..., None])[..., 0]
-        return rollout.as_generations(new.tolist(), logprobs.tolist(), stop_ids)
+        return sampler.as_generations(new.tolist(), logprobs.tolist(), stop_ids)
 
     return policy
 
@@ -286,7 +287,7 @@ def main():
         policy = (
             shared_policy(ours, tokenizer, args.max_new_tokens, K)
             if shared
-            else rollout.hf_policy(ours, tokenizer, args.max_new_tokens)
+            else sampler.hf_policy(ours, tokenizer, args.max_new_tokens)
         )
         times = []
         for _ in range(1 + args.steps):

@@ -16,6 +16,7 @@ import models
 import ppo
 import rollout
 import runs
+import sampler
 import tiny
 import train
 
@@ -62,7 +63,7 @@ def scripted(tokenizer, group_size, solves=lambda i, group: group > 0 and i % 2 
 @pytest.fixture
 def scripted_rollouts(monkeypatch):
     """train's rollouts come from `scripted` (the model still scores them, trains on them and is diagnosed)."""
-    monkeypatch.setattr(train.rollout, "hf_policy", lambda model, tokenizer, *args, **kwargs: scripted(tokenizer, 4))
+    monkeypatch.setattr(train.sampler, "hf_policy", lambda model, tokenizer, *args, **kwargs: scripted(tokenizer, 4))
 
 
 def load_checkpoint(out):
