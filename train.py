@@ -364,7 +364,7 @@ def policy_pass(run, mb, with_entropy=False):
     """log pi and (optionally) its entropy at the policy tokens of a micro-batch -> [b, w-1] each,
     0 elsewhere."""
     with run.ctx:
-        logp, entropy = ppo.policy_logprobs(run.policy, mb["input_ids"], mb["policy_mask"][:, 1:],
+        logp, entropy = models.policy_logprobs(run.policy, mb["input_ids"], mb["policy_mask"][:, 1:],
                                             with_entropy)
     return (logp, entropy) if with_entropy else logp
 
@@ -372,7 +372,7 @@ def policy_pass(run, mb, with_entropy=False):
 def reference_pass(run, mb):
     """log pi_ref at the policy tokens: the initial policy (with LoRA: the base, adapters off)."""
     with run.ctx, models.reference(run) as ref:
-        return ppo.policy_logprobs(ref, mb["input_ids"], mb["policy_mask"][:, 1:])[0]
+        return models.policy_logprobs(ref, mb["input_ids"], mb["policy_mask"][:, 1:])[0]
 
 
 def critic_pass(run, mb):

@@ -169,7 +169,7 @@ def main():
             original = (
                 sampler.hf_policy,
                 train.pieces,
-                ppo.policy_logprobs,
+                models.policy_logprobs,
                 a.micro_batch,
                 train.critic_pass,
             )
@@ -188,7 +188,7 @@ def main():
             keep, t_scoring = timed(scoring)
             kept = [e for e in episodes if keep[e.group]]
             if side == "plain":
-                train.pieces, ppo.policy_logprobs, a.micro_batch = plain_pieces, plain_logprobs, 8
+                train.pieces, models.policy_logprobs, a.micro_batch = plain_pieces, plain_logprobs, 8
                 train.critic_pass = plain_critic_pass
             try:
                 _, t_update = timed(
@@ -197,7 +197,7 @@ def main():
                     )
                 )
             finally:
-                train.pieces, ppo.policy_logprobs, a.micro_batch = (
+                train.pieces, models.policy_logprobs, a.micro_batch = (
                     original[1],
                     original[2],
                     original[3],

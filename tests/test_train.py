@@ -145,7 +145,7 @@ def test_policy_logprobs_equal_the_full_logits_and_their_gradient(tmp_path):
     plain_grads = [p.grad.clone() for p in run.policy.parameters()]
     run.policy.zero_grad()
     for chunk in (2 ** 25, 7 * len(run.tokenizer)):  # one chunk, and chunks of 7 positions
-        logp, entropy = ppo.policy_logprobs(run.policy, ids, mask, with_entropy=True, chunk_elements=chunk)
+        logp, entropy = models.policy_logprobs(run.policy, ids, mask, with_entropy=True, chunk_elements=chunk)
         torch.testing.assert_close(logp, plain, atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(entropy, plain_entropy, atol=1e-5, rtol=1e-5)
         (logp.sum() + entropy.sum()).backward()
