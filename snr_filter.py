@@ -29,6 +29,9 @@ A + C = 14 >= 13.49, so A and C are kept and B is dropped. Paper recommendation:
 Shapes: G prompt groups, K rollouts per group, B = G * K sequences stored group-major (rows
 g*K .. g*K + K - 1 belong to group g), T tokens, D parameters. Inputs may be numpy arrays, lists or
 torch tensors; outputs are torch tensors.
+
+Order of the file: the remedy first (select_groups, filter_stats, group_scores), then the
+mechanism it rests on (the bound, the spread buckets, the gradient decomposition).
 """
 import math
 import numbers
@@ -48,6 +51,98 @@ def _as_float64(x, name):
     if not torch.isfinite(x).all():
         raise ValueError(f"{name} must be finite (no NaN / inf)")
     return x
+
+
+# --------------------------------------------------------------------------------------- the filter
+
+def select_groups(scores, mode, value=None, include_zero=False, prob_mode="linear"):
+    """Which groups to train on -> bool mask [G].
+
+    Zero-score groups (no task gradient) are set aside first unless include_zero=True; the others
+    are ranked by score, descending, ties to the lower index (deterministic), and the mode keeps a
+    prefix of that ranking:
+
+      "none"  every group (`value` ignored)
+      "topp"  value = 1: every ranked group (with include_zero: every group -- the official
+                         no-filter baseline; without: every group with spread)
+              prob_mode "linear":  smallest prefix whose summed score reaches value * total - 0.01;
+                                   zero scores add nothing, so they are never part of it
+              prob_mode "softmax": softmax over the ranked groups' scores only, then the smallest
+                                   prefix whose mass reaches value
+      "topk"  the max(1, int(value * G)) best ranked groups (G counts every group)
+
+    value must lie in (0, 1] for "topp" and "topk". An all-False mask means the caller skips the
+    update (an all-zero batch gives it in every mode but "none" and topp at 1 with include_zero).
+    The 0.01 slack only absorbs round-off: the best group with spread is always kept, however
+    small the total (the official code keeps nothing when value * total <= 0.01).
+
+    >>> select_groups([9., 1., 5.], "topp", 0.9)           # Fig. 5: target 13.49, A + C = 14
+    tensor([ True, False,  True])
+    >>> select_groups([0., 0., 3., 1.], "topk", 0.75)      # int(0.75 * 4) = 3, only two have spread
+    tensor([False, False,  True,  True])
+    >>> select_groups([3., 2., 0., 0., 0., 0., 0., 0.], "topp", 0.7, prob_mode="softmax")
+    tensor([ True, False, False, False, False, False, False, False])
+    """
+    if mode not in MODES:
+        raise ValueError(f"unknown filter mode {mode!r}; choose one of {MODES}")
+    if prob_mode not in PROB_MODES:
+        raise ValueError(f"unknown prob_mode {prob_mode!r}; choose one of {PROB_MODES}")
+    s = _as_float64(scores, "scores")                                      # [G]
+    if s.dim() != 1 or (s < 0).any():
+        raise ValueError(f"scores must be a [G] vector of non-negative spreads; got shape "
+                         f"{tuple(s.shape)}")
+    G = s.shape[0]
+    if mode == "none":
+        return torch.ones(G, dtype=torch.bool, device=s.device)
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not 0.0 < value <= 1.0:
+        raise ValueError(f"{mode} value must be a number in (0, 1]; got {value!r}")
+
+    candidates = torch.ones_like(s, dtype=torch.bool) if include_zero else s > 0      # [G]
+    idx = candidates.nonzero()[:, 0]                                       # [E] ascending index
+    order = idx[torch.sort(s[idx], descending=True, stable=True).indices]  # [E] best first
+    ranked = s[order]                                                      # [E]
+    if mode == "topk":
+        n_keep = min(len(order), max(1, int(value * G)))
+    elif value >= 1.0:
+        n_keep = len(order)
+    elif prob_mode == "linear":
+        reached = (ranked.cumsum(0) >= value * ranked.sum() - 0.01).nonzero()   # prefixes
+        n_keep = int(reached[0]) + 1 if len(reached) else len(order)
+    else:
+        mass = torch.softmax(ranked, 0).cumsum(0)                          # [E]
+        reached = (mass >= value - 1e-12).nonzero()                        # mass 1 may round below
+        n_keep = int(reached[0]) + 1 if len(reached) else len(order)
+
+    keep = torch.zeros(G, dtype=torch.bool, device=s.device)               # [G]
+    keep[order[:n_keep]] = True
+    if mode == "topp" and prob_mode == "linear" and value < 1.0:
+        keep &= s > 0
+    return keep
+
+
+def filter_stats(scores, mask):
+    """Statistics of one filtering step, as Python numbers for logging (Fig. 11's kept ratio and
+    zero-variance count): kept_ratio, num_kept, num_zero_var, zero_var_frac, mean_score_kept,
+    mean_score_dropped. An empty side has mean 0.0 (never NaN).
+
+    >>> filter_stats([9., 1., 5., 0.], [True, False, True, False])["mean_score_dropped"]   # 1/2
+    0.5
+    """
+    s = _as_float64(scores, "scores")                                      # [G]
+    keep = torch.as_tensor(mask, dtype=torch.bool, device=s.device)        # [G]
+    if s.dim() != 1 or keep.shape != s.shape:
+        raise ValueError(f"scores and mask must both be [G]; got {tuple(s.shape)} and "
+                         f"{tuple(keep.shape)}")
+    G = max(s.shape[0], 1)
+    zero = int((s == 0).sum())
+    return {
+        "kept_ratio": int(keep.sum()) / G,
+        "num_kept": int(keep.sum()),
+        "num_zero_var": zero,
+        "zero_var_frac": zero / G,
+        "mean_score_kept": s[keep].mean().item() if keep.any() else 0.0,
+        "mean_score_dropped": s[~keep].mean().item() if (~keep).any() else 0.0,
+    }
 
 
 # ------------------------------------------------------------------------------------ reward spread
@@ -226,95 +321,3 @@ def gradient_decomposition(model, input_ids, attention_mask, policy_mask, reward
             "entropy_grad_norm": entropy_norm, "reg_grad_norm": math.sqrt(reg_sq.item()),
         })
     return results
-
-
-# --------------------------------------------------------------------------------------- the filter
-
-def select_groups(scores, mode, value=None, include_zero=False, prob_mode="linear"):
-    """Which groups to train on -> bool mask [G].
-
-    Zero-score groups (no task gradient) are set aside first unless include_zero=True; the others
-    are ranked by score, descending, ties to the lower index (deterministic), and the mode keeps a
-    prefix of that ranking:
-
-      "none"  every group (`value` ignored)
-      "topp"  value = 1: every ranked group (with include_zero: every group -- the official
-                         no-filter baseline; without: every group with spread)
-              prob_mode "linear":  smallest prefix whose summed score reaches value * total - 0.01;
-                                   zero scores add nothing, so they are never part of it
-              prob_mode "softmax": softmax over the ranked groups' scores only, then the smallest
-                                   prefix whose mass reaches value
-      "topk"  the max(1, int(value * G)) best ranked groups (G counts every group)
-
-    value must lie in (0, 1] for "topp" and "topk". An all-False mask means the caller skips the
-    update (an all-zero batch gives it in every mode but "none" and topp at 1 with include_zero).
-    The 0.01 slack only absorbs round-off: the best group with spread is always kept, however
-    small the total (the official code keeps nothing when value * total <= 0.01).
-
-    >>> select_groups([9., 1., 5.], "topp", 0.9)           # Fig. 5: target 13.49, A + C = 14
-    tensor([ True, False,  True])
-    >>> select_groups([0., 0., 3., 1.], "topk", 0.75)      # int(0.75 * 4) = 3, only two have spread
-    tensor([False, False,  True,  True])
-    >>> select_groups([3., 2., 0., 0., 0., 0., 0., 0.], "topp", 0.7, prob_mode="softmax")
-    tensor([ True, False, False, False, False, False, False, False])
-    """
-    if mode not in MODES:
-        raise ValueError(f"unknown filter mode {mode!r}; choose one of {MODES}")
-    if prob_mode not in PROB_MODES:
-        raise ValueError(f"unknown prob_mode {prob_mode!r}; choose one of {PROB_MODES}")
-    s = _as_float64(scores, "scores")                                      # [G]
-    if s.dim() != 1 or (s < 0).any():
-        raise ValueError(f"scores must be a [G] vector of non-negative spreads; got shape "
-                         f"{tuple(s.shape)}")
-    G = s.shape[0]
-    if mode == "none":
-        return torch.ones(G, dtype=torch.bool, device=s.device)
-    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not 0.0 < value <= 1.0:
-        raise ValueError(f"{mode} value must be a number in (0, 1]; got {value!r}")
-
-    candidates = torch.ones_like(s, dtype=torch.bool) if include_zero else s > 0      # [G]
-    idx = candidates.nonzero()[:, 0]                                       # [E] ascending index
-    order = idx[torch.sort(s[idx], descending=True, stable=True).indices]  # [E] best first
-    ranked = s[order]                                                      # [E]
-    if mode == "topk":
-        n_keep = min(len(order), max(1, int(value * G)))
-    elif value >= 1.0:
-        n_keep = len(order)
-    elif prob_mode == "linear":
-        reached = (ranked.cumsum(0) >= value * ranked.sum() - 0.01).nonzero()   # prefixes
-        n_keep = int(reached[0]) + 1 if len(reached) else len(order)
-    else:
-        mass = torch.softmax(ranked, 0).cumsum(0)                          # [E]
-        reached = (mass >= value - 1e-12).nonzero()                        # mass 1 may round below
-        n_keep = int(reached[0]) + 1 if len(reached) else len(order)
-
-    keep = torch.zeros(G, dtype=torch.bool, device=s.device)               # [G]
-    keep[order[:n_keep]] = True
-    if mode == "topp" and prob_mode == "linear" and value < 1.0:
-        keep &= s > 0
-    return keep
-
-
-def filter_stats(scores, mask):
-    """Statistics of one filtering step, as Python numbers for logging (Fig. 11's kept ratio and
-    zero-variance count): kept_ratio, num_kept, num_zero_var, zero_var_frac, mean_score_kept,
-    mean_score_dropped. An empty side has mean 0.0 (never NaN).
-
-    >>> filter_stats([9., 1., 5., 0.], [True, False, True, False])["mean_score_dropped"]   # 1/2
-    0.5
-    """
-    s = _as_float64(scores, "scores")                                      # [G]
-    keep = torch.as_tensor(mask, dtype=torch.bool, device=s.device)        # [G]
-    if s.dim() != 1 or keep.shape != s.shape:
-        raise ValueError(f"scores and mask must both be [G]; got {tuple(s.shape)} and "
-                         f"{tuple(keep.shape)}")
-    G = max(s.shape[0], 1)
-    zero = int((s == 0).sum())
-    return {
-        "kept_ratio": int(keep.sum()) / G,
-        "num_kept": int(keep.sum()),
-        "num_zero_var": zero,
-        "zero_var_frac": zero / G,
-        "mean_score_kept": s[keep].mean().item() if keep.any() else 0.0,
-        "mean_score_dropped": s[~keep].mean().item() if (~keep).any() else 0.0,
-    }
