@@ -295,12 +295,13 @@ def _encode(tokenizer, texts, what):
 
 
 @torch.inference_mode()
-def cross_scores(model, tokenizer, prompts, reasonings, batch_size=8):
+def cross_scores(model, tokenizer, prompts, reasonings, batch_size=8, temperature=1.0):
     """Score every reasoning under every prompt: returns (scores_sum [M, N] float32, lengths [M]
     int64), on the CPU.
 
-    scores_sum[m, j] = sum_t log p(z_m,t | x_j, z_m,<t) under `model` (teacher forcing, no
-    gradients), lengths[m] = number of tokens of z_m. Each text is tokenized once without added
+    scores_sum[m, j] = sum_t log p(z_m,t | x_j, z_m,<t) under `model` at the sampling temperature
+    (p = softmax(logits / temperature), the policy that wrote z; teacher forcing, no gradients),
+    lengths[m] = number of tokens of z_m. Each text is tokenized once without added
     special tokens (the prompt already carries what the chat template put there) and the
     reasoning's tokens are appended to the prompt's, so the token boundary is the same for every
     pair. An empty reasoning scores 0 with length 0.
@@ -314,6 +315,8 @@ def cross_scores(model, tokenizer, prompts, reasonings, batch_size=8):
     """
     if not isinstance(batch_size, int) or batch_size < 1:
         raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
+    if not temperature > 0:
+        raise ValueError(f"temperature must be > 0, got {temperature!r}")
     prompt_ids = _encode(tokenizer, prompts, "prompts")
     reasoning_ids = _encode(tokenizer, reasonings, "reasonings")
     if any(len(ids) == 0 for ids in prompt_ids):
@@ -345,7 +348,7 @@ def cross_scores(model, tokenizer, prompts, reasonings, batch_size=8):
         for j, ids in enumerate(prompt_ids):
             prompt = torch.tensor([ids], device=device)                    # [1, P]
             out = model(input_ids=prompt, use_cache=True, logits_to_keep=1)
-            first_logp = torch.log_softmax(out.logits[0, -1].float(), dim=-1)   # [V]: z's 1st token
+            first_logp = torch.log_softmax(out.logits[0, -1].float() / temperature, dim=-1)  # [V]
             for batch, tokens, real in batches:
                 rows = len(batch)
                 total = first_logp[tokens[:, 0]]                           # [B]
@@ -360,7 +363,8 @@ def cross_scores(model, tokenizer, prompts, reasonings, batch_size=8):
                         use_cache=True).last_hidden_state                  # [B, R - 1, D]
                     targets = tokens[:, 1:]                                # [B, R - 1]
                     logp = models.head_logprobs(lm, hidden.reshape(-1, hidden.shape[-1]),
-                                             targets.reshape(-1))[0].view(targets.shape)
+                                                targets.reshape(-1),
+                                                temperature=temperature)[0].view(targets.shape)
                     total = total + (logp * real[:, 1:]).sum(dim=1)        # padding counts 0
                 scores[batch, j] = total.cpu()
     finally:

@@ -346,7 +346,8 @@ def validate(
         raise ValueError("validate needs at least one seed")
     import sampler  # here, not at the top: sampler.py uses this file's chat-template helpers
 
-    policy = sampler.hf_policy(model, tokenizer, max_new_tokens, temperature=temperature, top_p=top_p)
+    policy = sampler.hf_policy(model, tokenizer, max_new_tokens, temperature=temperature,
+                               top_p=top_p)
     episodes = play(
         policy,
         tokenizer,

@@ -39,7 +39,7 @@ import numbers
 import torch
 
 from grpo import group_advantages
-from ppo import aggregate, clipped_policy_loss, entropy_from_logits, kl_estimate, token_logprobs
+from ppo import entropy_from_logits, policy_loss, token_logprobs
 
 SCORE_KINDS = ("std", "var")
 MODES = ("none", "topp", "topk")
@@ -239,17 +239,18 @@ def gradient_decomposition(model, input_ids, attention_mask, policy_mask, reward
                            old_logp=None, ref_model=None, ref_logp=None, n_buckets=6,
                            normalize_std=False, eps=1e-6, kl_kind="k3", kl_coef=1.0,
                            entropy_coef=1.0, clip_low=0.2, clip_high=0.28, clip_c=3.0,
-                           agg="token-mean"):
+                           agg="token-mean", temperature=1.0):
     """Norms of the task, KL and entropy gradients per reward-spread bucket -- the data of Fig. 4.
 
     Inputs: a Hugging Face causal LM; input_ids, attention_mask, policy_mask [B, T] (policy_mask
     marks the policy's own tokens); rewards [G, K] total reward per trajectory with B = G * K in
     group-major order; optional old_logp and ref_logp [B, T - 1], aligned with ids[:, 1:] (old_logp
-    defaults to the current log-probs, i.e. the first PPO epoch).
+    defaults to the current log-probs, i.e. the first PPO epoch). Every log-prob is the sampling
+    policy's, softmax(logits / temperature), as in training.
 
     Per bucket of groups (rv_buckets on the std of rewards) one forward pass, then three separate
     backward passes (torch.autograd.grad; no optimiser step, the parameters and their .grad are
-    left as they were):
+    left as they were), each term of ppo.policy_loss, the loss training runs:
       task     clipped_policy_loss with the group-mean baseline A = r - mean_g(r)
                (grpo.group_advantages) on every policy token of the trajectory. No std division by
                default, so the sqrt(RV) scaling shows; normalize_std=True gives GRPO's
@@ -291,23 +292,28 @@ def gradient_decomposition(model, input_ids, attention_mask, policy_mask, reward
         rows = (groups[:, None] * K + torch.arange(K, device=groups.device)).reshape(-1)  # [b]
         rows = rows.to(input_ids.device)
         ids, m, att = input_ids[rows], mask[rows], attention_mask[rows]    # [b, T], [b, T-1]
-        logits = model(input_ids=ids, attention_mask=att).logits[:, :-1]   # [b, T-1, V]
+        logits = model(input_ids=ids, attention_mask=att).logits[:, :-1].float()
+        logits = logits / temperature                                      # [b, T-1, V]
         logp = token_logprobs(logits, ids[:, 1:])                          # [b, T-1]
         old = logp.detach() if old_logp is None else old_logp[rows]        # [b, T-1]
         if ref_logp is not None:
             ref = ref_logp[rows]                                           # [b, T-1]
         elif ref_model is not None:
             with torch.no_grad():
-                ref_logits = ref_model(input_ids=ids, attention_mask=att).logits[:, :-1]
+                ref_logits = ref_model(input_ids=ids, attention_mask=att).logits[:, :-1].float()
+                ref_logits = ref_logits / temperature                      # [b, T-1, V]
                 ref = token_logprobs(ref_logits, ids[:, 1:])               # [b, T-1]
         else:
             ref = logp.detach()                                            # [b, T-1]
 
-        task_loss, _ = clipped_policy_loss(logp, old, adv[rows][:, None].expand_as(logp), m,
-                                           clip_low=clip_low, clip_high=clip_high, agg=agg,
-                                           clip_c=clip_c)
-        kl_loss = kl_coef * aggregate(kl_estimate(logp, ref, kl_kind), m, agg)
-        entropy_loss = -entropy_coef * aggregate(entropy_from_logits(logits), m, agg)
+        # the training loss, its three terms taken apart (each coefficient 1 there, applied here)
+        _, terms = policy_loss(logp, old, adv[rows][:, None].expand_as(logp), m, agg,
+                               entropy=entropy_from_logits(logits), entropy_coef=1.0,
+                               ref_logp=ref, kl_coef=1.0, kl_kind=kl_kind, clip_low=clip_low,
+                               clip_high=clip_high, clip_c=clip_c)
+        task_loss = terms["pg_loss"]
+        kl_loss = kl_coef * terms["kl_loss"]
+        entropy_loss = -entropy_coef * terms["entropy_loss"]
 
         task_norm, _ = _grad_norm_and_grads(task_loss, params)
         kl_norm, kl_grads = _grad_norm_and_grads(kl_loss, params)

@@ -37,7 +37,8 @@ import snr_filter
 VAL_SEED_BASE = 10_000_000  # validation seeds are 10_000_000 + i; training seeds are drawn below it
 MAX_SKIPS = 5  # stop after this many steps in a row without reward spread (the official default)
 ANALYSIS_KL_COEF = 1e-3  # the KL coefficient of the paper's analysis runs, for Fig. 4
-AGGREGATION = {"ppo": "token-mean", "grpo": "seq-mean-token-mean", "drgrpo": "seq-mean-token-sum"}
+AGGREGATION = {"ppo": "token-mean", "grpo": "seq-mean-token-mean",
+               "drgrpo": "seq-mean-token-sum-norm"}
 
 
 def arg(default, help, **kw):
@@ -204,7 +205,7 @@ def diagnose(run, episodes):
     with run.ctx:
         reasonings = [e.first_reasoning for e in picked]
         scores, lengths = mi.cross_scores(run.policy, run.tokenizer, prompts, reasonings,
-                                          batch_size=a.micro_batch)
+                                          batch_size=a.micro_batch, temperature=a.temperature)
     metrics = mi.collapse_metrics(scores, [e.group for e in picked], lengths, prompt_keys=prompts)
     metrics["mi_zscore_ema"], run.state["std_ema"] = mi.mi_zscore_ema(metrics, run.state["std_ema"])
     keep = ("mi_estimate", "mi_seq_estimate", "mi_zscore", "mi_zscore_seq", "mi_zscore_ema",
@@ -219,11 +220,12 @@ def decompose_gradients(run, episodes, rewards):
     optimiser step. Without a KL term the reference is the policy itself (its KL gradient is 0)."""
     a = run.args
     batch = rollout_batch(run, episodes)
-    ref = passes(run, batch, reference_pass) if a.kl_coef else None
+    ref = over_batch(run, batch, reference_pass) if a.kl_coef else None
     with run.ctx:
         buckets = snr_filter.gradient_decomposition(
             run.policy, batch["input_ids"], batch["attention_mask"], batch["policy_mask"], rewards,
-            ref_logp=ref, kl_coef=a.kl_coef or ANALYSIS_KL_COEF, entropy_coef=a.entropy_coef)
+            ref_logp=ref, kl_coef=a.kl_coef or ANALYSIS_KL_COEF, entropy_coef=a.entropy_coef,
+            temperature=a.temperature)
     run.policy.zero_grad(set_to_none=True)
     return [{k: v for k, v in b.items() if k != "groups"} for b in buckets]
 
@@ -240,79 +242,79 @@ def update_policy(run, episodes, rewards, shuffle):
     """Steps 4-6 on the kept episodes (`rewards` [G_kept, K]). The dropped groups were removed
     before collation: nothing of them (padding width, advantages, normalisers) reaches the
     update."""
-    a = run.args
-    b_ = rollout_batch(run, episodes)
-    B = b_["input_ids"].shape[0]
-    b_mask = b_["policy_mask"][:, 1:]                                  # [B, T-1] the trained tokens
-    agg = AGGREGATION[a.algo]
+    args = run.args
+    batch = rollout_batch(run, episodes)
+    mask = batch["policy_mask"][:, 1:]                                 # [B, T-1] the trained tokens
+    agg = AGGREGATION[args.algo]
 
     # 4. before the update: the ratio's old log-probs, the reference's, the critic's values
-    b_old, b_entropy = passes(run, b_, policy_pass, with_entropy=True)                  # [B, T-1]
-    b_ref = passes(run, b_, reference_pass) if a.kl_coef else None                       # [B, T-1]
-    b_values = passes(run, b_, critic_pass) if run.critic is not None else None         # [B, T-1]
+    old_logp, old_entropy = over_batch(run, batch, policy_pass, with_entropy=True)      # [B, T-1]
+    ref_logp = over_batch(run, batch, reference_pass) if args.kl_coef else None         # [B, T-1]
+    old_values = over_batch(run, batch, critic_pass) if run.critic is not None else None
 
     # 5. advantages
     if run.critic is not None:
-        b_adv, b_returns = ppo.gae(b_["token_rewards"][:, 1:], b_values, b_mask, a.gamma, a.lam)
+        advantages, returns = ppo.gae(batch["token_rewards"][:, 1:], old_values, mask, args.gamma,
+                                      args.lam)                                         # [B, T-1]
     else:
-        per_episode = grpo.group_advantages(rewards, normalize_std=a.algo == "grpo").reshape(-1)
-        b_adv = grpo.episode_advantages_to_tokens(per_episode.to(b_mask.device), b_mask)  # [B, T-1]
+        per_episode = grpo.group_advantages(rewards, normalize_std=args.algo == "grpo").reshape(-1)
+        advantages = grpo.episode_advantages_to_tokens(per_episode.to(mask.device), mask)
 
-    # 6. the update: each mini-batch one optimiser step, its gradient summed over micro-batches;
-    # every logged loss is the mini-batch's (micro-batches weighted by their share), averaged
-    logs = {k: [] for k in ("pg_loss", "entropy_loss", "clip_frac", "clip_frac_lower", "approx_kl",
-                            "grad_norm") + ("kl_loss",) * (b_ref is not None)
-            + ("value_loss",) * (run.critic is not None)}
+    # 6. the update: each mini-batch one optimiser step, its gradient summed over micro-batches
+    # weighted so that they add up to the mini-batch's loss; every logged number is the
+    # mini-batch's, averaged over the mini-batches
+    logs = {}
     # Hugging Face layers recompute activations (--grad-checkpointing) only in training mode; the
     # models here have no dropout, so nothing else changes
     run.policy.train()
     if run.critic is not None:
         run.critic.train()
-    for _ in range(a.epochs):
-        order = torch.randperm(B, generator=shuffle)
-        for mb_rows in order.split(a.mini_batch_size):
+    for _ in range(args.epochs):
+        mini_batches = torch.randperm(len(mask), generator=shuffle).split(args.mini_batch_size)
+        for mini_batch in mini_batches:
             for opt in run.optimizers:
                 opt.zero_grad(set_to_none=True)
-            sums = dict.fromkeys(logs, 0.0)
-            for rows, width in pieces(b_, mb_rows, a.micro_batch):
-                mb = {k: v[rows, :width] for k, v in b_.items() if v.dim() == 2}
-                mask, cols = b_mask[rows, :width - 1], slice(0, width - 1)            # [b, w-1]
-                w = share(b_mask, mb_rows, rows, agg)
-                w_tokens = share(b_mask, mb_rows, rows, "token-mean")
-                logp, entropy = policy_pass(run, mb, with_entropy=True)                 # [b, w-1]
-                pg_loss, stats = ppo.clipped_policy_loss(
-                    logp, b_old[rows, cols], b_adv[rows, cols], mask, a.clip_low, a.clip_high, agg,
-                    a.clip_c or None)
-                entropy_loss = ppo.aggregate(entropy, mask, agg)
-                loss = pg_loss - a.entropy_coef * entropy_loss
-                if b_ref is not None:
-                    kl = ppo.aggregate(ppo.kl_estimate(logp, b_ref[rows, cols], a.kl_kind), mask,
-                                       agg)
-                    loss = loss + a.kl_coef * kl
-                    sums["kl_loss"] += w * kl.item()
-                (w * loss).backward()
+            stats = {}
+            for rows, width in micro_batches(batch, mini_batch, args.micro_batch):
+                micro = {k: v[rows, :width] for k, v in batch.items() if v.dim() == 2}  # [b, w]
+                cols = slice(0, width - 1)
+                weight = micro_batch_weight(mask, mini_batch, rows, agg)
+                token_weight = micro_batch_weight(mask, mini_batch, rows, "token-mean")
+                logp, entropy = policy_pass(run, micro, with_entropy=True)              # [b, w-1]
+                loss, terms = ppo.policy_loss(
+                    logp, old_logp[rows, cols], advantages[rows, cols], mask[rows, cols], agg,
+                    entropy=entropy, entropy_coef=args.entropy_coef,
+                    ref_logp=None if ref_logp is None else ref_logp[rows, cols],
+                    kl_coef=args.kl_coef, kl_kind=args.kl_kind, clip_low=args.clip_low,
+                    clip_high=args.clip_high, clip_c=args.clip_c or None,
+                    norm_length=response_budget(args))
+                (weight * loss).backward()
                 if run.critic is not None:
-                    v_loss = ppo.value_loss(critic_pass(run, mb), b_values[rows, cols],
-                                            b_returns[rows, cols], mask, a.value_clip)
-                    (w_tokens * v_loss).backward()
-                    sums["value_loss"] += w_tokens * v_loss.item()
-                sums["pg_loss"] += w * pg_loss.item()
-                sums["entropy_loss"] += w * entropy_loss.item()
-                for k in ("clip_frac", "clip_frac_lower", "approx_kl"):
-                    sums[k] += w_tokens * stats[k]
-            norm = torch.nn.utils.clip_grad_norm_(run.policy_params, a.grad_clip)
-            sums["grad_norm"] = float(norm)
+                    value_loss = ppo.value_loss(critic_pass(run, micro), old_values[rows, cols],
+                                                returns[rows, cols], mask[rows, cols],
+                                                args.value_clip)
+                    (token_weight * value_loss).backward()
+                    terms["value_loss"] = value_loss
+                # the policy loss's terms add up with its weight, token means with the tokens'
+                for k, v in terms.items():
+                    w = weight if k in ("pg_loss", "entropy_loss", "kl_loss") else token_weight
+                    stats[k] = stats.get(k, 0.0) + w * float(v)
+            stats["grad_norm"] = float(torch.nn.utils.clip_grad_norm_(run.policy_params,
+                                                                      args.grad_clip))
             if run.critic is not None:
-                torch.nn.utils.clip_grad_norm_(run.critic_params, a.grad_clip)
+                torch.nn.utils.clip_grad_norm_(run.critic_params, args.grad_clip)
             for opt in run.optimizers:
                 opt.step()
-            for k, v in sums.items():
-                logs[k].append(v)
+            for k, v in stats.items():
+                logs.setdefault(k, []).append(v)
     for opt in run.optimizers:  # no gradients kept while the next rollouts sample
         opt.zero_grad(set_to_none=True)
     out = {k: float(np.mean(v)) for k, v in logs.items()}
-    out["token_entropy"] = ppo.masked_mean(b_entropy, b_mask).item()
-    out["optimizer_steps"] = a.epochs * len(order.split(a.mini_batch_size))
+    out["token_entropy"] = ppo.masked_mean(old_entropy, mask).item()
+    out["optimizer_steps"] = args.epochs * len(mini_batches)
+    if "logprobs" in batch:  # the sampler's own log-probs: any difference means off-policy scoring
+        sampled = batch["logprobs"][:, 1:]                                              # [B, T-1]
+        out["rollout_logprob_diff"] = ppo.masked_mean((sampled - old_logp).abs(), mask).item()
     return out
 
 
@@ -336,7 +338,7 @@ def rollout_batch(run, episodes):
     return batch
 
 
-def pieces(batch, rows, size):
+def micro_batches(batch, rows, size):
     """Micro-batches of at most `size` of the given rows, each with the width of its longest
     transcript: rows are sorted by length first, so short transcripts are not padded to the longest
     of the whole batch."""
@@ -345,12 +347,13 @@ def pieces(batch, rows, size):
 
 
 @torch.no_grad()
-def passes(run, batch, fn, **kw):
+def over_batch(run, batch, fn, **kw):
     """fn(run, micro-batch, **kw) -> [b, w-1] tensor (or a tuple of them), run over the whole batch
-    in pieces without gradients and put back as [B, T-1] tensors: the values before the update."""
+    micro-batch by micro-batch without gradients, put back as [B, T-1] tensors: the values before
+    the update."""
     B, T = batch["input_ids"].shape
     outs = None
-    for rows, width in pieces(batch, torch.arange(B), run.args.micro_batch):
+    for rows, width in micro_batches(batch, torch.arange(B), run.args.micro_batch):
         results = fn(run, {k: v[rows, :width] for k, v in batch.items() if v.dim() == 2}, **kw)
         results = results if isinstance(results, tuple) else (results,)
         if outs is None:
@@ -362,17 +365,19 @@ def passes(run, batch, fn, **kw):
 
 def policy_pass(run, mb, with_entropy=False):
     """log pi and (optionally) its entropy at the policy tokens of a micro-batch -> [b, w-1] each,
-    0 elsewhere."""
+    0 elsewhere; pi at the rollouts' temperature, the policy that sampled them."""
     with run.ctx:
-        logp, entropy = models.policy_logprobs(run.policy, mb["input_ids"], mb["policy_mask"][:, 1:],
-                                            with_entropy)
+        logp, entropy = models.policy_logprobs(run.policy, mb["input_ids"],
+                                               mb["policy_mask"][:, 1:], with_entropy,
+                                               run.args.temperature)
     return (logp, entropy) if with_entropy else logp
 
 
 def reference_pass(run, mb):
     """log pi_ref at the policy tokens: the initial policy (with LoRA: the base, adapters off)."""
     with run.ctx, models.reference(run) as ref:
-        return models.policy_logprobs(ref, mb["input_ids"], mb["policy_mask"][:, 1:])[0]
+        return models.policy_logprobs(ref, mb["input_ids"], mb["policy_mask"][:, 1:],
+                                      temperature=run.args.temperature)[0]
 
 
 def critic_pass(run, mb):
@@ -381,13 +386,19 @@ def critic_pass(run, mb):
         return ppo.critic_values(run.critic, mb["input_ids"], None)[:, :-1].float()
 
 
-def share(mask, rows, sub, agg):
-    """Weight of micro-batch `sub` inside mini-batch `rows`, so that summing weight x
-    aggregate(micro) gives exactly aggregate(mini): its share of the tokens (token-mean) or of the
-    sequences with tokens (seq-mean-*)."""
+def micro_batch_weight(mask, mini_batch, rows, agg):
+    """Weight of the micro-batch `rows` inside `mini_batch`, so that summing weight x
+    aggregate(micro-batch) gives exactly aggregate(mini-batch): its share of the tokens
+    (token-mean) or of the sequences with tokens (seq-mean-*)."""
     if agg == "token-mean":
-        return float(mask[sub].sum() / mask[rows].sum().clamp_min(1))
-    return float((mask[sub].sum(-1) > 0).sum() / (mask[rows].sum(-1) > 0).sum().clamp_min(1))
+        return float(mask[rows].sum() / mask[mini_batch].sum().clamp_min(1))
+    return float((mask[rows].sum(-1) > 0).sum()
+                 / (mask[mini_batch].sum(-1) > 0).sum().clamp_min(1))
+
+
+def response_budget(args):
+    """The most tokens the policy can write in an episode: Dr.GRPO's constant normaliser."""
+    return args.max_turns * args.max_new_tokens
 
 
 def main(argv=None):

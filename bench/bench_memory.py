@@ -71,7 +71,7 @@ def child(args, path, micro_batch):
     rewards = torch.tensor([e.total_reward for e in episodes]).view(2, args.batch // 2)
     if path == "plain":
         bench_step.PAD[0] = run.pad_id
-        train.pieces, models.policy_logprobs = bench_step.plain_pieces, bench_step.plain_logprobs
+        train.micro_batches, models.policy_logprobs = bench_step.plain_pieces, bench_step.plain_logprobs
         train.critic_pass = bench_step.plain_critic_pass
 
     def update():

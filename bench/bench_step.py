@@ -78,10 +78,10 @@ def plain_policy(model, tokenizer, max_new_tokens, temperature=1.0, top_p=1.0):
     return policy
 
 
-def plain_logprobs(model, input_ids, mask, with_entropy=False):
+def plain_logprobs(model, input_ids, mask, with_entropy=False, temperature=1.0):
     """Full logits at every position, then log-probs and entropies from them (the plain update's forward)."""
     attention_mask = (input_ids != PAD[0]).long()
-    logits = model(input_ids=input_ids, attention_mask=attention_mask).logits[:, :-1]  # [b, T-1, V]
+    logits = model(input_ids=input_ids, attention_mask=attention_mask).logits[:, :-1] / temperature  # [b, T-1, V]
     logp = ppo.token_logprobs(logits, input_ids[:, 1:]) * mask
     return logp, ppo.entropy_from_logits(logits) * mask if with_entropy else None
 
@@ -168,7 +168,7 @@ def main():
             policy_fn = plain_policy if side == "plain" else sampler.hf_policy
             original = (
                 sampler.hf_policy,
-                train.pieces,
+                train.micro_batches,
                 models.policy_logprobs,
                 a.micro_batch,
                 train.critic_pass,
@@ -188,7 +188,7 @@ def main():
             keep, t_scoring = timed(scoring)
             kept = [e for e in episodes if keep[e.group]]
             if side == "plain":
-                train.pieces, models.policy_logprobs, a.micro_batch = plain_pieces, plain_logprobs, 8
+                train.micro_batches, models.policy_logprobs, a.micro_batch = plain_pieces, plain_logprobs, 8
                 train.critic_pass = plain_critic_pass
             try:
                 _, t_update = timed(
@@ -197,7 +197,7 @@ def main():
                     )
                 )
             finally:
-                train.pieces, models.policy_logprobs, a.micro_batch = (
+                train.micro_batches, models.policy_logprobs, a.micro_batch = (
                     original[1],
                     original[2],
                     original[3],
