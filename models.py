@@ -45,8 +45,9 @@ def load(a, device, source, env_kwargs):
         critic_params = [p for p in critic.parameters() if p.requires_grad]
         critic_params += lora_params(policy, "critic") if a.lora else []
     reference_model = None
-    # the reference is the initial policy, loaded again from its source
-    if a.kl_coef > 0 and not a.lora:
+    # the reference is the initial policy, loaded again from its source (the KL term's, and the
+    # gradient decomposition's KL column)
+    if (a.kl_coef > 0 or a.grad_decomp_every) and not a.lora:
         reference_model = (
             load_policy(a, a.model, device, env_kwargs)[0].eval().requires_grad_(False)
         )
@@ -346,7 +347,8 @@ def memory_plan(a, cfg, n_all, n_train, total, budget=0.85):
     episodes sampled at once: as many whole groups as fit.
     """
     models = 2 if a.algo == "ppo" else 1
-    resident = models * (4 * n_all + 8 * n_train) + (4 * n_all if a.kl_coef and not a.lora else 0)
+    reference = (a.kl_coef or a.grad_decomp_every) and not a.lora
+    resident = models * (4 * n_all + 8 * n_train) + (4 * n_all if reference else 0)
     free = budget * total - resident
     # prompt + turns x (reply + observation), tokens
     longest = 400 + a.max_turns * (a.max_new_tokens + 300)

@@ -36,7 +36,7 @@ import snr_filter
 
 VAL_SEED_BASE = 10_000_000  # validation seeds are 10_000_000 + i; training seeds are drawn below it
 MAX_SKIPS = 5  # stop after this many steps in a row without reward spread (the official default)
-ANALYSIS_KL_COEF = 1e-3  # the KL coefficient of the paper's analysis runs, for Fig. 4
+ANALYSIS_KL_COEF = 1e-3  # Fig. 4's KL coefficient without --kl-coef (the paper's analysis runs)
 AGGREGATION = {"ppo": "token-mean", "grpo": "seq-mean-token-mean",
                "drgrpo": "seq-mean-token-sum-norm"}
 
@@ -75,10 +75,10 @@ class Args:
     clip_high: float = arg(0.28, "PPO ratio clip above 1")
     clip_c: float = arg(3.0, "dual clip: loss cap for negative advantages, times -A (0 = off)")
     value_clip: float = arg(0.5, "critic value clip")
-    kl_coef: float = arg(0.0, "KL penalty to the initial policy (0 = none, no reference model)")
+    kl_coef: float = arg(0.0, "KL penalty to the initial policy (0 = none)")
     kl_kind: str = arg("k3", "KL estimator", choices=ppo.KL_KINDS)
     entropy_coef: float = arg(0.001, "entropy bonus coefficient")
-    gamma: float = arg(1.0, "GAE discount")
+    gamma: float = arg(1.0, "GAE discount (only 1: each reward sits on the episode's last token)")
     lam: float = arg(1.0, "GAE lambda")
     mini_batch_size: int = arg(32, "trajectories per optimiser step")
     epochs: int = arg(1, "passes over the kept batch per step")
@@ -104,7 +104,8 @@ class Args:
     # diagnosis, validation, output
     mi_every: int = arg(5, "cross-scoring diagnosis at step 1 and every N steps (0 = off)")
     mi_samples: int = arg(64, "samples cross-scored per diagnosis")
-    grad_decomp_every: int = arg(0, "task / KL / entropy gradient norms per spread bucket, every N")
+    grad_decomp_every: int = arg(0, "task / KL (to the initial policy) / entropy gradient norms "
+                                 "per spread bucket, every N")
     val_every: int = arg(10, "validation before training, every N steps and at the end")
     val_seeds: int = arg(64, "held-out validation seeds (one rollout each)")
     val_temperature: float = arg(0.5, "validation sampling temperature")
@@ -135,7 +136,7 @@ def train(run):
         # 2. diagnosis, before filtering: does the reasoning still depend on its prompt?
         t1 = time.time()
         if a.mi_every and (step == 1 or step % a.mi_every == 0):
-            m.update(diagnose(run, episodes))
+            m.update(diagnose(run, episodes, np.random.default_rng([a.seed, step, 1])))
         if a.grad_decomp_every and step % a.grad_decomp_every == 0:
             m["grad_decomposition"] = decompose_gradients(run, episodes, rewards)
 
@@ -195,12 +196,11 @@ def rollout_stats(episodes, rewards):
             "cut_frac": float(np.mean([e.cut for e in episodes]))}
 
 
-def diagnose(run, episodes):
+def diagnose(run, episodes, rng):
     """Step 2: cross-score up to mi_samples first-turn reasonings under every group's first prompt
     (Sec. 2.3). Identical prompts (Bandit repeats its 4 layouts; rooms can repeat) count as one."""
     a = run.args
-    per_group = max(1, a.mi_samples // a.groups)
-    picked = [e for i, e in enumerate(episodes) if i % a.group_size < per_group][:a.mi_samples]
+    picked = [episodes[i] for i in mi_sample(a.groups, a.group_size, a.mi_samples, rng)]
     prompts = [next(e.first_prompt for e in episodes if e.group == g) for g in range(a.groups)]
     with run.ctx:
         reasonings = [e.first_reasoning for e in picked]
@@ -215,17 +215,33 @@ def diagnose(run, episodes):
     return {k: metrics[k] for k in keep if k in metrics}
 
 
+def mi_sample(groups, group_size, num_samples, rng):
+    """Which episodes (indices, group-major) the diagnosis cross-scores: the same number from
+    every group, min(group_size, num_samples // groups), as the estimate's uniform mixture over the
+    prompts assumes. Fewer samples than groups: one from each of num_samples groups drawn uniformly
+    without replacement (`rng`), so every prompt is equally likely to own a sample.
+
+    >>> mi_sample(3, 4, 7, None)                    # 2 from each group; the 7th would skew owners
+    [0, 1, 4, 5, 8, 9]
+    """
+    per_group = min(group_size, num_samples // groups)
+    if per_group == 0:
+        return sorted(int(g) * group_size for g in rng.choice(groups, num_samples, replace=False))
+    return [g * group_size + k for g in range(groups) for k in range(per_group)]
+
+
 def decompose_gradients(run, episodes, rewards):
     """Fig. 4 on this batch: task / KL / entropy gradient norms per reward-spread bucket, no
-    optimiser step. Without a KL term the reference is the policy itself (its KL gradient is 0)."""
+    optimiser step. The KL is measured against the initial policy (the warm start; with LoRA the
+    base), the run's --kl-kind at its --kl-coef or, without one, at the analysis runs' 0.001."""
     a = run.args
     batch = rollout_batch(run, episodes)
-    ref = over_batch(run, batch, reference_pass) if a.kl_coef else None
+    ref = over_batch(run, batch, reference_pass)                                        # [B, T-1]
     with run.ctx:
         buckets = snr_filter.gradient_decomposition(
             run.policy, batch["input_ids"], batch["attention_mask"], batch["policy_mask"], rewards,
-            ref_logp=ref, kl_coef=a.kl_coef or ANALYSIS_KL_COEF, entropy_coef=a.entropy_coef,
-            temperature=a.temperature)
+            ref_logp=ref, kl_coef=a.kl_coef or ANALYSIS_KL_COEF, kl_kind=a.kl_kind,
+            entropy_coef=a.entropy_coef, temperature=a.temperature)
     run.policy.zero_grad(set_to_none=True)
     return [{k: v for k, v in b.items() if k != "groups"} for b in buckets]
 

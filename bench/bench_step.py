@@ -27,6 +27,7 @@ import statistics
 import sys
 import time
 
+import numpy as np
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -182,7 +183,7 @@ def main():
             rewards = torch.tensor([e.total_reward for e in episodes]).view(a.groups, a.group_size)
 
             def scoring():
-                train.diagnose(run, episodes)
+                train.diagnose(run, episodes, np.random.default_rng(0))
                 return train.select(a, rewards)[0]
 
             keep, t_scoring = timed(scoring)

@@ -264,10 +264,10 @@ def test_the_diagnosis_counts_identical_prompts_as_one_target(tmp_path):
     """Two groups of the same layout have the same prompt: as in the official metric, a reasoning is
     retrieved when its best prompt is identical to its own, and chance is count / N (here 1)."""
     run = make_run(tmp_path, env="frozenlake", groups=2, group_size=4, mi_samples=8)
-    same = train.diagnose(run, play_scripted(run, [5, 5]))
+    same = train.diagnose(run, play_scripted(run, [5, 5]), None)
     assert same["retrieval_chance"] == 1.0 and same["retrieval_acc"] == 1.0
     assert abs(same["mi_estimate"]) < 1e-6  # identical prompts: the reasoning cannot tell them apart
-    different = train.diagnose(run, play_scripted(run, [5, 6]))
+    different = train.diagnose(run, play_scripted(run, [5, 6]), None)
     assert different["retrieval_chance"] == 0.5
 
 
