@@ -277,7 +277,7 @@ PROMPTS = ["a box. go up <think>", "wall left, goal far right below <think>", "x
 REASONINGS = ["go up", "i should push the box right", "", "r", "left left", "down then up"]
 
 
-def _plain_loop(model, tokenizer, prompts, reasonings):
+def _plain_loop(model, tokenizer, prompts, reasonings, temperature=1.0):
     """One un-batched forward pass per (prompt, reasoning) pair, no cache."""
     scores = torch.zeros(len(reasonings), len(prompts), dtype=torch.float64)
     for m, z in enumerate(reasonings):
@@ -286,7 +286,7 @@ def _plain_loop(model, tokenizer, prompts, reasonings):
             ids = torch.tensor([tokenizer(x, add_special_tokens=False)["input_ids"] + z_ids])
             with torch.no_grad():
                 logits = model(input_ids=ids).logits[0, :-1].double()
-            per_token = torch.log_softmax(logits, -1).gather(1, ids[0, 1:, None])[:, 0]
+            per_token = torch.log_softmax(logits / temperature, -1).gather(1, ids[0, 1:, None])[:, 0]
             scores[m, j] = per_token[per_token.shape[0] - len(z_ids):].sum()   # z's tokens only
     return scores
 
@@ -306,6 +306,16 @@ def test_cross_scores_equal_plain_loop_and_ignore_padding(tiny_lm):
     all_at_once, _ = mi.cross_scores(model, tokenizer, PROMPTS, REASONINGS, batch_size=64)
     assert torch.allclose(one_at_a_time, scores, atol=1e-5)
     assert torch.allclose(all_at_once, scores, atol=1e-5)
+
+
+def test_cross_scores_score_under_the_sampling_temperature(tiny_lm):
+    """Reasonings sampled at temperature T were written by softmax(logits / T): that is the p(z | x)
+    the estimate needs, not the T = 1 softmax."""
+    model, tokenizer = tiny_lm
+    scores, _ = mi.cross_scores(model, tokenizer, PROMPTS, REASONINGS, batch_size=4, temperature=0.5)
+    want = _plain_loop(model, tokenizer, PROMPTS, REASONINGS, temperature=0.5)
+    assert torch.allclose(scores.double(), want, atol=1e-4)
+    assert not torch.allclose(want, _plain_loop(model, tokenizer, PROMPTS, REASONINGS), atol=1e-2)
 
 
 def test_cross_scores_restores_training_mode(tiny_lm):

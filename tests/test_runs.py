@@ -84,6 +84,7 @@ def test_help_is_one_line_per_flag_with_its_default(capsys):
     (["--mi-samples", "0"], "--mi-samples"),
     (["--gamma", "5"], "--gamma"),
     (["--lam", "-3"], "--lam"),
+    (["--gamma", "0.99"], "only 1 is supported"),  # rewards sit on the last token: no discount
     (["--clip-c", "0.5"], "--clip-c"),
     (["--model", "./no/such/folder"], "no such folder"),
     (["--model", "tinny"], "did you mean --model tiny"),

@@ -7,6 +7,7 @@ import json
 import math
 import os
 
+import numpy as np
 import pytest
 import torch
 
@@ -154,6 +155,55 @@ def test_policy_logprobs_equal_the_full_logits_and_their_gradient(tmp_path):
         run.policy.zero_grad()
 
 
+def test_policy_logprobs_score_the_policy_at_its_sampling_temperature(tmp_path):
+    """Episodes sampled at T = 0.7: models.policy_logprobs at that temperature recomputes the
+    sampler's own log-probs (and the tempered entropy); scoring them at T = 1 -- what the update
+    did before it divided by T -- is another policy, far off."""
+    run = make_run(tmp_path, env="frozenlake")
+    torch.manual_seed(0)
+    policy = sampler.hf_policy(run.policy, run.tokenizer, 8, temperature=0.7)
+    batch = train.rollout_batch(run, rollout.play(policy, run.tokenizer, "frozenlake", [3, 5], 2,
+                                                  max_turns=2, **run.prompt))
+    ids, mask = batch["input_ids"], batch["policy_mask"][:, 1:]
+    sampled = batch["logprobs"][:, 1:]
+    with torch.no_grad():
+        logp, entropy = models.policy_logprobs(run.policy, ids, mask, True, temperature=0.7)
+        at_one, _ = models.policy_logprobs(run.policy, ids, mask)
+        logits = run.policy(input_ids=ids, attention_mask=batch["attention_mask"]).logits[:, :-1]
+    assert ppo.masked_mean((logp - sampled).abs(), mask) < 1e-4
+    assert ppo.masked_mean((at_one - sampled).abs(), mask) > 0.05
+    torch.testing.assert_close(entropy, ppo.entropy_from_logits(logits / 0.7) * mask, atol=1e-5, rtol=1e-5)
+
+
+def test_a_run_at_temperature_07_logs_the_sampler_and_the_update_agreeing(tmp_path):
+    out = str(tmp_path / "run")
+    assert train.main(SMALL + ["--env", "frozenlake", "--filter", "none", "--temperature", "0.7", "--steps", "1",
+                               "--mi-every", "0", "--val-every", "0", "--out", out]) == 0
+    (step,) = records(out)
+    assert 0 <= step["rollout_logprob_diff"] < 1e-4
+
+
+def test_the_update_trains_on_ppo_policy_loss_and_drgrpo_divides_by_the_response_budget(tmp_path, monkeypatch):
+    """The loss the README points to is the one that runs: every micro-batch's loss is
+    ppo.policy_loss. Dr.GRPO's at ratio 1 is -mean_b(A_b n_b) / L, n_b the episode's policy tokens
+    and L = max_turns x max_new_tokens, the most an episode can write (a constant, as Dr.GRPO's)."""
+    calls, original = [], ppo.policy_loss
+
+    def counted(*args, **kw):
+        calls.append(args[4])  # the aggregation
+        return original(*args, **kw)
+
+    monkeypatch.setattr(ppo, "policy_loss", counted)
+    run = make_run(tmp_path, env="sokoban", algo="drgrpo", mini_batch_size=16, micro_batch=3, entropy_coef=0.0)
+    episodes = play_scripted(run, [3, 5], group_size=4)
+    rewards = torch.tensor([e.total_reward for e in episodes]).view(2, 4)
+    stats = train.update_policy(run, episodes, rewards, torch.Generator().manual_seed(0))
+    assert calls == ["seq-mean-token-sum-norm"] * 3  # 8 episodes in micro-batches of 3
+    tokens = torch.tensor([sum(e.policy_mask) for e in episodes])
+    adv = grpo.group_advantages(rewards, normalize_std=False).reshape(-1)
+    assert stats["pg_loss"] == pytest.approx(-(adv * tokens).mean().item() / (2 * 8), abs=1e-6)
+
+
 @pytest.mark.parametrize("algo", ["ppo", "grpo"])
 def test_the_update_equals_a_plain_full_batch_step(tmp_path, algo):
     """update_policy (length-sorted micro-batches of their own width, no attention mask, log-probs
@@ -271,6 +321,28 @@ def test_the_diagnosis_counts_identical_prompts_as_one_target(tmp_path):
     assert different["retrieval_chance"] == 0.5
 
 
+def test_the_diagnosis_samples_every_prompt_alike(tmp_path, monkeypatch):
+    """The estimate's marginal mixes all N prompts of the batch, so each must be as likely to own a
+    sample: with fewer samples than groups they are drawn uniformly over the groups (not the first
+    groups only), one per group; with more, every group gives the same number."""
+    run = make_run(tmp_path, env="frozenlake", groups=4, group_size=2, mi_samples=2)
+    episodes = play_scripted(run, [1, 2, 3, 4], group_size=2)
+    owners = []
+    monkeypatch.setattr(train.mi, "cross_scores", lambda model, tokenizer, prompts, reasonings, **kw: (
+        torch.zeros(len(reasonings), len(prompts)), torch.ones(len(reasonings))))
+    monkeypatch.setattr(train.mi, "collapse_metrics", lambda scores, owner, *args, **kw: (
+        owners.append(owner) or {"mi_estimate": 0.0, "marginal_std": 0.0}))
+    for seed in range(400):
+        train.diagnose(run, episodes, np.random.default_rng(seed))
+    assert all(len(set(o)) == 2 for o in owners)
+    counts = np.bincount(np.concatenate(owners), minlength=4)  # 200 expected each, sd 12
+    assert counts.min() > 150 and counts.max() < 250
+    run.args.mi_samples = 7  # one from every group: three more would make three prompts likelier
+    owners.clear()
+    train.diagnose(run, episodes, None)
+    assert owners == [[0, 1, 2, 3]]
+
+
 # ------------------------------------------------------------------------------------------- Fig. 4
 
 def test_gradient_decomposition_task_norm_grows_with_real_spread(tmp_path):
@@ -294,6 +366,21 @@ def test_gradient_decomposition_task_norm_grows_with_real_spread(tmp_path):
     assert len({round(b["entropy_grad_norm"], 6) for b in buckets}) == 1
     # no optimiser step, no gradient left behind
     assert all(p.grad is None for p in run.policy.parameters())
+
+
+def test_fig4_kl_is_measured_against_the_initial_policy_without_a_kl_term(tmp_path):
+    """Without --kl-coef the decomposition still has a reference, the initial policy (for the tiny
+    policy its warm start): once the policy has moved, the KL gradient is not 0 -- with the policy
+    as its own reference it would be 0 by construction."""
+    run = make_run(tmp_path, env="frozenlake", groups=2, group_size=4, grad_decomp_every=1)
+    assert run.reference_model is not None
+    episodes = play_scripted(run, [2, 5], group_size=4)
+    rewards = torch.tensor([e.total_reward for e in episodes]).view(2, 4)
+    assert all(b["kl_grad_norm"] < 1e-6 for b in train.decompose_gradients(run, episodes, rewards))
+    with torch.no_grad():
+        for p in run.policy.parameters():
+            p.add_(0.01 * torch.randn_like(p))
+    assert all(b["kl_grad_norm"] > 1e-4 for b in train.decompose_gradients(run, episodes, rewards))
 
 
 # --------------------------------------------------------------------------------------------- LoRA
