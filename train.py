@@ -9,9 +9,9 @@ One training step, as `train` below runs it (the right column names the code):
                   first-turn reasoning under every prompt of the batch                mi
   3. filter       rank groups by reward std, keep Top-P / Top-K; dropped groups       snr_filter
                   never reach the advantages; nothing kept -> no update
-  4. old / ref    log-probs of the sampled tokens before the update, critic values    ppo
+  4. old / ref    log-probs of the sampled tokens before the update, critic values    models
   5. advantages   PPO: GAE with the critic, whitened; GRPO / Dr.GRPO: group-relative  ppo.gae, grpo
-  6. update       clipped loss - entropy bonus (+ KL), micro-batches, grad clip 1.0   ppo
+  6. update       clipped loss - entropy bonus (+ KL), micro-batches, grad clip 1.0   ppo.policy_loss
   7. bookkeeping  metrics.jsonl line, validation every 10 steps, checkpoint, figures
 
 Everything around the loop -- the command line, the run folder and its checkpoints, resuming -- is
