@@ -184,15 +184,19 @@ class Episode:
 
 def _split_reasoning(prompt_text, response_text):
     """(X, Z) for cross-scoring: X ends with the response's first "<think>" (the prompt's own format
-    example does not count), Z runs to "</think>". _split_reasoning("Q", "<think> a </think> b") ==
-    ("Q<think>", " a ")."""
+    example does not count), Z runs to "</think>" without the one space before it: BPE tokenizers
+    (Qwen's, the tiny one's) write that space into the closing tag's token, so Z re-tokenised alone
+    gives the tokens the policy sampled. _split_reasoning("Q", "<think> a </think> b") ==
+    ("Q<think>", " a")."""
     full = prompt_text + response_text
     start = full.find("<think>", len(prompt_text))
     if start < 0:
         return prompt_text, response_text
     start += len("<think>")
     stop = full.find("</think>", start)
-    return full[:start], full[start:] if stop < 0 else full[start:stop]
+    if stop < 0:
+        return full[:start], full[start:]
+    return full[:start], full[start:stop - (full[start:stop].endswith(" "))]
 
 
 def play(

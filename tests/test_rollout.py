@@ -95,7 +95,9 @@ def test_prompts_carry_state_reward_budget_and_format():
         "Turn 2. Reward of last turn: -0.10\nState:\nP_O\nYou have 8 actions left. "
         "Answer as <think> ... </think> <answer> ... </answer>, actions separated by ||.")
     assert "Reward" not in rollout.user_message("P_O", 0.0, 10, 1)
-    assert rollout._split_reasoning("Q", "<think> a </think> b") == ("Q<think>", " a ")
+    assert rollout._split_reasoning("Q", "<think> a </think> b") == ("Q<think>", " a")
+    assert rollout._split_reasoning("Q", "<think> a  </think>") == ("Q<think>", " a ")  # one space
+    assert rollout._split_reasoning("Q", "<think> </think>") == ("Q<think>", "")
     assert rollout._split_reasoning("Q<think>x</think>", "<think> a") == ("Q<think>x</think><think>", " a")
     assert rollout._split_reasoning("Q", "no tags") == ("Q", "no tags")
 
@@ -141,7 +143,7 @@ def test_group_mates_go_on_after_one_succeeds_on_turn_two(tokenizer):
         assert rewards.abs().sum() == pytest.approx(abs(e.total_reward))
         assert e.first_prompt.endswith("<|im_start|>assistant\n<think>") and SYSTEM in e.first_prompt
         assert e.logprobs is None
-    assert win.first_reasoning == " go right " and garbage.first_reasoning == "I refuse to use the format."
+    assert win.first_reasoning == " go right" and garbage.first_reasoning == "I refuse to use the format."
 
 
 def test_a_group_shares_its_layout_but_not_its_noise(tokenizer):
