@@ -235,8 +235,9 @@ def check_args(a):
 
 
 def check_fits(a, policy, tokenizer, prompt):
-    """Refuse a first turn that cannot fit the model's context window: the first prompt (the room or
-    lake size sets its length) and a reply of up to --max-new-tokens."""
+    """Refuse an episode that cannot fit the model's context window: the first prompt, then each
+    turn the state again (the room or lake size sets its length) and a reply of up to
+    --max-new-tokens."""
     context = getattr(policy.config.get_text_config(), "max_position_embeddings", None)
     if context is None:
         return
@@ -246,16 +247,19 @@ def check_fits(a, policy, tokenizer, prompt):
     env = envs.make_env(a.env, **env_kwargs(a))
     obs, _ = env.reset(seed=0)
     system = prompt.get("system") or rollout.system_prompt(env, a.max_actions_per_turn)
-    user = prompt.get("user", rollout.user_message)
+    user = prompt.get("user", rollout.user_message)(obs, 0.0, env.max_steps, 1)
     messages = [{"role": "system", "content": system(env) if callable(system) else system},
-                {"role": "user", "content": user(obs, 0.0, env.max_steps, 1)}]
+                {"role": "user", "content": user}]
     text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    length = len(tokenizer.encode(text, add_special_tokens=False))
-    if length + a.max_new_tokens > context:
-        size = {"sokoban": " (--room-size sets it)", "frozenlake": " (--lake-size sets it)"}
-        raise UsageError(f"the first prompt is {length} tokens{size.get(a.env, '')}: with "
-                         f"--max-new-tokens {a.max_new_tokens} its turn does not fit the model's "
-                         f"context of {context} tokens")
+    count = lambda t: len(tokenizer.encode(t, add_special_tokens=False, verbose=False))  # noqa
+    first = count(text)
+    longest = first + (a.max_turns - 1) * count(user) + a.max_turns * a.max_new_tokens
+    if longest > context:
+        size = {"sokoban": ", --room-size sets it", "frozenlake": ", --lake-size sets it"}
+        raise UsageError(f"an episode of --max-turns {a.max_turns} can reach {longest} tokens "
+                         f"(a first prompt of {first}{size.get(a.env, '')}, replies of up to "
+                         f"--max-new-tokens {a.max_new_tokens}), more than the model's context "
+                         f"of {context} tokens")
 
 
 def env_kwargs(a):
