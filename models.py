@@ -74,19 +74,30 @@ def load_policy(a, source, device, env_kwargs):
     import tiny
 
     if source == "tiny":
-        model, tokenizer = tiny.load_tiny(
-            a.env,
-            env_kwargs,
-            cache_dir=a.tiny_cache,
-            rebuild=a.rebuild_tiny,
-            warm_start=a.warm_start,
-        )
+        try:
+            model, tokenizer = tiny.load_tiny(
+                a.env,
+                env_kwargs,
+                cache_dir=a.tiny_cache,
+                rebuild=a.rebuild_tiny,
+                warm_start=a.warm_start,
+            )
+        except OSError as e:  # every file load_tiny reads or writes is in the cache folder
+            in_the_way = isinstance(e, (FileExistsError, NotADirectoryError))
+            why = "a file is in the way" if in_the_way else e.strerror or str(e)
+            raise ModelError(f"--tiny-cache {a.tiny_cache}: cannot use it as the warm start's "
+                             f"cache folder ({why})") from None
         return model.to(device), tokenizer, tiny.prompts(a.env)
     folder = os.path.expanduser(source)
     saved = {}  # what a checkpoint of ours adds: its prompt, its attention kernel, its LoRA base
     if os.path.isfile(os.path.join(folder, "policy.json")):
-        with open(os.path.join(folder, "policy.json")) as f:
-            saved = json.load(f)
+        try:
+            with open(os.path.join(folder, "policy.json")) as f:
+                saved = json.load(f)
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise ModelError(f"{folder}/policy.json is damaged ({e})") from None
+        if not isinstance(saved, dict):
+            raise ModelError(f"{folder}/policy.json is damaged (not a JSON object)")
     # LoRA adapters: the base model first, then the adapters on it
     if saved.get("lora_base") is not None:
         from peft import PeftModel

@@ -13,7 +13,8 @@ are overlaid in distinct styles.
     filter.png    kept ratio and zero-variance group fraction (Fig. 11a-b)
     length.png    response length per turn (Fig. 8)
 
-    python plots.py runs/sokoban-ppo-topp-* runs/sokoban-ppo-none-*   # PNGs into the first run
+    python plots.py runs/topp                 # PNGs into the run folder (train.py writes them too)
+    python plots.py runs/topp runs/none       # an overlay: PNGs into runs/topp+none, printed
     python plots.py RUN [RUN ...] --out figures/
 """
 
@@ -36,10 +37,10 @@ FIGURES = {
         (["val_success"], "validation success (step 0: before RL)", "success rate", (0, 1.02)),
     ],
     "collapse": [
-        (["mi_estimate"], "MI estimate I(X;Z)  (dashed: log N ceiling)", "nats per token", "mi"),
+        (["mi_estimate"], "MI estimate I(X;Z)  (dotted: log N ceiling)", "nats per token", "mi"),
         (
             ["retrieval_acc"],
-            "retrieval accuracy  (dashed: chance)",
+            "retrieval accuracy  (dotted: chance)",
             "fraction retrieved",
             (0, 1.02),
         ),
@@ -57,7 +58,13 @@ FIGURES = {
     ],
     "length": [(["response_length"], "response length", "tokens per turn", "zero")],
 }
-REFERENCE = {"mi_estimate": "mi_upper_bound", "retrieval_acc": "retrieval_chance"}  # dashed lines
+REFERENCE = {"mi_estimate": "mi_upper_bound", "retrieval_acc": "retrieval_chance"}  # dotted lines
+# why a panel can be empty: what the runs did not log
+NO_DATA = {"val_success": "no validation in these runs (--val-every 0)",
+           "mi_estimate": "no MI diagnosis in these runs (--mi-every 0)",
+           "retrieval_acc": "no MI diagnosis in these runs (--mi-every 0)",
+           "reasoning_entropy": "no MI diagnosis in these runs (--mi-every 0)",
+           "token_entropy": "no update in these runs (every step skipped)"}
 SMOOTH = {"train_success": 5}
 STYLES = ["-", "--", "-.", ":"]
 MARKERS = ["o", "s", "^", "D", "v", "P"]
@@ -115,14 +122,15 @@ def mean_and_se(runs, key, smooth=1):
 
 def draw_panel(ax, groups, keys, title, ylabel, yrange):
     """One panel: every label's mean (+- SE band when it holds several runs) for each key,
-    references dashed."""
-    top = 0.0
+    references dotted; a panel without data says why."""
+    top, drawn = 0.0, False
     for i, (label, runs) in enumerate(groups.items()):
         color = f"C{i % 10}"
         for k, key in enumerate(keys):
             steps, means, ses = mean_and_se(runs, key, SMOOTH.get(key, 1))
             if not steps:
                 continue
+            drawn = True
             style = STYLES[k] if len(keys) > 1 else STYLES[i % len(STYLES)]
             ax.plot(
                 steps,
@@ -149,6 +157,10 @@ def draw_panel(ax, groups, keys, title, ylabel, yrange):
                 if ref_steps:
                     ax.plot(ref_steps, refs, ":", color=color, linewidth=1)
                     top = max(top, max(refs))
+    if not drawn:
+        why = NO_DATA.get(keys[0], f"no {keys[0]} in these runs")
+        ax.text(0.5, 0.5, why.replace(" (", "\n("), ha="center", va="center",
+                transform=ax.transAxes, fontsize=8, color="0.4")
     ax.set_title(title, fontsize=9)
     ax.set_xlabel("step")
     ax.set_ylabel(ylabel)
@@ -184,20 +196,34 @@ def plot_runs(run_dirs, out_dir, labels=None, figures=FIGURES):
     return paths
 
 
+def overlay_folder(run_dirs):
+    """Where an overlay of several runs goes by default: a new folder beside the first run, named
+    after the runs, so that no run's own figures are replaced.
+
+    >>> overlay_folder(["runs/topp", "runs/none/"])
+    'runs/topp+none'
+    """
+    names = [os.path.basename(os.path.normpath(d)) for d in run_dirs]
+    name = "+".join(names) if len("+".join(names)) <= 100 else f"{names[0]}+{len(names) - 1}-more"
+    return os.path.join(os.path.dirname(os.path.normpath(run_dirs[0])), name)
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(
         description="Plot the paper's training curves from run folders."
     )
     parser.add_argument("runs", nargs="+", help="run folders holding metrics.jsonl")
     parser.add_argument(
-        "--out", default=None, help="folder for the PNGs (default: the first run folder)"
+        "--out", default=None, help="folder for the PNGs (default: the run folder for one run; "
+        "for several, a new folder beside the first, named after them: A+B)"
     )
     args = parser.parse_args(argv)
     missing = [d for d in args.runs if not os.path.isfile(os.path.join(d, "metrics.jsonl"))]
     if missing:
         print(f"error: no metrics.jsonl in {', '.join(missing)}", file=sys.stderr)
         return 2
-    for path in plot_runs(args.runs, args.out or args.runs[0]):
+    out = args.out or (args.runs[0] if len(args.runs) == 1 else overlay_folder(args.runs))
+    for path in plot_runs(args.runs, out):
         print(path)
     return 0
 

@@ -43,6 +43,10 @@ import models
 import rollout
 
 RESUMABLE = ("steps", "val_every", "save_every", "plot", "threads")  # what a resumed run may change
+# past these a run cannot finish or cannot fit: no step here takes under a second (10**7 s is four
+# months), and a step holds all its episodes, transcripts included, in memory at once
+MAX_STEPS = 10 ** 7
+MAX_EPISODES = 2 ** 16
 PHASES = {"collect_rollouts": "rollouts", "diagnose": "the MI diagnosis", "validate": "validation",
           "update_policy": "the update", "decompose_gradients": "the gradient decomposition"}
 
@@ -109,11 +113,12 @@ def build_parser(Args, defaults=True):
     parser = Parser(prog="train.py", usage="python train.py [flags]", description=description,
                     allow_abbrev=False, argument_default=None if defaults else argparse.SUPPRESS,
                     formatter_class=formatter)
-    on_off = {True: "on", False: "off"}
     for f in dataclasses.fields(Args):
         flag, dest = "--" + f.name.replace("_", "-"), f.name
         default = f.default if defaults else argparse.SUPPRESS
-        shown = "" if f.default is None else f" [{on_off.get(f.default, f.default)}]"
+        # on / off for a boolean only: 1 == True, so a dict lookup would call --seed 0 "off"
+        value = ("on" if f.default else "off") if f.type is bool else f.default
+        shown = "" if f.default is None else f" [{value}]"
         if f.type is bool:
             parser.add_argument(flag, action="store_true", dest=dest, default=default,
                                 help=f.metadata["help"] + shown)
@@ -185,10 +190,22 @@ def check_args(a):
     numbers = [v for v in dataclasses.asdict(a).values() if isinstance(v, float)]
     need(all(math.isfinite(v) for v in numbers), "every number must be finite (no nan / inf)")
     need(0 <= a.seed <= 2 ** 32 - 1, f"--seed must be in 0..2**32-1, got {a.seed}")
-    need(a.steps >= 0, f"--steps must be >= 0, got {a.steps}")
+    need(0 <= a.steps <= MAX_STEPS, f"--steps must be in 0..{MAX_STEPS:,}, got {a.steps} (at least "
+         f"a second a step: {MAX_STEPS:,} steps take four months)")
     need(0 < a.top_p <= 1, f"--top-p must be in (0, 1], got {a.top_p}")
     need(0 < a.top_k <= 1, f"--top-k is a fraction of the groups in (0, 1], got {a.top_k}")
     need(a.groups >= 1 and a.group_size >= 1, "--groups and --group-size must be >= 1")
+    need(a.group_size <= 1000, f"--group-size must be <= 1000, got {a.group_size}")
+    need(max(a.groups * a.group_size, a.val_seeds) <= MAX_EPISODES,
+         f"--groups x --group-size and --val-seeds must be <= {MAX_EPISODES} episodes (a step "
+         f"holds them all in memory at once), got {a.groups} x {a.group_size}, {a.val_seeds}")
+    # one rollout a group has no reward spread: the filter has nothing to rank and a group-relative
+    # advantage is 0; plain PPO (critic, no filter) still learns from it
+    why = (f"--filter {a.filter} has nothing to rank" if a.filter != "none" else
+           f"--algo {a.algo}'s group-relative advantage is always 0")
+    need(a.group_size >= 2 or (a.algo == "ppo" and a.filter == "none"),
+         f"--group-size 1 gives every group zero reward spread: {why} (use --group-size 2 or "
+         f"more, or --algo ppo --filter none)")
     need(a.max_turns >= 1 and a.max_actions_per_turn >= 1,
          "--max-turns and --max-actions-per-turn must be >= 1")
     need(a.mini_batch_size >= 1 and a.epochs >= 1, "--mini-batch-size and --epochs must be >= 1")
@@ -206,8 +223,9 @@ def check_args(a):
          "need --temperature > 0, --val-temperature >= 0, --sample-top-p in (0, 1]")
     need(a.max_new_tokens is None or a.max_new_tokens >= 1, "--max-new-tokens must be >= 1")
     need(a.mi_samples >= 1 and a.val_seeds >= 1, "--mi-samples and --val-seeds must be >= 1")
-    need(min(a.mi_every, a.val_every, a.grad_decomp_every, a.save_every) >= 0,
-         "--*-every must be >= 0")
+    for name in ("mi_every", "val_every", "grad_decomp_every", "save_every"):
+        value = getattr(a, name)
+        need(value >= 0, f"--{name.replace('_', '-')} must be >= 0 (0 = never), got {value}")
     need(a.lora >= 0 and (a.lora_alpha is None or a.lora_alpha > 0),
          "--lora must be >= 0, --lora-alpha > 0")
     need(a.threads is None or a.threads >= 1, "--threads must be >= 1")
@@ -215,6 +233,34 @@ def check_args(a):
         envs.make_env(a.env, **env_kwargs(a)).reset(seed=0)
     except ValueError as e:
         raise UsageError(f"--env {a.env}: {e}") from None
+
+
+def check_fits(a, policy, tokenizer, prompt):
+    """Refuse an episode that cannot fit the model's context window: the first prompt, then each
+    turn the state again (the room or lake size sets its length) and a reply of up to
+    --max-new-tokens."""
+    context = getattr(policy.config.get_text_config(), "max_position_embeddings", None)
+    if context is None:
+        return
+    if a.max_new_tokens >= context:
+        raise UsageError(f"--max-new-tokens {a.max_new_tokens}: a reply cannot be longer than the "
+                         f"model's context of {context} tokens")
+    env = envs.make_env(a.env, **env_kwargs(a))
+    obs, _ = env.reset(seed=0)
+    system = prompt.get("system") or rollout.system_prompt(env, a.max_actions_per_turn)
+    user = prompt.get("user", rollout.user_message)(obs, 0.0, env.max_steps, 1)
+    messages = [{"role": "system", "content": system(env) if callable(system) else system},
+                {"role": "user", "content": user}]
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    count = lambda t: len(tokenizer.encode(t, add_special_tokens=False, verbose=False))  # noqa
+    first = count(text)
+    longest = first + (a.max_turns - 1) * count(user) + a.max_turns * a.max_new_tokens
+    if longest > context:
+        size = {"sokoban": ", --room-size sets it", "frozenlake": ", --lake-size sets it"}
+        raise UsageError(f"an episode of --max-turns {a.max_turns} can reach {longest} tokens "
+                         f"(a first prompt of {first}{size.get(a.env, '')}, replies of up to "
+                         f"--max-new-tokens {a.max_new_tokens}), more than the model's context "
+                         f"of {context} tokens")
 
 
 def env_kwargs(a):
@@ -254,15 +300,24 @@ def start(a):
     checkpoint. None: a finished run, nothing to do."""
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     resolve_defaults(a, device)
-    created = open_folder(a)
-    lock = None
+    check_folder(a)
+    if a.model == "tiny":  # before a warm start is built for a world whose prompts cannot fit
+        import tiny
+        check_fits(a, *tiny.load_tiny(a.env, env_kwargs(a), warm_start=False), tiny.prompts(a.env))
+    created, lock, ckpt = False, None, None
     try:
-        lock = lock_folder(a.out)
-        ckpt = recover_checkpoint(a.out) if a.resume else None
-        if a.resume and finished(a, ckpt):
-            lock.close()
-            return None
+        if a.resume:
+            lock = lock_folder(a.out)
+            ckpt = recover_checkpoint(a.out)
+            if finished(a, ckpt):
+                lock.close()
+                return None
         run = load_run(a, device, ckpt or a.model)
+        if a.model != "tiny":
+            check_fits(a, run.policy, run.tokenizer, run.prompt)
+        if not a.resume:  # made only now: a start killed while the models load leaves no folder
+            created = open_folder(a)
+            lock = lock_folder(a.out)
         run.lock = lock
         seed_everything(a.seed)  # after the models: whether a warm start was built or loaded
         if ckpt:
@@ -270,7 +325,7 @@ def start(a):
             print(f"resuming {a.out} after step {run.step}")
         elif a.resume:
             print(f"{a.out} has no checkpoint yet: starting it from step 0")
-        truncate_metrics(os.path.join(a.out, "metrics.jsonl"), run.step if ckpt else -1)
+        restore_metrics(os.path.join(a.out, "metrics.jsonl"), ckpt)
         run.last = last_metrics(os.path.join(a.out, "metrics.jsonl"))
         write_config(a)
         run.log = open(os.path.join(a.out, "metrics.jsonl"), "a")
@@ -319,22 +374,36 @@ def resolve_defaults(a, device):
     stamp = time.strftime("%Y%m%d-%H%M%S")
     if a.steps == 0 and a.out is None:  # evaluating a model
         name = os.path.basename(os.path.normpath(a.model))
+        if os.path.isfile(os.path.join(a.model, "policy.json")):  # a checkpoint: named by its run
+            name = os.path.basename(os.path.dirname(os.path.abspath(a.model)))
         a.out = os.path.join("runs", f"eval-{a.env}-{name}-{stamp}")
     a.out = a.out or os.path.join("runs", f"{a.env}-{a.algo}-{a.filter}-{stamp}")
 
 
 # ----------------------------------------------------------------------------------- the run folder
 
-def open_folder(a):
-    """Create --out for a new run (True), or check the folder of a resumed one (False). A new run
-    never writes into a folder that already holds a run."""
+def check_folder(a):
+    """Before anything loads: the folder of a resumed run exists; --out of a new run holds no run
+    and could be made (it is made only once the models are loaded: open_folder)."""
     if a.resume:
         if not os.path.isdir(a.out):
             raise UsageError(f"--resume {a.out}: no such run folder")
-        return False
+        return
     if any(os.path.isfile(os.path.join(a.out, f)) for f in ("config.json", "metrics.jsonl")):
         raise UsageError(f"--out {a.out} already holds a run: continue it with --resume {a.out}, "
                          f"or choose another --out")
+    parent = os.path.abspath(a.out)
+    while not os.path.exists(parent):
+        parent = os.path.dirname(parent)
+    if not os.path.isdir(parent) or not os.access(parent, os.W_OK):
+        why = "not a folder" if not os.path.isdir(parent) else "no permission"
+        raise UsageError(f"--out {a.out}: cannot write there ({why}: {parent})")
+
+
+def open_folder(a):
+    """Create --out for a new run: True when this made it. A new run never writes into a folder
+    that already holds a run."""
+    check_folder(a)
     existed = os.path.isdir(a.out)
     try:
         os.makedirs(a.out, exist_ok=True)
@@ -384,18 +453,54 @@ def atomic_write(path, text):
     os.replace(path + ".tmp", path)
 
 
-def truncate_metrics(path, step):
-    """Keep the lines of steps <= step: the steps after the checkpoint run again, logged once."""
-    if os.path.isfile(path):
-        kept = [line for line in open(path) if line.strip() and _step_of(line) <= step]
-        atomic_write(path, "".join(kept))
+def restore_metrics(path, ckpt):
+    """The log as it stood at checkpoint `ckpt` (None: no checkpoint, an empty log): the lines of
+    the steps after it go, as those steps run again. A log damaged up to that step (a line that is
+    no record, a step missing) is rewritten from the checkpoint's copy, saying so; without a copy
+    (a checkpoint of an older version) the run is refused. Never a log with holes."""
+    step = checkpoint_step(ckpt) if ckpt else -1
+    lines = open(path).readlines() if os.path.isfile(path) else []
+    kept = [line for line in lines if _step_of(line) <= step]
+    copy = os.path.join(ckpt, "metrics.jsonl") if ckpt else None
+    saved = open(copy).read() if copy and os.path.isfile(copy) else None
+    problems = log_damage(lines, step)
+    if saved is not None and "".join(kept) != saved:
+        problems = problems or ["it differs from the checkpoint's copy"]
+        print(f"{path} is damaged ({'; '.join(problems)}): rewrote its steps up to {step} from "
+              f"the checkpoint's copy")
+        kept = [saved]
+    elif problems:
+        raise UsageError(f"{path} is damaged ({'; '.join(problems)}) and the checkpoint holds no "
+                         f"copy of it: repair the file or start the run again")
+    atomic_write(path, "".join(kept))
+
+
+def log_damage(lines, step):
+    """What keeps a log from holding every step 1..step once: lines that are no record (a kill's
+    half-written last line, after the kept steps, is not damage), missing or repeated steps."""
+    steps = [_step_of(line) for line in lines]
+    last = max((i for i, s in enumerate(steps) if s <= step), default=-1)
+    bad = [i + 1 for i, s in enumerate(steps[:last]) if s == float("inf")]
+    kept = [s for s in steps if s <= step]
+    missing = sorted(set(range(1, step + 1)) - set(kept))
+    problems = []
+    if bad:
+        problems.append(f"line {bad[0]} is not a metrics record")
+    if len(missing) == 1:
+        problems.append(f"step {missing[0]} is missing")
+    elif missing:
+        problems.append(f"{len(missing)} steps are missing ({missing[0]} to {missing[-1]})")
+    if len(set(kept)) < len(kept):
+        problems.append("a step is logged twice")
+    return problems
 
 
 def _step_of(line):
     try:
-        return json.loads(line)["step"]
+        step = json.loads(line)["step"]
     except (json.JSONDecodeError, KeyError, TypeError):
-        return float("inf")  # a half-written line of a killed run
+        return float("inf")  # a half-written line of a killed run, or damage
+    return step if isinstance(step, int) else float("inf")
 
 
 def last_metrics(path):
@@ -420,10 +525,21 @@ def record(run, m):
     if run.args.save_every and (run.step % run.args.save_every == 0 or run.step == run.args.steps):
         save_checkpoint(run, run.step)
     if run.bar is not None:
-        get = lambda k: run.last.get(k, float("nan"))  # noqa: E731
         run.bar.update(1)
-        run.bar.set_postfix_str(f"success={get('train_success'):.2f} val={get('val_success'):.2f} "
-                                f"kept={get('kept_ratio'):.2f} mi={get('mi_estimate'):.2f}nats")
+        run.bar.set_postfix_str(progress(run.last))
+
+
+def progress(last):
+    """The progress bar's newest values; one not measured yet (no validation or diagnosis so far,
+    or a diagnosis without reasoning to score) is left out, not shown as nan.
+
+    >>> progress({"train_success": 0.5, "kept_ratio": 1.0, "mi_estimate": float("nan")})
+    'success=0.50 kept=1.00'
+    """
+    shown = [("success", "train_success", ""), ("val", "val_success", ""),
+             ("kept", "kept_ratio", ""), ("mi", "mi_estimate", " nats")]
+    return " ".join(f"{name}={last[k]:.2f}{unit}" for name, k, unit in shown
+                    if isinstance(last.get(k), (int, float)) and math.isfinite(last[k]))
 
 
 def finish(run):
@@ -468,6 +584,8 @@ def save_checkpoint(run, step):
                     "critic": run.critic.state_dict() if run.critic is not None else None,
                     "optimizers": [o.state_dict() for o in run.optimizers]},
                    os.path.join(tmp, "trainer_state.pt"))
+        # the log so far, to repair a damaged metrics.jsonl from (restore_metrics)
+        shutil.copyfile(os.path.join(out, "metrics.jsonl"), os.path.join(tmp, "metrics.jsonl"))
         atomic_write(os.path.join(tmp, "complete"), json.dumps({"step": step}))
     except (OSError, RuntimeError) as e:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -514,15 +632,15 @@ def restore(run, folder):
             run.critic.load_state_dict(ckpt["critic"])
         for opt, s in zip(run.optimizers, ckpt["optimizers"]):
             opt.load_state_dict(s)
-    except (OSError, RuntimeError, KeyError, ValueError, EOFError, TypeError) as e:
-        first = str(e).strip().splitlines()[0]
+        torch.set_rng_state(ckpt["rng"]["torch"])
+        np.random.set_state(ckpt["rng"]["numpy"])
+        random.setstate(ckpt["rng"]["python"])
+        if ckpt["rng"]["cuda"] is not None and torch.cuda.is_available():
+            torch.cuda.set_rng_state_all(ckpt["rng"]["cuda"])
+        return ckpt["step"], ckpt["state"]
+    except Exception as e:  # whatever unpickling a damaged file raises (random bytes: pickle's)
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
         raise UsageError(f"cannot resume: {folder} is damaged ({first})") from None
-    torch.set_rng_state(ckpt["rng"]["torch"])
-    np.random.set_state(ckpt["rng"]["numpy"])
-    random.setstate(ckpt["rng"]["python"])
-    if ckpt["rng"]["cuda"] is not None and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(ckpt["rng"]["cuda"])
-    return ckpt["step"], ckpt["state"]
 
 
 def seed_everything(seed):

@@ -245,9 +245,12 @@ def _build(folder, tokenizer, env_name, env_kwargs, steps, seed, progress, sizes
             saved = torch.load(partial, weights_only=False)
             model.load_state_dict(saved["model"])
             start, state, losses = saved["step"], saved["optimizer"], saved["losses"]
-        except (OSError, RuntimeError, KeyError, EOFError, ValueError):
-            # a damaged partial build: start over
+        except Exception as e:  # whatever a damaged file makes unpickling raise: start over
+            why = (str(e).strip().splitlines() or [type(e).__name__])[0]
+            print(f"the saved progress of the warm start, {partial}, is damaged ({why}); "
+                  f"building it from the start")
             model = build_model(tokenizer, seed=seed, **sizes)
+            start, state, losses = 0, None, []
     again = f" (continuing at step {start})" if start else ""
     print(f"building the tiny policy's warm start for {env_name}: behaviour cloning on solver "
           f"demonstrations, {steps} steps{again}. A one-time build, cached in {folder}; later runs "

@@ -38,3 +38,40 @@ def test_overlaid_runs_give_one_png_per_figure(tmp_path):
 def test_a_folder_without_metrics_is_a_clear_error(tmp_path, capsys):
     assert plots.main([str(tmp_path)]) == 2
     assert "no metrics.jsonl" in capsys.readouterr().err
+
+
+def test_an_overlay_leaves_the_runs_own_figures_alone(tmp_path, capsys):
+    write_run(tmp_path / "topp", 10, 0.6)
+    write_run(tmp_path / "none", 10, 0.3)
+    assert plots.main([str(tmp_path / "topp"), str(tmp_path / "none")]) == 0
+    assert not list((tmp_path / "topp").glob("*.png"))  # nothing written into the first run
+    printed = capsys.readouterr().out.split()
+    assert printed == [str(tmp_path / "topp+none" / f"{name}.png") for name in plots.FIGURES]
+    assert plots.main([str(tmp_path / "topp")]) == 0 and (tmp_path / "topp" / "success.png").exists()
+
+
+def test_a_panel_without_data_says_why(tmp_path):
+    write_run(tmp_path / "a", 3, 0.5)  # no validation logged
+    fig, ax = plots.plt.subplots()
+    plots.draw_panel(ax, {"a": [plots.read_metrics(tmp_path / "a")]}, *plots.FIGURES["success"][1])
+    assert [t.get_text() for t in ax.texts] == ["no validation in these runs\n(--val-every 0)"]
+    fig, ax = plots.plt.subplots()
+    plots.draw_panel(ax, {"a": [plots.read_metrics(tmp_path / "a")]}, *plots.FIGURES["success"][0])
+    assert not ax.texts  # a panel with data has no such words
+    plots.plt.close("all")
+
+
+def test_titles_name_the_line_styles_drawn(tmp_path):
+    write_run(tmp_path / "a", 10, 0.5)
+    with open(tmp_path / "a" / "metrics.jsonl", "a") as f:  # the references the collapse panels draw
+        f.write("\n" + json.dumps({"step": 100, "mi_estimate": 0.2, "mi_upper_bound": 2.0, "retrieval_acc": 0.5,
+                                   "retrieval_chance": 0.25, "reasoning_entropy": 1.0,
+                                   "conditional_entropy": 0.8}) + "\n")
+    names = {"-": "solid", "--": "dashed", ":": "dotted"}
+    for panel in plots.FIGURES["collapse"]:
+        fig, ax = plots.plt.subplots()
+        plots.draw_panel(ax, {"a": [plots.read_metrics(tmp_path / "a")]}, *panel)
+        drawn = {names[line.get_linestyle()] for line in ax.get_lines()}
+        said = {word for word in names.values() if word in panel[1]}
+        assert said <= drawn, (panel[1], drawn)
+        plots.plt.close(fig)

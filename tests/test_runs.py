@@ -67,6 +67,10 @@ def test_help_is_one_line_per_flag_with_its_default(capsys):
     assert len(options) == len(dataclasses.fields(train.Args)) + 1  # every flag, and --help
     text = "\n".join(options)
     assert "environment: sokoban, frozenlake, bandit [sokoban]" in text and "[0.9]" in text and "[on]" in text
+    shown = {line.split()[0]: line.rsplit("[", 1)[-1].rstrip("]") for line in options if line.endswith("]")}
+    # numbers are numbers, even 0 and 1 (Python's 1 == True); on / off only for on/off flags
+    assert (shown["--seed"], shown["--epochs"], shown["--success-rate"], shown["--kl-coef"]) == ("0", "1", "1.0", "0.0")
+    assert (shown["--warm-start"], shown["--include-zero"]) == ("on", "off")
 
 
 @pytest.mark.parametrize("argv, words", [
@@ -91,6 +95,20 @@ def test_help_is_one_line_per_flag_with_its_default(capsys):
     (["--model", "no-such-org/no-such-model"], "not in the local Hugging Face cache"),
     (["--resume", "/no/such/run"], "--resume"),
     (["--env", "frozenlake", "--success-rate", "2"], "success_rate"),
+    (["--mi-every", "-1"], "--mi-every must be >= 0"),
+    (["--save-every", "-2"], "--save-every must be >= 0"),
+    # what cannot run or cannot mean anything, each with its reason
+    (["--steps", "99999999999999999999999"], "four months"),
+    (["--groups", "100000000"], "in memory"),
+    (["--val-seeds", "100000000"], "in memory"),
+    (["--group-size", "5000"], "--group-size must be <= 1000"),
+    (["--group-size", "1"], "zero reward spread: --filter topp has nothing to rank"),
+    (["--group-size", "1", "--filter", "none", "--algo", "grpo"], "advantage is always 0"),
+    (["--room-size", "200"], "--room-size sets it"),
+    (["--room-size", "60"], "context of 4096 tokens"),  # the first turn fits, five do not
+    (["--env", "frozenlake", "--lake-size", "100"], "--lake-size sets it"),
+    (["--max-new-tokens", "100000000"], "a reply cannot be longer than the model's context"),
+    (["--max-new-tokens", "1000"], "more than the model's context"),
 ])
 def test_bad_arguments_print_one_line_exit_2_and_leave_nothing(tmp_path, argv, words, capsys):
     out = tmp_path / "never"
@@ -101,11 +119,51 @@ def test_bad_arguments_print_one_line_exit_2_and_leave_nothing(tmp_path, argv, w
     assert time.time() - started < 20
 
 
+def test_large_but_real_settings_are_kept(tmp_path):
+    argv = ["--steps", "100000", "--groups", "512", "--group-size", "64", "--val-seeds", "4096", "--room-size",
+            "20", "--max-new-tokens", "256", "--mi-every", "1000"]
+    a = runs.parse_args(train.Args, argv + ["--model", "tiny", "--no-warm-start"])
+    runs.resolve_defaults(a, torch.device("cpu"))
+    runs.check_fits(a, *tiny.load_tiny(a.env, warm_start=False), tiny.prompts(a.env))
+    # a group of one is plain PPO without a filter: it learns from the critic
+    runs.parse_args(train.Args, ["--group-size", "1", "--filter", "none", "--algo", "ppo"])
+
+
 def test_bad_arguments_from_the_shell_give_no_traceback():
     proc = subprocess.run([sys.executable, "train.py", "--top-p", "7"], cwd=ROOT, capture_output=True, text=True,
                           env={**os.environ, "HF_HUB_OFFLINE": "1"})
     assert proc.returncode == 2
     assert "Traceback" not in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
+
+
+def test_an_unusable_tiny_cache_is_one_line(tmp_path, capsys):
+    a_file = tmp_path / "file"
+    a_file.write_text("x")
+    for cache in (a_file, a_file / "below"):
+        out = tmp_path / "run"
+        fails(["--model", "tiny", "--steps", "1", "--tiny-cache", str(cache), "--out", str(out)], capsys,
+              "--tiny-cache")
+        assert not out.exists()
+
+
+def test_the_run_folder_is_made_only_once_the_models_are_loaded(tmp_path, monkeypatch):
+    """A start killed (kill -9) while the models load or the warm start builds leaves no folder."""
+    out, seen, load = tmp_path / "run", [], runs.load_run
+
+    def watched(*args):
+        seen.append(out.exists())
+        return load(*args)
+
+    monkeypatch.setattr(runs, "load_run", watched)
+    assert train.main(SMALL + ["--steps", "1", "--out", str(out), "--mi-every", "0"]) == 0
+    assert seen == [False] and (out / "config.json").exists()
+
+
+def test_the_progress_bar_shows_no_nan(tmp_path, capsys):
+    out = str(tmp_path / "run")
+    assert train.main(SMALL + ["--steps", "2", "--out", out, "--mi-every", "0", "--val-every", "0"]) == 0
+    err = capsys.readouterr().err
+    assert "success=" in err and "kept=" in err and "nan" not in err  # no diagnosis, no validation
 
 
 def test_unusable_out_folders(tmp_path, capsys):
@@ -156,6 +214,9 @@ def test_resume_keeps_the_runs_settings_and_leaves_a_finished_run_alone(tmp_path
         os.path.join(d, "config.json.x"), os.path.join(d, "config.json")), "not a int"),
     (lambda d: open(os.path.join(d, "checkpoint", "trainer_state.pt"), "r+b").truncate(100), "damaged"),
     (lambda d: open(os.path.join(d, "checkpoint", "model.safetensors"), "r+b").truncate(100), "cannot load"),
+    (lambda d: open(os.path.join(d, "checkpoint", "trainer_state.pt"), "wb").write(os.urandom(4096)), "damaged"),
+    (lambda d: open(os.path.join(d, "checkpoint", "policy.json"), "w").write("garbage"), "policy.json is damaged"),
+    (lambda d: open(os.path.join(d, "checkpoint", "policy.json"), "w").write("[]"), "policy.json is damaged"),
 ])
 def test_a_damaged_run_folder_is_one_line(tmp_path, capsys, damage, words):
     out = str(tmp_path / "run")
@@ -164,6 +225,40 @@ def test_a_damaged_run_folder_is_one_line(tmp_path, capsys, damage, words):
     damage(out)
     fails(["--resume", out, "--steps", "2"], capsys, words)
     assert os.path.isdir(out)  # a resumed run's folder is never removed
+
+
+def garbage_line_2(path):
+    lines = open(path).readlines()
+    lines[1] = "garbage\n"
+    open(path, "w").writelines(lines)
+
+
+@pytest.mark.parametrize("damage, words", [
+    (garbage_line_2, "line 2 is not a metrics record; step 1 is missing"),
+    (lambda path: open(path, "r+").truncate(os.path.getsize(path) // 2), "2 steps are missing (1 to 2)"),
+    (os.remove, "2 steps are missing (1 to 2)"),
+])
+def test_a_damaged_log_is_repaired_from_the_checkpoint_saying_so(tmp_path, capsys, damage, words):
+    out = str(tmp_path / "run")
+    assert train.main(SMALL + ["--steps", "2", "--out", out, "--mi-every", "1"]) == 0
+    before = open(os.path.join(out, "metrics.jsonl")).readlines()
+    capsys.readouterr()
+    damage(os.path.join(out, "metrics.jsonl"))
+    assert train.main(["--resume", out, "--steps", "3"]) == 0
+    said = capsys.readouterr().out
+    assert "metrics.jsonl is damaged (" + words in said and "from the checkpoint's copy" in said
+    after = open(os.path.join(out, "metrics.jsonl")).readlines()
+    assert after[:3] == before and [r["step"] for r in records(out)] == [0, 1, 2, 3]  # no hole
+
+
+def test_a_damaged_log_without_a_copy_is_refused(tmp_path, capsys):
+    out = str(tmp_path / "run")
+    assert train.main(SMALL + ["--steps", "2", "--out", out, "--mi-every", "0"]) == 0
+    capsys.readouterr()
+    os.remove(os.path.join(out, "checkpoint", "metrics.jsonl"))  # as an older checkpoint
+    garbage_line_2(os.path.join(out, "metrics.jsonl"))
+    fails(["--resume", out, "--steps", "3"], capsys, "line 2 is not a metrics record; step 1 is missing) and "
+          "the checkpoint holds no copy")
 
 
 class Killed(BaseException):
@@ -299,13 +394,17 @@ def test_the_same_result_whether_the_warm_start_was_built_or_loaded(tmp_path, mo
     same_metrics(records(tmp_path / "built"), records(tmp_path / "loaded"))
 
 
-def test_evaluating_a_checkpoint_is_one_command(tmp_path, capsys):
-    out, ev = str(tmp_path / "run"), str(tmp_path / "eval")
+def test_evaluating_a_checkpoint_is_one_command(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    out = "topp"
     assert train.main(SMALL + ["--algo", "grpo", "--steps", "1", "--out", out, "--mi-every", "0"]) == 0
     ckpt = os.path.join(out, "checkpoint")
-    assert train.main(["--env", "sokoban", "--model", ckpt, "--steps", "0", "--val-seeds", "2", "--max-turns", "2",
-                       "--max-new-tokens", "8", "--out", ev]) == 0
+    assert train.main(["--env", "sokoban", "--model", ckpt + "/", "--steps", "0", "--val-seeds", "2", "--max-turns",
+                       "2", "--max-new-tokens", "8"]) == 0
     assert "2 held-out seeds, one rollout each, temperature 0.5" in capsys.readouterr().out
+    (ev,) = os.listdir("runs")
+    assert ev.startswith("eval-sokoban-topp-")  # named after the run evaluated
+    ev = os.path.join("runs", ev)
     (r,) = records(ev)
     assert r["step"] == 0 and 0.0 <= r["val_success"] <= 1.0
     tok = models.load_policy(train.Args(), ckpt, torch.device("cpu"), {})[1]  # the tiny tokenizer

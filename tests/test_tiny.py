@@ -181,6 +181,17 @@ def test_a_damaged_cache_entry_is_built_again(tmp_path, capsys, damage):
     assert build(tmp_path)[0] is not None and "is damaged" not in capsys.readouterr().out
 
 
+def test_a_damaged_partial_build_is_started_over_saying_so(tmp_path, capsys):
+    straight, _ = tiny.load_tiny("bandit", cache_dir=str(tmp_path / "a"), steps=4, progress=False, **SIZES)
+    folder = tiny.cache_folder(str(tmp_path / "b"), "bandit", tiny.build_tokenizer(), None, steps=4, seed=0, **SIZES)
+    os.makedirs(tmp_path / "b")
+    with open(folder + ".partial.pt", "wb") as f:
+        f.write(os.urandom(4096))  # random bytes: pickle's own error, not one of torch's
+    built, _ = tiny.load_tiny("bandit", cache_dir=str(tmp_path / "b"), steps=4, progress=False, **SIZES)
+    assert "is damaged" in capsys.readouterr().out and not os.path.exists(folder + ".partial.pt")
+    assert all(torch.equal(p, q) for p, q in zip(straight.parameters(), built.parameters()))
+
+
 def _flip(path):
     data = bytearray(path.read_bytes())
     data[-17] ^= 0xFF  # one byte of the last weights
