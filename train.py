@@ -34,6 +34,8 @@ import runs
 import snr_filter
 
 VAL_SEED_BASE = 10_000_000  # validation seeds are 10_000_000 + i; training seeds are drawn below it
+PROBE_SEED_BASE = 20_000_000  # the probe set's prompts: 20_000_000 + i, held out like validation's
+CONTROL_STREAM = 1  # the random control's draws: np.random.default_rng([seed, step, 1])
 MAX_SKIPS = 5  # stop after this many steps in a row without reward spread (the official default)
 ANALYSIS_KL_COEF = 1e-3  # the KL coefficient of the paper's analysis runs, for Fig. 4
 AGGREGATION = {"ppo": "token-mean", "grpo": "seq-mean-token-mean", "drgrpo": "seq-mean-token-sum"}
@@ -57,8 +59,10 @@ class Args:
     # the algorithm
     algo: str = arg("ppo", "ppo: critic + GAE; grpo: group-normalised; drgrpo: no std division",
                     choices=tuple(AGGREGATION))
-    filter: str = arg("topp", "SNR-aware filter on the groups' reward std",
-                      choices=snr_filter.MODES)
+    filter: str = arg("topp", "SNR-aware filter on the groups' reward std; random / bottom: "
+                      "controls", choices=snr_filter.MODES + snr_filter.CONTROLS)
+    control_of: str = arg("topk", "random / bottom keep as many groups as this filter would",
+                          choices=("topk", "topp"))
     top_p: float = arg(0.9, "topp: keep the best groups until this fraction of the summed std")
     top_k: float = arg(0.5, "topk: keep max(1, int(top_k * groups)) best groups")
     filter_prob_mode: str = arg("linear", "topp: on the std itself or on its softmax",
@@ -80,6 +84,8 @@ class Args:
     lam: float = arg(1.0, "GAE lambda")
     mini_batch_size: int = arg(32, "trajectories per optimiser step")
     epochs: int = arg(1, "passes over the kept batch per step")
+    optimizer_steps: int = arg(0, "cut the kept batch into N mini-batches whatever its size "
+                               "(0: of --mini-batch-size each)")
     grad_clip: float = arg(1.0, "gradient norm clip")
     # generation
     temperature: float = arg(1.0, "sampling temperature of the rollouts")
@@ -102,6 +108,8 @@ class Args:
     # diagnosis, validation, output
     mi_every: int = arg(5, "cross-scoring diagnosis at step 1 and every N steps (0 = off)")
     mi_samples: int = arg(64, "samples cross-scored per diagnosis")
+    probe_prompts: int = arg(8, "fixed held-out prompts diagnosed at every diagnosis (0 = off)")
+    probe_samples: int = arg(8, "first-turn reasonings sampled per probe prompt")
     grad_decomp_every: int = arg(0, "task / KL / entropy gradient norms per spread bucket, every N")
     val_every: int = arg(10, "validation before training, every N steps and at the end")
     val_seeds: int = arg(64, "held-out validation seeds (one rollout each)")
@@ -134,12 +142,14 @@ def train(run):
         t1 = time.time()
         if a.mi_every and (step == 1 or step % a.mi_every == 0):
             m.update(diagnose(run, episodes))
+            m.update(probe(run))
         if a.grad_decomp_every and step % a.grad_decomp_every == 0:
             m["grad_decomposition"] = decompose_gradients(run, episodes, rewards)
 
         # 3. the filter: whole groups, before any advantage is computed
-        keep, stats = select(a, rewards)                                                    # [G]
+        keep, stats = select(a, rewards, step)                                              # [G]
         m.update(stats, time_scoring=time.time() - t1, skipped=not keep.any())
+        m.update(snr_filter.zero_spread_split(rewards, [e.success for e in episodes]))
 
         # 4-6. the update, on the kept groups only
         t2 = time.time()
@@ -227,10 +237,17 @@ def decompose_gradients(run, episodes, rewards):
     return [{k: v for k, v in b.items() if k != "groups"} for b in buckets]
 
 
-def select(a, rewards):
-    """Step 3: which groups to train on, from the spread (unbiased std) of their total rewards."""
+def select(a, rewards, step=0):
+    """Step 3: which groups to train on, from the spread (unbiased std) of their total rewards.
+    The random control draws from its own stream of (seed, step): the same choice on a resume."""
     scores = snr_filter.group_scores(rewards)                                               # [G]
     value = a.top_p if a.filter == "topp" else a.top_k
+    if a.filter in snr_filter.CONTROLS:
+        value = a.top_p if a.control_of == "topp" else a.top_k
+        draw = int(np.random.default_rng([a.seed, step, CONTROL_STREAM]).integers(2 ** 62))
+        keep = snr_filter.select_control(scores, a.filter, a.control_of, value, a.include_zero,
+                                         a.filter_prob_mode, torch.Generator().manual_seed(draw))
+        return keep, snr_filter.filter_stats(scores, keep)
     keep = snr_filter.select_groups(scores, a.filter, value, a.include_zero, a.filter_prob_mode)
     return keep, snr_filter.filter_stats(scores, keep)
 
@@ -268,8 +285,7 @@ def update_policy(run, episodes, rewards, shuffle):
     if run.critic is not None:
         run.critic.train()
     for _ in range(a.epochs):
-        order = torch.randperm(B, generator=shuffle)
-        for mb_rows in order.split(a.mini_batch_size):
+        for mb_rows in minibatches(B, a.mini_batch_size, a.optimizer_steps, shuffle):
             for opt in run.optimizers:
                 opt.zero_grad(set_to_none=True)
             sums = dict.fromkeys(logs, 0.0)
@@ -311,7 +327,7 @@ def update_policy(run, episodes, rewards, shuffle):
         opt.zero_grad(set_to_none=True)
     out = {k: float(np.mean(v)) for k, v in logs.items()}
     out["token_entropy"] = ppo.masked_mean(b_entropy, b_mask).item()
-    out["optimizer_steps"] = a.epochs * len(order.split(a.mini_batch_size))
+    out["optimizer_steps"] = len(logs["grad_norm"])  # one grad_norm per optimiser step
     return out
 
 
@@ -333,6 +349,19 @@ def rollout_batch(run, episodes):
     batch = {k: v.to(run.device) for k, v in rollout.collate(episodes, run.pad_id).items()}
     batch["lengths"] = batch["attention_mask"].sum(1)                                       # [B]
     return batch
+
+
+def minibatches(n_rows, size, optimizer_steps, generator):
+    """The rows of one epoch in a random order (torch.randperm on `generator`), cut into
+    mini-batches, one optimiser step each -> list of row tensors covering every row once:
+    optimizer_steps = 0: mini-batches of `size` rows, the last one shorter (as verl does: a
+    filtered batch then takes fewer optimiser steps); optimizer_steps = N: N mini-batches of
+    near-equal size (differing by at most one row) whatever n_rows (at most n_rows of them), so
+    that runs with and without a filter can be compared at equal optimiser steps."""
+    order = torch.randperm(n_rows, generator=generator)                                    # [B]
+    if optimizer_steps:
+        return list(order.tensor_split(min(optimizer_steps, n_rows)))
+    return list(order.split(size))
 
 
 def pieces(batch, rows, size):
