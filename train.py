@@ -223,6 +223,52 @@ def diagnose(run, episodes):
     return {k: metrics[k] for k in keep if k in metrics}
 
 
+def probe(run):
+    """Step 2 on a fixed probe set: the diagnosis on the same held-out prompts at every diagnosis
+    (seeds PROBE_SEED_BASE + i, one first turn sampled probe_samples times each, on a forked RNG
+    seeded alike every time: the training stream is unchanged and the curve moves only when the
+    policy does). Logged as probe_<metric> with probe_<metric>_se over the prompts, and, on the
+    same samples, the answer's dependence on the reasoning, probe_action_mi (mi.action_dependence:
+    each answer a_k scored after every reasoning z_j of its prompt)."""
+    a = run.args
+    if not a.probe_prompts:
+        return {}
+    seeds = [PROBE_SEED_BASE + i for i in range(a.probe_prompts)]
+    K = a.probe_samples
+    with torch.random.fork_rng(devices=[run.device] if run.device.type == "cuda" else []):
+        torch.manual_seed(a.seed)
+        run.policy.eval()
+        policy = rollout.hf_policy(run.policy, run.tokenizer, a.max_new_tokens, a.temperature,
+                                   a.sample_top_p)
+        with run.ctx:
+            episodes = rollout.play(policy, run.tokenizer, a.env, seeds, K, runs.env_kwargs(a), 1,
+                                    a.max_actions_per_turn, **run.prompt)
+    prompts = [episodes[g * K].first_prompt for g in range(a.probe_prompts)]
+    with run.ctx:
+        scores, lengths = mi.cross_scores(run.policy, run.tokenizer, prompts,
+                                          [e.first_reasoning for e in episodes],
+                                          batch_size=a.micro_batch)
+        actions = []  # [P, K, K]: L[k, j] = log p(a_k | x, z_j), within each prompt
+        for g in range(a.probe_prompts):
+            turns = [split_answer(e) for e in episodes[g * K:(g + 1) * K]]
+            actions.append(mi.cross_scores(run.policy, run.tokenizer, [c for c, _ in turns],
+                                           [t for _, t in turns], batch_size=a.micro_batch)[0])
+    out = mi.metrics_with_se(scores, [e.group for e in episodes], lengths, prompt_keys=prompts)
+    out.update(mi.action_dependence(torch.stack(actions)))
+    return {"probe_" + k: v for k, v in out.items() if not k.endswith("upper_bound")}
+
+
+def split_answer(episode):
+    """(X + Z + "</think>", the answer after it) of an episode's first reply; an unclosed think
+    gives an empty answer (it scores 0 under every reasoning: no dependence)."""
+    full = episode.prompt_text + episode.responses[0]
+    cut = full.find("</think>", len(episode.first_prompt))
+    if cut < 0:
+        return full, ""
+    cut += len("</think>")
+    return full[:cut], full[cut:]
+
+
 def decompose_gradients(run, episodes, rewards):
     """Fig. 4 on this batch: task / KL / entropy gradient norms per reward-spread bucket, no
     optimiser step. Without a KL term the reference is the policy itself (its KL gradient is 0)."""
