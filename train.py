@@ -59,8 +59,8 @@ class Args:
     # the algorithm
     algo: str = arg("ppo", "ppo: critic + GAE; grpo: group-normalised; drgrpo: no std division",
                     choices=tuple(AGGREGATION))
-    filter: str = arg("topp", "SNR-aware filter on the groups' reward std; random / bottom: "
-                      "controls", choices=snr_filter.MODES + snr_filter.CONTROLS)
+    filter: str = arg("topp", "filter (random / bottom: controls)",
+                      choices=snr_filter.MODES + snr_filter.CONTROLS)
     control_of: str = arg("topk", "random / bottom keep as many groups as this filter would",
                           choices=("topk", "topp"))
     top_p: float = arg(0.9, "topp: keep the best groups until this fraction of the summed std")
@@ -84,8 +84,7 @@ class Args:
     lam: float = arg(1.0, "GAE lambda")
     mini_batch_size: int = arg(32, "trajectories per optimiser step")
     epochs: int = arg(1, "passes over the kept batch per step")
-    optimizer_steps: int = arg(0, "cut the kept batch into N mini-batches whatever its size "
-                               "(0: of --mini-batch-size each)")
+    optimizer_steps: int = arg(0, "N mini-batches per update, whatever was kept (0: by size)")
     grad_clip: float = arg(1.0, "gradient norm clip")
     # generation
     temperature: float = arg(1.0, "sampling temperature of the rollouts")
