@@ -21,6 +21,10 @@ Retrieval accuracy asks whether arg-max_j L[m, j] is owner[m] (or a prompt ident
 when reasoning is grounded, chance level under collapse (paper Fig. 6b). The MI z-score divides the
 MI estimate by the spread of the marginal (paper Fig. 9).
 
+The same metrics on a fixed probe set of held-out prompts come with standard errors over the
+prompts (metrics_with_se), and on that set the answer's dependence on the reasoning, I(Z; A | X),
+is estimated the same way within a prompt's samples (action_dependence).
+
 Order of the file: closed-form entropies for discrete tables -> metrics from a score matrix -> EMA
 smoothing -> cross-scoring a Hugging Face causal LM.
 """
@@ -246,6 +250,84 @@ def collapse_metrics(scores, owner, lengths=None, topk=(2, 4, 8), prompt_keys=No
     out.update(retrieval_chance=(copies / num_prompts).mean().item(), mi_upper_bound=log_n,
                num_samples=float(num_samples), num_prompts=float(num_prompts))
     return out
+
+
+def _clustered_se(values, cluster):
+    """Standard error of the mean of per-sample `values` [M] whose samples come in clusters (the
+    prompt that produced them: samples of one prompt are not independent): the sample std of the
+    clusters' means over sqrt(clusters); nan with fewer than 2 clusters. Exact for equal clusters,
+    as the probe set has."""
+    ids = torch.unique(cluster)
+    means = torch.stack([values[cluster == c].mean() for c in ids])       # [P]
+    return means.std(correction=1).item() / math.sqrt(len(ids)) if len(ids) > 1 else math.nan
+
+
+def metrics_with_se(scores, owner, lengths=None, prompt_keys=None):
+    """collapse_metrics' estimates on a fixed probe set, each with its standard error over the
+    prompts (_clustered_se): mi_estimate, mi_seq_estimate, retrieval_acc, conditional_entropy,
+    reasoning_entropy (per-token, as collapse_metrics) and retrieval_chance; the means equal
+    collapse_metrics' own.
+
+    >>> out = metrics_with_se([[-1., -3.], [-1., -5.], [-4., -2.], [-6., -2.]], [0, 0, 1, 1])
+    >>> round(out["mi_seq_estimate"], 4), round(out["mi_seq_estimate_se"], 4)   # gaps .5662 .6750
+    (0.6206, 0.0)
+    """
+    scores, owner, lengths = _as_scores(scores, owner, lengths)
+    log_n = math.log(scores.shape[1])
+    out = {}
+    per_token = scores / lengths.clamp(min=1.0)[:, None]                   # [M, N]
+    for suffix, table in (("", per_token), ("_seq", scores)):
+        matched = table.gather(1, owner[:, None])[:, 0]                    # [M]
+        marginal = torch.logsumexp(table, dim=1) - log_n                   # [M]
+        for name, values in (("mi_estimate" if not suffix else "mi_seq_estimate",
+                              matched - marginal),
+                             ("conditional_entropy" + suffix, -matched),
+                             ("reasoning_entropy" + suffix, -marginal)):
+            out[name] = values.mean().item()
+            out[name + "_se"] = _clustered_se(values, owner)
+    credit = retrieval_credit(scores, owner, 1, prompt_keys)               # [M]
+    out["retrieval_acc"], out["retrieval_acc_se"] = credit.mean().item(), _clustered_se(credit,
+                                                                                       owner)
+    key = _key_ids(prompt_keys, scores.shape[1])                           # [N]
+    copies = (key[owner][:, None] == key[None, :]).sum(1).double()         # [M]
+    out["retrieval_chance"] = (copies / scores.shape[1]).mean().item()
+    return out
+
+
+def action_dependence(scores):
+    """How much the answer depends on the reasoning, I(Z; A | X), by cross-scoring within each
+    prompt's K samples (one step past the paper: a template can also live between the reasoning
+    and the action). scores [P, K, K]: L[p, k, j] = log p(a_k | x_p, z_j), the k-th sampled answer
+    scored after the j-th sampled reasoning of the same prompt x_p (summed over a_k's tokens).
+
+        gap[p, k] = L[p, k, k] - logsumexp_j L[p, k, j] + log K
+        estimate  = mean over p and k of gap                <= log K  (logsumexp >= its k-th term)
+
+    0 when the answer ignores the reasoning (every column alike), log K when each answer is
+    possible only after its own reasoning. With exact likelihoods this is the contrastive
+    (InfoNCE) bound: its expectation lies below I(Z; A | X) and approaches it as K grows. Returns
+    floats: action_mi, action_mi_se (over the P prompts; nan for P = 1), action_mi_upper_bound =
+    log K.
+
+    >>> abs(action_dependence([[[-1., -1.], [-2., -2.]]])["action_mi"]) < 1e-12  # answers ignore z
+    True
+    >>> out = action_dependence([[[0., -math.inf], [-math.inf, 0.]]])  # only its own z
+    >>> round(out["action_mi"], 4), round(out["action_mi_upper_bound"], 4)
+    (0.6931, 0.6931)
+    """
+    L = torch.as_tensor(_as_float64(scores))                               # [P, K, K]
+    if L.ndim != 3 or L.shape[1] != L.shape[2] or 0 in L.shape:
+        raise ValueError(f"scores must have shape [P prompts, K, K] with P, K >= 1, got "
+                         f"{tuple(L.shape)}")
+    own = torch.diagonal(L, dim1=1, dim2=2)                                # [P, K]
+    if torch.isnan(L).any() or (L == math.inf).any() or not torch.isfinite(own).all():
+        raise ValueError("scores must be log-likelihoods (no NaN, no +inf) with finite "
+                         "L[p, k, k]: each answer was sampled after its own reasoning")
+    log_k = math.log(L.shape[1])
+    gap = own - torch.logsumexp(L, dim=2) + log_k                          # [P, K]
+    per_prompt = gap.mean(1)                                               # [P]
+    se = per_prompt.std(correction=1).item() / math.sqrt(len(gap)) if len(gap) > 1 else math.nan
+    return {"action_mi": gap.mean().item(), "action_mi_se": se, "action_mi_upper_bound": log_k}
 
 
 # --------------------------------------------------------------------------------------------------

@@ -209,6 +209,9 @@ def check_args(a):
     need(a.max_turns >= 1 and a.max_actions_per_turn >= 1,
          "--max-turns and --max-actions-per-turn must be >= 1")
     need(a.mini_batch_size >= 1 and a.epochs >= 1, "--mini-batch-size and --epochs must be >= 1")
+    need(a.optimizer_steps >= 0, f"--optimizer-steps must be >= 0, got {a.optimizer_steps}")
+    need(a.probe_prompts >= 0 and a.probe_samples >= 1,
+         "--probe-prompts must be >= 0 and --probe-samples >= 1")
     need(all(x is None or x >= 1 for x in (a.micro_batch, a.rollout_batch)),
          "--micro-batch and --rollout-batch must be >= 1")
     need(all(x is None or x > 0 for x in (a.lr, a.critic_lr)), "learning rates must be > 0")

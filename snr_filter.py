@@ -22,6 +22,12 @@ the advantage computation. Zero-spread groups are set aside first (unless includ
     Top-P, p = 1:  every remaining group (with include_zero: every group, the no-filter baseline)
     Top-K:         keep the max(1, int(k * G)) best remaining groups
 
+Two controls (not remedies; select_control), each keeping as many groups as a named filter would:
+    random:        that many groups drawn uniformly from all G (a seeded generator): does it
+                   matter WHICH groups the filter keeps, or only how many?
+    bottom:        that many of the lowest-spread remaining groups: the mechanism predicts worse
+                   than no filter (the regulariser drives the update)
+
 Worked example (Fig. 5): A = 9, B = 1, C = 5, p = 0.9: target 0.9 * 15 - 0.01 = 13.49, and
 A + C = 14 >= 13.49, so A and C are kept and B is dropped. Paper recommendation: p = 0.9;
 [0.8, 0.98] works best; <= 0.6 is too aggressive.
@@ -31,7 +37,8 @@ g*K .. g*K + K - 1 belong to group g), T tokens, D parameters. Inputs may be num
 torch tensors; outputs are torch tensors.
 
 Order of the file: the remedy first (select_groups, filter_stats, group_scores), then the
-mechanism it rests on (the bound, the spread buckets, the gradient decomposition).
+mechanism it rests on (the bound, the spread buckets, the gradient decomposition), and last the
+controls (select_control, zero_spread_split).
 """
 import math
 import numbers
@@ -43,6 +50,7 @@ from ppo import entropy_from_logits, policy_loss, token_logprobs
 
 SCORE_KINDS = ("std", "var")
 MODES = ("none", "topp", "topk")
+CONTROLS = ("random", "bottom")  # controls for the filter's claims, not remedies (select_control)
 PROB_MODES = ("linear", "softmax")
 
 
@@ -327,3 +335,62 @@ def gradient_decomposition(model, input_ids, attention_mask, policy_mask, reward
             "entropy_grad_norm": entropy_norm, "reg_grad_norm": math.sqrt(reg_sq.item()),
         })
     return results
+
+
+# ------------------------------------------------------------------------------------- the controls
+
+def select_control(scores, control, of, value=None, include_zero=False, prob_mode="linear",
+                   generator=None):
+    """A control for a filter claim -> bool mask [G] with exactly as many groups as
+    select_groups(scores, of, value, include_zero, prob_mode) keeps (n below):
+
+      "random"  n groups drawn uniformly at random from all G groups, zero-spread ones included
+                (torch.randperm on `generator`: seed it from the step's seed and the choice is
+                reproducible); every n-subset is equally likely
+      "bottom"  the n lowest-scoring eligible groups (zero-spread ones only with include_zero),
+                ties to the lower index; fewer if fewer are eligible
+
+    A control is not a remedy: it answers a sceptic. Random at the filter's count separates "which
+    groups" from "how many" (fewer groups also mean fewer optimiser steps at a fixed mini-batch
+    size); bottom tests the mechanism's prediction that low-spread groups hand the update to the
+    regulariser. (The official filter has the same second mode: rollout_filter_type: smallest.)
+
+    >>> select_control([0., 3., 1., 2.], "bottom", "topk", 0.5)    # n = int(0.5 * 4) = 2
+    tensor([False, False,  True,  True])
+    >>> int(select_control([0., 3., 1., 2.], "random", "topk", 0.5,
+    ...                    generator=torch.Generator().manual_seed(0)).sum())
+    2
+    """
+    if control not in CONTROLS:
+        raise ValueError(f"unknown control {control!r}; choose one of {CONTROLS}")
+    if of not in ("topp", "topk"):
+        raise ValueError(f"a control takes its count from topp or topk, not {of!r}")
+    s = _as_float64(scores, "scores")                                      # [G]
+    n = int(select_groups(s, of, value, include_zero, prob_mode).sum())
+    G = s.shape[0]
+    keep = torch.zeros(G, dtype=torch.bool, device=s.device)               # [G]
+    if control == "random":
+        keep[torch.randperm(G, generator=generator)[:n].to(s.device)] = True
+        return keep
+    idx = (torch.ones_like(s, dtype=torch.bool) if include_zero else s > 0).nonzero()[:, 0]
+    order = idx[torch.sort(s[idx], stable=True).indices]                   # [E] lowest first
+    keep[order[:n]] = True
+    return keep
+
+
+def zero_spread_split(rewards, success):
+    """The zero-spread groups of a step split by what their rollouts did: every rollout succeeded
+    (too easy) or none did (too hard) -> fractions of all G groups, as floats. The filter drops both
+    alike; they call for different answers (a harder prompt, or a hint). A zero-spread group with
+    mixed success (equal rewards, different outcomes) counts in neither.
+
+    >>> zero_spread_split([[1., 1.], [0., 0.], [0., 1.], [0., 0.]],
+    ...                   [[True, True], [False, False], [False, True], [False, False]])
+    {'zero_var_success_frac': 0.25, 'zero_var_fail_frac': 0.5}
+    """
+    r = _as_float64(rewards, "rewards")                                    # [G, K]
+    ok = torch.as_tensor(success, dtype=torch.bool).reshape(r.shape)       # [G, K]
+    zero = group_scores(r) == 0                                            # [G]
+    G = max(r.shape[0], 1)
+    return {"zero_var_success_frac": int((zero & ok.all(1)).sum()) / G,
+            "zero_var_fail_frac": int((zero & ~ok.any(1)).sum()) / G}

@@ -35,6 +35,8 @@ import sampler
 import snr_filter
 
 VAL_SEED_BASE = 10_000_000  # validation seeds are 10_000_000 + i; training seeds are drawn below it
+PROBE_SEED_BASE = 20_000_000  # the probe set's prompts: 20_000_000 + i, held out like validation's
+CONTROL_STREAM = 1  # the random control's draws: np.random.default_rng([seed, step, 1])
 MAX_SKIPS = 5  # stop after this many steps in a row without reward spread (the official default)
 ANALYSIS_KL_COEF = 1e-3  # Fig. 4's KL coefficient without --kl-coef (the paper's analysis runs)
 AGGREGATION = {"ppo": "token-mean", "grpo": "seq-mean-token-mean",
@@ -59,8 +61,10 @@ class Args:
     # the algorithm
     algo: str = arg("ppo", "ppo: critic + GAE; grpo: group-normalised; drgrpo: no std division",
                     choices=tuple(AGGREGATION))
-    filter: str = arg("topp", "SNR-aware filter on the groups' reward std",
-                      choices=snr_filter.MODES)
+    filter: str = arg("topp", "filter (random / bottom: controls)",
+                      choices=snr_filter.MODES + snr_filter.CONTROLS)
+    control_of: str = arg("topk", "random / bottom keep as many groups as this filter would",
+                          choices=("topk", "topp"))
     top_p: float = arg(0.9, "topp: keep the best groups until this fraction of the summed std")
     top_k: float = arg(0.5, "topk: keep max(1, int(top_k * groups)) best groups")
     filter_prob_mode: str = arg("linear", "topp: on the std itself or on its softmax",
@@ -82,6 +86,7 @@ class Args:
     lam: float = arg(1.0, "GAE lambda")
     mini_batch_size: int = arg(32, "trajectories per optimiser step")
     epochs: int = arg(1, "passes over the kept batch per step")
+    optimizer_steps: int = arg(0, "N mini-batches per update, whatever was kept (0: by size)")
     grad_clip: float = arg(1.0, "gradient norm clip")
     # generation
     temperature: float = arg(1.0, "sampling temperature of the rollouts")
@@ -104,6 +109,8 @@ class Args:
     # diagnosis, validation, output
     mi_every: int = arg(5, "cross-scoring diagnosis at step 1 and every N steps (0 = off)")
     mi_samples: int = arg(64, "samples cross-scored per diagnosis")
+    probe_prompts: int = arg(8, "fixed held-out prompts diagnosed at every diagnosis (0 = off)")
+    probe_samples: int = arg(8, "first-turn reasonings sampled per probe prompt")
     grad_decomp_every: int = arg(0, "task / KL (to the initial policy) / entropy gradient norms "
                                  "per spread bucket, every N")
     val_every: int = arg(10, "validation before training, every N steps and at the end")
@@ -137,12 +144,14 @@ def train(run):
         t1 = time.time()
         if a.mi_every and (step == 1 or step % a.mi_every == 0):
             m.update(diagnose(run, episodes, np.random.default_rng([a.seed, step, 1])))
+            m.update(probe(run))
         if a.grad_decomp_every and step % a.grad_decomp_every == 0:
             m["grad_decomposition"] = decompose_gradients(run, episodes, rewards)
 
         # 3. the filter: whole groups, before any advantage is computed
-        keep, stats = select(a, rewards)                                                    # [G]
+        keep, stats = select(a, rewards, step)                                              # [G]
         m.update(stats, time_scoring=time.time() - t1, skipped=not keep.any())
+        m.update(snr_filter.zero_spread_split(rewards, [e.success for e in episodes]))
 
         # 4-6. the update, on the kept groups only
         t2 = time.time()
@@ -230,6 +239,53 @@ def mi_sample(groups, group_size, num_samples, rng):
     return [g * group_size + k for g in range(groups) for k in range(per_group)]
 
 
+def probe(run):
+    """Step 2 on a fixed probe set: the diagnosis on the same held-out prompts at every diagnosis
+    (seeds PROBE_SEED_BASE + i, one first turn sampled probe_samples times each, on a forked RNG
+    seeded alike every time: the training stream is unchanged and the curve moves only when the
+    policy does). Logged as probe_<metric> with probe_<metric>_se over the prompts, and, on the
+    same samples, the answer's dependence on the reasoning, probe_action_mi (mi.action_dependence:
+    each answer a_k scored after every reasoning z_j of its prompt)."""
+    a = run.args
+    if not a.probe_prompts:
+        return {}
+    seeds = [PROBE_SEED_BASE + i for i in range(a.probe_prompts)]
+    K = a.probe_samples
+    with torch.random.fork_rng(devices=[run.device] if run.device.type == "cuda" else []):
+        torch.manual_seed(a.seed)
+        run.policy.eval()
+        policy = sampler.hf_policy(run.policy, run.tokenizer, a.max_new_tokens, a.temperature,
+                                   a.sample_top_p)
+        with run.ctx:
+            episodes = rollout.play(policy, run.tokenizer, a.env, seeds, K, runs.env_kwargs(a), 1,
+                                    a.max_actions_per_turn, **run.prompt)
+    prompts = [episodes[g * K].first_prompt for g in range(a.probe_prompts)]
+    with run.ctx:
+        scores, lengths = mi.cross_scores(run.policy, run.tokenizer, prompts,
+                                          [e.first_reasoning for e in episodes],
+                                          batch_size=a.micro_batch, temperature=a.temperature)
+        actions = []  # [P, K, K]: L[k, j] = log p(a_k | x, z_j), within each prompt
+        for g in range(a.probe_prompts):
+            turns = [split_answer(e) for e in episodes[g * K:(g + 1) * K]]
+            actions.append(mi.cross_scores(run.policy, run.tokenizer, [c for c, _ in turns],
+                                           [t for _, t in turns], batch_size=a.micro_batch,
+                                           temperature=a.temperature)[0])
+    out = mi.metrics_with_se(scores, [e.group for e in episodes], lengths, prompt_keys=prompts)
+    out.update(mi.action_dependence(torch.stack(actions)))
+    return {"probe_" + k: v for k, v in out.items() if not k.endswith("upper_bound")}
+
+
+def split_answer(episode):
+    """(X + Z + "</think>", the answer after it) of an episode's first reply; an unclosed think
+    gives an empty answer (it scores 0 under every reasoning: no dependence)."""
+    full = episode.prompt_text + episode.responses[0]
+    cut = full.find("</think>", len(episode.first_prompt))
+    if cut < 0:
+        return full, ""
+    cut += len("</think>")
+    return full[:cut], full[cut:]
+
+
 def decompose_gradients(run, episodes, rewards):
     """Fig. 4 on this batch: task / KL / entropy gradient norms per reward-spread bucket, no
     optimiser step. The KL is measured against the initial policy (the warm start; with LoRA the
@@ -246,10 +302,17 @@ def decompose_gradients(run, episodes, rewards):
     return [{k: v for k, v in b.items() if k != "groups"} for b in buckets]
 
 
-def select(a, rewards):
-    """Step 3: which groups to train on, from the spread (unbiased std) of their total rewards."""
+def select(a, rewards, step=0):
+    """Step 3: which groups to train on, from the spread (unbiased std) of their total rewards.
+    The random control draws from its own stream of (seed, step): the same choice on a resume."""
     scores = snr_filter.group_scores(rewards)                                               # [G]
     value = a.top_p if a.filter == "topp" else a.top_k
+    if a.filter in snr_filter.CONTROLS:
+        value = a.top_p if a.control_of == "topp" else a.top_k
+        draw = int(np.random.default_rng([a.seed, step, CONTROL_STREAM]).integers(2 ** 62))
+        keep = snr_filter.select_control(scores, a.filter, a.control_of, value, a.include_zero,
+                                         a.filter_prob_mode, torch.Generator().manual_seed(draw))
+        return keep, snr_filter.filter_stats(scores, keep)
     keep = snr_filter.select_groups(scores, a.filter, value, a.include_zero, a.filter_prob_mode)
     return keep, snr_filter.filter_stats(scores, keep)
 
@@ -286,8 +349,8 @@ def update_policy(run, episodes, rewards, shuffle):
     if run.critic is not None:
         run.critic.train()
     for _ in range(args.epochs):
-        mini_batches = torch.randperm(len(mask), generator=shuffle).split(args.mini_batch_size)
-        for mini_batch in mini_batches:
+        for mini_batch in mini_batches(len(mask), args.mini_batch_size, args.optimizer_steps,
+                                       shuffle):
             for opt in run.optimizers:
                 opt.zero_grad(set_to_none=True)
             stats = {}
@@ -327,7 +390,7 @@ def update_policy(run, episodes, rewards, shuffle):
         opt.zero_grad(set_to_none=True)
     out = {k: float(np.mean(v)) for k, v in logs.items()}
     out["token_entropy"] = ppo.masked_mean(old_entropy, mask).item()
-    out["optimizer_steps"] = args.epochs * len(mini_batches)
+    out["optimizer_steps"] = len(logs["grad_norm"])  # one grad_norm per optimiser step
     if "logprobs" in batch:  # the sampler's own log-probs: any difference means off-policy scoring
         sampled = batch["logprobs"][:, 1:]                                              # [B, T-1]
         out["rollout_logprob_diff"] = ppo.masked_mean((sampled - old_logp).abs(), mask).item()
@@ -352,6 +415,19 @@ def rollout_batch(run, episodes):
     batch = {k: v.to(run.device) for k, v in rollout.collate(episodes, run.pad_id).items()}
     batch["lengths"] = batch["attention_mask"].sum(1)                                       # [B]
     return batch
+
+
+def mini_batches(n_rows, size, optimizer_steps, generator):
+    """The rows of one epoch in a random order (torch.randperm on `generator`), cut into
+    mini-batches, one optimiser step each -> list of row tensors covering every row once:
+    optimizer_steps = 0: mini-batches of `size` rows, the last one shorter (as verl does: a
+    filtered batch then takes fewer optimiser steps); optimizer_steps = N: N mini-batches of
+    near-equal size (differing by at most one row) whatever n_rows (at most n_rows of them), so
+    that runs with and without a filter can be compared at equal optimiser steps."""
+    order = torch.randperm(n_rows, generator=generator)                                    # [B]
+    if optimizer_steps:
+        return list(order.tensor_split(min(optimizer_steps, n_rows)))
+    return list(order.split(size))
 
 
 def micro_batches(batch, rows, size):

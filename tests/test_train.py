@@ -22,9 +22,11 @@ import tiny
 import train
 
 SMALL = ["--model", "tiny", "--no-warm-start", "--groups", "3", "--group-size", "4", "--max-turns", "2",
-         "--max-new-tokens", "8", "--val-seeds", "1", "--mi-samples", "6", "--no-plot"]
+         "--max-new-tokens", "8", "--val-seeds", "1", "--mi-samples", "6", "--no-plot",
+         "--probe-prompts", "2", "--probe-samples", "2"]
 EVERY_STEP = {"step", "train_success", "reward_mean", "reward_std", "kept_ratio", "zero_var_frac", "num_zero_var",
-              "response_length", "skipped", "time_rollout", "time_scoring", "time_update", "time_step"}
+              "response_length", "skipped", "time_rollout", "time_scoring", "time_update", "time_step",
+              "zero_var_success_frac", "zero_var_fail_frac"}
 DIAGNOSIS = {"mi_estimate", "mi_seq_estimate", "mi_zscore", "mi_zscore_ema", "retrieval_acc", "conditional_entropy",
              "reasoning_entropy", "retrieval_chance"}
 UPDATE = {"pg_loss", "entropy_loss", "clip_frac", "clip_frac_lower", "approx_kl", "grad_norm", "token_entropy"}
@@ -412,3 +414,78 @@ def test_lora_trains_only_adapters_and_its_reference_is_the_base(tmp_path, scrip
     assert critic and any(v.abs().sum() > 0 for v in critic.values())
     assert train.main(["--resume", out, "--steps", "3"]) == 0  # a LoRA run resumes
     assert [r["step"] for r in records(out)] == [0, 1, 2, 3]
+
+
+# ------------------------------------------------------------ controls: optimiser steps, random groups
+
+@pytest.mark.parametrize("n_rows,size,steps", [(128, 32, 0), (64, 32, 0), (70, 32, 0), (64, 32, 4),
+                                               (70, 32, 4), (5, 32, 8), (128, 32, 4)])
+def test_mini_batches_cover_every_row_once_in_near_equal_parts(n_rows, size, steps):
+    parts = train.mini_batches(n_rows, size, steps, torch.Generator().manual_seed(0))
+    assert sorted(torch.cat(parts).tolist()) == list(range(n_rows))  # every row once
+    sizes = [len(p) for p in parts]
+    if steps:  # N parts whatever the batch size (never an empty one), sizes within one row
+        assert len(parts) == min(steps, n_rows) and max(sizes) - min(sizes) <= 1
+    else:  # fixed size: ceil(n / size) steps, as verl's split -- fewer for a filtered batch
+        assert len(parts) == math.ceil(n_rows / size) and sizes[:-1] == [size] * (len(parts) - 1)
+    # the order is the epoch's randperm: the default is the update's former shuffling exactly
+    order = torch.randperm(n_rows, generator=torch.Generator().manual_seed(0))
+    assert torch.equal(torch.cat(parts), order)
+
+
+def test_optimizer_steps_fix_the_number_of_steps_whatever_is_kept(tmp_path):
+    run = make_run(tmp_path, env="sokoban", algo="grpo", mini_batch_size=32, optimizer_steps=3)
+    episodes = play_scripted(run, [3, 5, 8, 13], group_size=4)  # 16 rows: 1 step of 32 by default
+    rewards = torch.tensor([e.total_reward for e in episodes]).view(4, 4)
+    assert train.update_policy(run, episodes, rewards, torch.Generator().manual_seed(0))[
+        "optimizer_steps"] == 3
+    run.args.optimizer_steps, run.args.epochs = 0, 2
+    assert train.update_policy(run, episodes, rewards, torch.Generator().manual_seed(0))[
+        "optimizer_steps"] == 2  # one a pass
+
+
+def test_random_control_keeps_the_filters_count_reproducibly_per_step(tmp_path):
+    a = train.Args(filter="random", control_of="topk", top_k=0.5)
+    rewards = torch.tensor([[0.0, 1.0]] * 6 + [[1.0, 1.0]] * 2)  # 8 groups, 2 without spread
+    picks = [train.select(a, rewards, step)[0] for step in range(1, 30)]
+    assert all(int(p.sum()) == 4 for p in picks)  # Top-K 0.5 of 8
+    assert any(p[6:].any() for p in picks)  # random: zero-spread groups can be drawn
+    assert torch.equal(picks[3], train.select(a, rewards, 4)[0])  # same seed and step, same choice
+    assert len({tuple(p.tolist()) for p in picks}) > 5
+    a.filter, a.top_k = "bottom", 0.375
+    keep = train.select(a, torch.tensor([[0.0, s] for s in (1.0, 4.0, 2.0, 3.0)] + [[1.0, 1.0]] * 4), 1)[0]
+    assert keep.tolist() == [True, False, True, True] + [False] * 4  # int(0.375 * 8) = 3 lowest with spread
+
+
+# ---------------------------------------------------------------------------------- the probe set
+
+def test_the_probe_set_leaves_training_unchanged_and_repeats_itself(tmp_path):
+    flags = SMALL + ["--env", "frozenlake", "--filter", "none", "--steps", "2", "--mi-every", "2"]
+    logs = []
+    for probe_prompts in ("0", "2"):
+        out = str(tmp_path / f"run{probe_prompts}")
+        assert train.main(flags + ["--out", out, "--probe-prompts", probe_prompts, "--probe-samples", "3"]) == 0
+        logs.append(records(out))
+    off, on = logs
+    probes = [r for r in on if "probe_mi_estimate" in r]
+    assert [r["step"] for r in probes] == [1, 2]
+    for r in probes:
+        for key in ("mi_estimate", "retrieval_acc", "reasoning_entropy", "conditional_entropy", "action_mi"):
+            assert math.isfinite(r["probe_" + key]) and "probe_" + key + "_se" in r
+        assert r["probe_action_mi"] <= math.log(3) + 1e-9
+    # the probe samples on a forked stream: everything else is logged exactly as without it
+    for r_off, r_on in zip(off, on):
+        assert {k: v for k, v in r_on.items() if not k.startswith(("probe_", "time_"))} == {
+            k: v for k, v in r_off.items() if not k.startswith("time_")}
+    # the same prompts and the same sampling noise at every diagnosis: an unchanged policy gives
+    # the same numbers
+    run = make_run(tmp_path, env="frozenlake", probe_prompts=2, probe_samples=3)
+    assert train.probe(run) == train.probe(run)
+
+
+def test_split_answer_cuts_after_the_reasoning():
+    e = rollout.Episode(env=None, group=0, seed=0, noise_seed=0, ids=[], policy_mask=[], logprobs=None,
+                        prompt_text="Q", first_prompt="Q<think>", responses=["<think> go </think> <answer> Up </answer>"])
+    assert train.split_answer(e) == ("Q<think> go </think>", " <answer> Up </answer>")
+    e.responses = ["<think> unclosed"]
+    assert train.split_answer(e) == ("Q<think> unclosed", "")
