@@ -37,6 +37,7 @@ import json
 import os
 import sys
 import time
+import warnings
 
 import numpy as np
 import torch
@@ -467,6 +468,8 @@ def main(argv=None, make_policy=None):
     """Parse, load, train; bad input is one line on stderr and exit code 2."""
     from transformers.utils import logging as hf_logging
     hf_logging.disable_progress_bar()
+    # transformers 5 renames gradient_checkpointing, which GRPOConfig 1.16 still sets
+    warnings.filterwarnings("ignore", "`(is_)?gradient_checkpointing", FutureWarning)
     try:
         a = parse_args(sys.argv[1:] if argv is None else argv)
         cuda = torch.cuda.is_available()
