@@ -164,8 +164,7 @@ def test_a_group_shares_its_layout_but_not_its_noise(tokenizer):
 
 def test_noise_seeds_let_a_caller_play_part_of_a_group(tokenizer):
     """Rollouts 5..7 of seed 0 (noise seeds 0 * 1000 + k) played apart, as one process of several
-    holds them, meet the same
-    slips as in the whole group: the same transcripts."""
+    holds them, meet the same slips as in the whole group: the same transcripts."""
     moves = [["a</think><answer>Up || Left</answer>"]] * 8
     kw = dict(env_kwargs={"success_rate": 1 / 3}, max_turns=2, system=SYSTEM)
     whole = rollout.play(scripted(tokenizer, moves), tokenizer, "frozenlake", [0], 8, **kw)
