@@ -430,12 +430,15 @@ def build_trainer(a, model, tokenizer, prompt, num_processes=1, make_policy=None
         dataloader_num_workers=0)
     func = rollout_function(a.env, runs.env_kwargs(a), a.max_turns, a.max_actions_per_turn,
                             a.max_new_tokens, a.temperature, a.sample_top_p, prompt, make_policy)
-    return RagenGRPOTrainer(
-        model=model, reward_funcs=episode_reward, args=config, processing_class=tokenizer,
-        train_dataset=Dataset.from_dict({"prompt": [seed_prompt(s) for s in seeds]}),
-        rollout_func=func, callbacks=list(callbacks), filter=a.filter, top_p=a.top_p,
-        top_k=a.top_k, prob_mode=a.filter_prob_mode, include_zero=a.include_zero,
-        mi_every=a.mi_every, mi_samples=a.mi_samples)
+    try:
+        return RagenGRPOTrainer(
+            model=model, reward_funcs=episode_reward, args=config, processing_class=tokenizer,
+            train_dataset=Dataset.from_dict({"prompt": [seed_prompt(s) for s in seeds]}),
+            rollout_func=func, callbacks=list(callbacks), filter=a.filter, top_p=a.top_p,
+            top_k=a.top_k, prob_mode=a.filter_prob_mode, include_zero=a.include_zero,
+            mi_every=a.mi_every, mi_samples=a.mi_samples)
+    except ValueError as e:  # settings TRL or the filter cannot use
+        raise runs.UsageError(str(e).strip().splitlines()[0]) from None
 
 
 def metrics_writer(path, trainer_box):
@@ -495,11 +498,10 @@ def main(argv=None, make_policy=None):
                               json.dumps(dataclasses.asdict(a), indent=1))
         trainer.train()
         if state.is_main_process:
-            print(json.dumps({k: trainer.state.log_history[-1].get(k) for k in
-                              ("step", "reward", "kept_ratio", "mi_estimate")}))
+            print(f"metrics: {path}")
         return 0
-    except (runs.UsageError, ValueError) as e:
-        print(f"error: {str(e).splitlines()[0]}", file=sys.stderr)
+    except runs.UsageError as e:
+        print(f"error: {e}", file=sys.stderr)
         return 2
 
 
