@@ -150,7 +150,8 @@ def vllm_policy(trainer):
 
     def policy(prompt_ids, env_list=None):
         _, completions, logprobs, _ = trainer.vllm_generation.generate(prompt_ids, None, 1)
-        return [rollout.Generation(list(c), [lp[0] for lp in lps], cut=not c or c[-1] not in stop_ids)
+        return [rollout.Generation(list(c), [lp[0] for lp in lps],
+                                   cut=not c or c[-1] not in stop_ids)
                 for c, lps in zip(completions, logprobs)]
 
     return policy
@@ -318,7 +319,8 @@ class Args:
     max_turns: int = arg(5, "turns per episode")
     max_actions_per_turn: int = arg(2, "actions the policy may take per turn")
     # the filter and the diagnosis (train.py's flags)
-    filter: str = arg("topp", "SNR-aware filter on the groups' reward std", choices=snr_filter.MODES)
+    filter: str = arg("topp", "SNR-aware filter on the groups' reward std",
+                      choices=snr_filter.MODES)
     top_p: float = arg(0.9, "topp: keep the best groups until this fraction of the summed std")
     top_k: float = arg(0.5, "topk: keep max(1, int(top_k * groups)) best groups")
     filter_prob_mode: str = arg("linear", "topp: on the std itself or on its softmax",

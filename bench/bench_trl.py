@@ -58,7 +58,7 @@ def main():
     parser.add_argument("--max-turns", type=int, default=2)
     parser.add_argument("--max-new-tokens", type=int, default=16, help="per turn")
     parser.add_argument("--steps", type=int, default=4, help="timed steps, after a warm-up step")
-    parser.add_argument("--rounds", type=int, default=2, help="rounds in which the sides take turns")
+    parser.add_argument("--rounds", type=int, default=2, help="rounds the sides take turns in")
     parser.add_argument("--filter", default="none", choices=("none", "topp", "topk"))
     parser.add_argument("--warm-start", action="store_true", help="the warm-started tiny policy")
     parser.add_argument("--quick", action="store_true", help="tiny sizes, 1 timed step")

@@ -57,16 +57,17 @@ def trainer_on(seeds, solves, filter="topp", loss_type="dapo", stock=False):
     """A trainer on the given env seeds (K rollouts each) with the scripted policy, the tiny model
     at its seed-0 weights, and the inputs of one generation batch."""
     tokenizer = tiny.build_tokenizer()
-    config = GRPOConfig(output_dir=os.path.join(tempfile.gettempdir(), "trl-ragen-test"), use_cpu=True, per_device_train_batch_size=K * len(seeds),
+    config = GRPOConfig(output_dir=os.path.join(tempfile.gettempdir(), "trl-ragen-test"),
+                        use_cpu=True, per_device_train_batch_size=K * len(seeds),
                         num_generations=K, max_completion_length=8, loss_type=loss_type,
                         report_to="none", save_strategy="no", gradient_checkpointing=False,
                         shuffle_dataset=False)
     prompts = [trl_ragen.seed_prompt(s) for s in seeds]
-    kwargs = dict(model=tiny.build_model(tokenizer).to(DTYPE), reward_funcs=trl_ragen.episode_reward,
-                  args=config, processing_class=tokenizer,
-                  train_dataset=Dataset.from_dict({"prompt": prompts}),
-                  rollout_func=trl_ragen.rollout_function(
-                      "sokoban", max_turns=1, max_new_tokens=8, make_policy=script.scripted(solves)))
+    rollout_func = trl_ragen.rollout_function("sokoban", max_turns=1, max_new_tokens=8,
+                                              make_policy=script.scripted(solves))
+    kwargs = dict(model=tiny.build_model(tokenizer).to(DTYPE),
+                  reward_funcs=trl_ragen.episode_reward, args=config, processing_class=tokenizer,
+                  train_dataset=Dataset.from_dict({"prompt": prompts}), rollout_func=rollout_func)
     trainer = (GRPOTrainer(**kwargs) if stock else
                trl_ragen.RagenGRPOTrainer(filter=filter, top_p=1.0, mi_every=0, **kwargs))
     trainer.model.train()
