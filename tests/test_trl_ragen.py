@@ -16,6 +16,8 @@ import torch
 from datasets import Dataset
 from trl import GRPOConfig, GRPOTrainer
 
+import envs
+import rollout
 import snr_filter
 import tiny
 import trl_ragen
@@ -53,9 +55,21 @@ def test_two_steps_log_every_metric_and_keep_select_groups_choice(one_process_ru
     assert set(trl_ragen.MI_KEYS) - {"retrieval_acc_top2"} <= set(one_process_run[0])  # step 1
 
 
-def trainer_on(seeds, solves, filter="topp", loss_type="dapo", stock=False):
+def longer_first_turn_for(seed):
+    """rollout.play's `user` writer that lengthens the turn-1 prompt of one layout: its group's
+    rows get more left padding than the others, so padding they leave behind would show."""
+    long_obs = None if seed is None else envs.make_env("sokoban").reset(seed=seed)[0]
+
+    def user(obs, reward, actions_left, turn):
+        extra = " Think twice." * 4 if turn == 1 and obs == long_obs else ""
+        return rollout.user_message(obs, reward, actions_left, turn) + extra
+    return user
+
+
+def trainer_on(seeds, solves, filter="topp", loss_type="dapo", stock=False, long_seed=None):
     """A trainer on the given env seeds (K rollouts each) with the scripted policy, the tiny model
-    at its seed-0 weights, and the inputs of one generation batch."""
+    at its seed-0 weights, and the inputs of one generation batch; long_seed's prompt is longer
+    (the tiny policy's Sokoban prompts otherwise all have one length)."""
     tokenizer = tiny.build_tokenizer()
     config = GRPOConfig(output_dir=os.path.join(tempfile.gettempdir(), "trl-ragen-test"),
                         use_cpu=True, per_device_train_batch_size=K * len(seeds),
@@ -64,6 +78,7 @@ def trainer_on(seeds, solves, filter="topp", loss_type="dapo", stock=False):
                         shuffle_dataset=False)
     prompts = [trl_ragen.seed_prompt(s) for s in seeds]
     rollout_func = trl_ragen.rollout_function("sokoban", max_turns=1, max_new_tokens=8,
+                                              prompt={"user": longer_first_turn_for(long_seed)},
                                               make_policy=script.scripted(solves))
     kwargs = dict(model=tiny.build_model(tokenizer).to(DTYPE),
                   reward_funcs=trl_ragen.episode_reward, args=config, processing_class=tokenizer,
@@ -84,15 +99,21 @@ def loss_and_gradient(trainer, batch):
 
 @pytest.mark.parametrize("loss_type, removed", [("dapo", True), ("dapo", False), ("grpo", True)])
 def test_gradient_with_dropped_groups_is_that_of_a_batch_without_them(loss_type, removed):
+    """Removed (one process): group 0's longer prompt takes its left padding with it. Masked
+    (several processes): the rows and their padding stay, so the prompts have one length here --
+    TRL passes no position ids, so a row's numbers depend on its batch's padding, filter or not."""
     seeds = [5, 6, 7]  # group 0 (seed 5) writes garbage only: no spread, dropped
-    trainer, inputs = trainer_on(seeds, lambda r: r // K > 0 and r % K == 0, loss_type=loss_type)
+    long_seed = 5 if removed else None
+    trainer, inputs = trainer_on(seeds, lambda r: r // K > 0 and r % K == 0, loss_type=loss_type,
+                                 long_seed=long_seed)
     trainer.remove_dropped = removed  # False: what several processes do (rows masked)
     batch = trainer._generate_and_score_completions(inputs)
     assert trainer.last_selection["kept_groups"] == [1, 2]
     assert len(batch["advantages"]) == (2 * K if removed else 3 * K)
+    assert batch["prompt_mask"].all()  # removed: the longer prompt's padding went with it
 
     never, never_inputs = trainer_on(seeds[1:], lambda r: r % K == 0, filter="none",
-                                     loss_type=loss_type)
+                                     loss_type=loss_type, long_seed=long_seed)
     clean = never._generate_and_score_completions(never_inputs)
     loss, grad = loss_and_gradient(trainer, batch)
     clean_loss, clean_grad = loss_and_gradient(never, clean)
