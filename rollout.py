@@ -211,22 +211,30 @@ def play(
     system=None,
     prefill="<think>",
     user=user_message,
+    noise_seeds=None,
 ):
     """Play len(seeds) groups x group_size rollouts for at most max_turns turns; each turn one
     policy call for all running episodes (episodes that ended are not generated for). system: None
     (system_prompt(env)), a string, or a function env -> string; user: the function that writes each
-    user turn (user_message's signature). Returns the episodes group by group."""
+    user turn (user_message's signature); noise_seeds: one transition-noise seed per episode, in
+    the order returned (default: seed * 1000 + k for rollout k of a group; a caller holding only
+    part of a group passes the numbers of the rollouts it holds). Returns the episodes group by
+    group."""
     if not (isinstance(group_size, int) and 1 <= group_size <= 1000):
         raise ValueError(f"group_size must be an int in 1..1000, got {group_size!r}")
     if max_turns < 1 or max_actions_per_turn < 1:
         raise ValueError(f"max_turns and max_actions_per_turn must be >= 1, got {max_turns}, "
                          f"{max_actions_per_turn}")
+    if noise_seeds is not None and len(noise_seeds) != len(seeds) * group_size:
+        raise ValueError(f"need one noise seed per episode ({len(seeds) * group_size}), got "
+                         f"{len(noise_seeds)}")
     stop_ids = end_of_turn_ids(tokenizer)
     episodes = []
     for g, seed in enumerate(seeds):
         for k in range(group_size):
+            noise_seed = seed * 1000 + k if noise_seeds is None else noise_seeds[len(episodes)]
             env = envs.make_env(env_name, **(env_kwargs or {}))
-            obs, info = env.reset(seed=seed, noise_seed=seed * 1000 + k)
+            obs, info = env.reset(seed=seed, noise_seed=noise_seed)
             sys_text = system_prompt(env, max_actions_per_turn) if system is None else (
                 system(env) if callable(system) else system)
             messages = [{"role": "system", "content": sys_text},
@@ -238,7 +246,7 @@ def play(
                     env=env,
                     group=g,
                     seed=seed,
-                    noise_seed=seed * 1000 + k,
+                    noise_seed=noise_seed,
                     ids=ids,
                     policy_mask=[0.0] * len(ids),
                     logprobs=[0.0] * len(ids),

@@ -162,6 +162,21 @@ def test_a_group_shares_its_layout_but_not_its_noise(tokenizer):
     assert len({p for p, e in zip(prompts[1], [e for e in eps if e.turns == 2]) if e.group == 0}) > 1  # slips differ
 
 
+def test_noise_seeds_let_a_caller_play_part_of_a_group(tokenizer):
+    """Rollouts 5..7 of seed 0 (noise seeds 0 * 1000 + k) played apart, as one process of several
+    holds them, meet the same slips as in the whole group: the same transcripts."""
+    moves = [["a</think><answer>Up || Left</answer>"]] * 8
+    kw = dict(env_kwargs={"success_rate": 1 / 3}, max_turns=2, system=SYSTEM)
+    whole = rollout.play(scripted(tokenizer, moves), tokenizer, "frozenlake", [0], 8, **kw)
+    part = rollout.play(scripted(tokenizer, moves), tokenizer, "frozenlake", [0, 0, 0], 1,
+                        noise_seeds=[5, 6, 7], **kw)
+    assert [e.noise_seed for e in part] == [5, 6, 7] and [e.group for e in part] == [0, 1, 2]
+    assert [e.ids for e in part] == [e.ids for e in whole[5:]]
+    assert len({tuple(e.ids) for e in whole}) > 1  # the slips differ across the group
+    with pytest.raises(ValueError, match="one noise seed per episode"):
+        rollout.play(scripted(tokenizer, moves), tokenizer, "frozenlake", [0], 2, noise_seeds=[1], **kw)
+
+
 def test_malformed_output_is_penalised_never_crashes(tokenizer):
     enc = lambda s: tokenizer.encode(s, add_special_tokens=False)  # noqa: E731
     start, end = tokenizer.convert_tokens_to_ids(["<|im_start|>", "<|im_end|>"])
