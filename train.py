@@ -111,8 +111,8 @@ class Args:
     mi_samples: int = arg(64, "samples cross-scored per diagnosis")
     probe_prompts: int = arg(8, "fixed held-out prompts diagnosed at every diagnosis (0 = off)")
     probe_samples: int = arg(8, "first-turn reasonings sampled per probe prompt")
-    grad_decomp_every: int = arg(0, "task / KL (to the initial policy) / entropy gradient norms "
-                                 "per spread bucket, every N")
+    grad_decomp_every: int = arg(0, "task / KL-to-start / entropy gradient norms per spread bucket, "
+                                 "every N")
     val_every: int = arg(10, "validation before training, every N steps and at the end")
     val_seeds: int = arg(64, "held-out validation seeds (one rollout each)")
     val_temperature: float = arg(0.5, "validation sampling temperature")
