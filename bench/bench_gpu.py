@@ -119,7 +119,8 @@ def one_row(args):
         os.path.join(args.out, f"{args.size}-{args.algo}-lora{args.lora}-{time.time_ns()}"),
     ]
     if args.quick:
-        flags += ["--groups", "2", "--group-size", "2", "--max-turns", "2"]
+        flags += ["--groups", "2", "--group-size", "2", "--max-turns", "2", "--probe-prompts", "2",
+                  "--probe-samples", "2"]
     flags += ["--micro-batch", str(args.micro_batch)] if args.micro_batch else []
     flags += ["--grad-checkpointing"] if args.grad_checkpointing else []
     a = runs.parse_args(train.Args, flags)
