@@ -1,24 +1,30 @@
-"""The paper's figures in miniature: named grids of train.py runs (settings x seeds), run side by
-side and resumable, summarised into results/<grid>/ as tables (mean and standard error over seeds)
-and figures.
+"""The paper's claims in miniature, as named grids of train.py runs (settings x seeds), each written
+down with its decision rule before it runs, run side by side and resumable, and reported from
+compact per-run logs committed under results/<grid>/runs/.
 
-A new top-level file because it is a concept of its own: each grid below is one claim of RAGEN-2,
-with its exact train.py flags, fixed before its runs. Run folders go to
-runs/experiments/<grid>/<setting>-s<seed> (not committed); a finished run is never run again, an
-interrupted one is resumed (train.py --resume). Every grid runs the tiny policy, on a GPU machine
-too: its settings (the entropy bonus of the collapse grid) were chosen for it.
+A new top-level file because it is a concept of its own: each grid below is one claim of RAGEN-2
+(or a search for a regime, said to be one), with its exact train.py flags, seeds, steps and the
+comparisons that decide it. Run folders go to runs/experiments/<grid>/<setting>-s<seed> (not
+committed); a finished run is never run again, an interrupted one is resumed (train.py --resume).
+When a run's process ends, its metrics are copied, trimmed to COLUMNS and gzipped, to
+results/<grid>/runs/<setting>-s<seed>.jsonl.gz; `report` reads nothing else. Every grid runs the
+tiny policy, on a GPU machine too.
 
-    python experiments.py list                  # the grids, their claims and sizes
-    python experiments.py run filters --jobs 2  # run what is missing (1 thread each), summarise
-    python experiments.py summarize filters     # tables and figures from the runs that exist
-    python experiments.py correlations collapse filters   # Sec. 5.1: MI / entropy vs success
+    python experiments.py list [GRID ...]        # the grids, their claims, rules and wall time
+    python experiments.py run collapse-env --jobs 2   # run what is missing (1 thread each), report
+    python experiments.py report collapse-env    # every table, figure and number from the logs
 
-Table metrics are averaged over a window of steps ending at each table step (WINDOW; validation and
-diagnosis are taken at the step itself), then over seeds: mean +- standard error (sample std /
-sqrt(seeds)).
+The report (results/<grid>/): table.md (means with 95% t intervals at n - 1 degrees of freedom over
+seeds, the decision rules and their verdicts from paired differences over seeds, correlations
+within runs and within worlds, pooled only as a footnote, and a lead-lag check), the same as csv
+files and numbers.json, and curves.png (against environment steps, optimiser steps and
+trajectories trained on), perseed.png (each seed's MI and entropies) and scatter.png.
 """
 import argparse
 import csv
+import gzip
+import io
+import json
 import math
 import os
 import random
@@ -26,58 +32,186 @@ import subprocess
 import sys
 import time
 
-import plots
-
 ROOT = os.path.dirname(os.path.abspath(__file__))
 RUNS = os.path.join("runs", "experiments")
 RESULTS = "results"
 MAX_SKIPS = 5  # train.MAX_SKIPS (not imported: experiments.py stays light)
+GROUP_SIZE = 16  # train.Args.group_size: trajectories a kept group contributes
 WINDOW = 10  # per-step metrics in a table are the mean of the WINDOW steps ending at the table step
 COMMON = ["--model", "tiny", "--mi-every", "5", "--val-every", "10", "--threads", "1", "--no-plot"]
 FILTERS = {"none": ["--filter", "none"], "topp": ["--filter", "topp"], "topk": ["--filter", "topk"]}
+CONTROLS = {"random": ["--filter", "random", "--control-of", "topk"],
+            "bottom": ["--filter", "bottom", "--control-of", "topk"]}
+SEEDS = [0, 1, 2, 3, 4]  # 5 seeds for every claim
+# Wall-time model: seconds a training step of one run takes (one thread, two runs side by side on
+# the 2-core machine; validation and diagnoses included), by world. From the 2-core Sokoban step
+# (about 5 s on 2 threads) and the earlier grids; the first runs' time_step corrects it.
+SECONDS_PER_STEP = {"frozenlake": 5.0, "sokoban": 8.0, "sokoban-large": 10.0}
 
 # ---------------------------------------------------------------------------------------- the grids
+# Pre-registered: settings, seeds, steps and decision rules are fixed before the runs. A rule
+# ("paired") compares a - b, paired over the seeds both have, at an environment step or at the
+# validation whose cumulative optimiser steps are nearest a count; it holds when the 95% interval
+# lies on the predicted side of 0, is contradicted on the other side, else undecided. "leadlag":
+# the step at which `a` moves (falls / rises half-way) is before the step at which `b` does.
+# "search": a single-seed run shows the regime (rule text says how).
 
+COLLAPSE = ["--env", "frozenlake", "--entropy-coef", "0.3"]
 GRIDS = {
+    # Estimate: 30 runs x 120 steps x 5 s / 2 at a time = 2.5 h (less: runs that lose all spread
+    # stop early).
+    "collapse-env": dict(
+        claim="Sec. 2-3: with a regulariser that does not shrink with reward spread driving the "
+              "update (an entropy bonus of 0.3 on FrozenLake: no filter lost its success by step "
+              "60 before), Top-K / Top-P hold collapse off -- and not only because a filtered "
+              "update takes fewer optimiser steps (2 for Top-K 0.5 against 4, at 32 trajectories "
+              "a mini-batch): equal environment steps here, 120 steps so that Top-K reaches the "
+              "240 optimiser steps no filter took to collapse; random and bottom keep Top-K's "
+              "count.",
+        flags=COLLAPSE, world="frozenlake",
+        settings={**FILTERS, "topp-softmax-zero": ["--filter", "topp", "--filter-prob-mode",
+                                                   "softmax", "--include-zero"], **CONTROLS},
+        seeds=SEEDS, steps=120, table_steps=[0, 20, 40, 60, 80, 100, 120],
+        decide=[
+            dict(kind="paired", metric="val_success", a=("topk", "step", 60),
+                 b=("none", "step", 60), sign=1,
+                 text="Top-K beats no filter at step 60 (equal environment steps)"),
+            dict(kind="paired", metric="val_success", a=("topk", "step", 60),
+                 b=("random", "step", 60), sign=1,
+                 text="Top-K beats a random subset of the same size at step 60: the choice of "
+                      "groups matters, not only their number"),
+            dict(kind="paired", metric="val_success", a=("topk", "optimizer_steps", 240),
+                 b=("none", "optimizer_steps", 240), sign=1,
+                 text="Top-K beats no filter at 240 optimiser steps (no filter's step 60)"),
+            dict(kind="paired", metric="val_success", a=("bottom", "optimizer_steps", 240),
+                 b=("none", "optimizer_steps", 240), sign=-1,
+                 text="the lowest-spread groups do worse than no filter at equal optimiser "
+                      "steps (the mechanism's prediction)"),
+            dict(kind="paired", metric="val_success", a=("topp", "step", 60),
+                 b=("none", "step", 60), sign=1, text="Top-P (linear) beats no filter at step 60"),
+            dict(kind="paired", metric="probe_mi_estimate", a=("none", "step", 60),
+                 b=("none", "step", 1), sign=-1,
+                 text="without a filter the probe-set MI falls from step 1 to step 60"),
+            dict(kind="leadlag", setting="none", a="probe_mi_estimate", b="val_success", sign=1,
+                 text="the probe-set MI falls before success does (no filter)"),
+            dict(kind="leadlag", setting="none", a="probe_mi_estimate",
+                 b="probe_conditional_entropy", sign=1,
+                 text="the probe-set MI falls before H(Z|X) rises (no filter)"),
+        ]),
+    # Estimate: 20 runs x 80 steps x 5 s / 2 = 1.1 h. No filter is not rerun: with 128 kept rows
+    # --optimizer-steps 4 is exactly the default split (tests/test_train.py), so its runs are
+    # collapse-env's.
+    "collapse-opt": dict(
+        claim="The collapse grid at equal optimiser steps: every update takes 4 optimiser steps "
+              "(--optimizer-steps 4, no filter's count) whatever it keeps.",
+        flags=COLLAPSE + ["--optimizer-steps", "4"], world="frozenlake",
+        settings={"topk": FILTERS["topk"], "topp": FILTERS["topp"], **CONTROLS},
+        seeds=SEEDS, steps=80, table_steps=[0, 20, 40, 60, 80],
+        decide=[
+            dict(kind="paired", metric="val_success", a=("topk", "step", 60),
+                 b=("collapse-env/none", "step", 60), sign=1,
+                 text="Top-K beats no filter at equal optimiser steps (step 60: 240 each)"),
+            dict(kind="paired", metric="val_success", a=("topk", "step", 60),
+                 b=("random", "step", 60), sign=1,
+                 text="Top-K beats a random subset of the same size at equal optimiser steps"),
+            dict(kind="paired", metric="val_success", a=("bottom", "step", 60),
+                 b=("collapse-env/none", "step", 60), sign=-1,
+                 text="the lowest-spread groups do worse than no filter"),
+            dict(kind="paired", metric="val_success", a=("topp", "step", 60),
+                 b=("collapse-env/none", "step", 60), sign=1,
+                 text="Top-P beats no filter at equal optimiser steps"),
+        ]),
+    # Estimate: 2 x 200 x 8 s + 200 x 10 s + 2 x 200 x 5 s = 2.0 run-hours, 1.0 h at 2 at a time,
+    # plus a warm start for each of the 3 new worlds (about 3 minutes each).
+    "regime": dict(
+        claim="A search, not a claim: is there a collapse regime at the official coefficients "
+              "(entropy 0.001, a KL term k3 at the analysis runs' 0.001 and at 0.01) in worlds "
+              "with many all-fail groups (two boxes, an 8x8 room; FrozenLake slipping 2/3 of "
+              "moves), 200 steps, no filter, one seed each?",
+        flags=["--entropy-coef", "0.001", "--filter", "none"], world=None,
+        settings={
+            "sokoban-2box-kl0.001": ["--env", "sokoban", "--num-boxes", "2", "--kl-coef", "0.001"],
+            "sokoban-2box-kl0.01": ["--env", "sokoban", "--num-boxes", "2", "--kl-coef", "0.01"],
+            "sokoban-8x8-kl0.001": ["--env", "sokoban", "--room-size", "8", "--kl-coef", "0.001"],
+            "frozenlake-sr0.33-kl0.001": ["--env", "frozenlake", "--success-rate", "0.3333",
+                                          "--kl-coef", "0.001"],
+            "frozenlake-sr0.33-kl0.01": ["--env", "frozenlake", "--success-rate", "0.3333",
+                                         "--kl-coef", "0.01"]},
+        seeds=[0], steps=200, table_steps=[0, 50, 100, 150, 200],
+        seconds={"sokoban-2box-kl0.001": 8.0, "sokoban-2box-kl0.01": 8.0,
+                 "sokoban-8x8-kl0.001": SECONDS_PER_STEP["sokoban-large"]},
+        decide=[dict(kind="search", text=(
+            "a setting is a collapse regime when its run (1) had many all-fail groups "
+            "(zero_var_fail_frac averaged over the run >= 0.5), (2) lost input dependence (the "
+            "mean probe-set MI of the last two diagnoses <= half its step-1 value) and (3) lost "
+            "success (the last validation >= 0.1 below the run's best). If one is found, a 5-seed "
+            "none / Top-P / Top-K / random grid in it is the next pre-registration; if none is, "
+            "that is the result: no collapse at the official coefficients in 200 steps."))]),
+    # Estimate: 20 runs x 50 steps x 8 s / 2 = 1.1 h.
+    "main": dict(
+        claim="The main command's world (Sokoban, default settings): Top-P and Top-K against no "
+              "filter and a random subset of Top-P's size, 50 steps.",
+        flags=["--env", "sokoban"], world="sokoban",
+        settings={**FILTERS, "random": ["--filter", "random", "--control-of", "topp"]},
+        seeds=SEEDS, steps=50, table_steps=[0, 10, 20, 30, 40, 50],
+        decide=[
+            dict(kind="paired", metric="val_success", a=("topp", "step", 50),
+                 b=("none", "step", 50), sign=1, text="Top-P beats no filter at step 50"),
+            dict(kind="paired", metric="val_success", a=("topp", "step", 50),
+                 b=("random", "step", 50), sign=1,
+                 text="Top-P beats a random subset of its size at step 50"),
+            dict(kind="paired", metric="val_success", a=("topk", "step", 50),
+                 b=("none", "step", 50), sign=1, text="Top-K beats no filter at step 50"),
+        ]),
+    # The earlier grids (3 seeds, no decision rule, no committed per-run logs): kept so that their
+    # committed tables can be re-run; superseded by the grids above.
     "pilot": dict(
-        claim="Not a claim: the search for a collapse regime (FrozenLake, PPO, no filter, one "
-              "seed, 60 steps). The official sweep's entropy coefficients 0.01, 0.03 and 0.1 moved "
-              "nothing; 0.3 and 1.0 let the entropy bonus take over: entropy exploded, MI, "
-              "retrieval and success fell. The collapse grid uses 0.3, the smaller of the two.",
-        flags=["--env", "frozenlake", "--filter", "none"],
+        claim="Earlier search (one seed, 60 steps, FrozenLake, no filter) for a collapse regime "
+              "over the entropy coefficient.",
+        flags=["--env", "frozenlake", "--filter", "none"], world="frozenlake",
         settings={f"ent{c}": ["--entropy-coef", c] for c in ("0.01", "0.03", "0.1", "0.3", "1.0")},
-        seeds=[0], steps=60, table_steps=[0, 20, 40, 60]),
+        seeds=[0], steps=60, table_steps=[0, 20, 40, 60], decide=[]),
     "collapse": dict(
-        claim="Sec. 2 and 3, Fig. 6 / 8: when a regulariser that does not shrink with reward "
-              "spread (here an entropy bonus of 0.3, the pilot's) drives the update, the reasoning "
-              "loses its input dependence (MI and retrieval fall) while its entropy rises; the "
-              "paper's remedy, Top-P or Top-K filtering, keeps the update on the groups with "
-              "spread.",
-        flags=["--env", "frozenlake", "--entropy-coef", "0.3", "--grad-decomp-every", "20"],
-        settings=FILTERS, seeds=[0, 1, 2], steps=80, table_steps=[0, 20, 40, 60, 80]),
-    "filters": dict(
-        claim="Sec. 4.3, Fig. 7 / 11: Top-P and Top-K against no filter in the default regime "
-              "(entropy 0.001): success, kept ratio, zero-spread groups and the compute of a step.",
-        flags=["--env", "frozenlake", "--grad-decomp-every", "25"],
-        settings=FILTERS, seeds=[0, 1, 2], steps=100, table_steps=[0, 25, 50, 100]),
+        claim="Earlier grid: no filter, Top-P and Top-K on FrozenLake with an entropy bonus of "
+              "0.3, 80 steps.",
+        flags=COLLAPSE + ["--grad-decomp-every", "20"], world="frozenlake",
+        settings=FILTERS, seeds=[0, 1, 2], steps=80, table_steps=[0, 20, 40, 60, 80], decide=[]),
     "sokoban": dict(
-        claim="The main command's world: Top-P and Top-K against no filter on Sokoban, default "
-              "settings.",
-        flags=["--env", "sokoban"],
-        settings=FILTERS, seeds=[0, 1, 2], steps=50, table_steps=[0, 25, 50]),
+        claim="Earlier grid: Top-P and Top-K against no filter on Sokoban, default settings.",
+        flags=["--env", "sokoban"], world="sokoban",
+        settings=FILTERS, seeds=[0, 1, 2], steps=50, table_steps=[0, 25, 50], decide=[]),
+    "filters": dict(
+        claim="Earlier grid: Top-P and Top-K against no filter on FrozenLake, entropy 0.001.",
+        flags=["--env", "frozenlake", "--grad-decomp-every", "25"], world="frozenlake",
+        settings=FILTERS, seeds=[0, 1, 2], steps=100, table_steps=[0, 25, 50, 100], decide=[]),
     "stochasticity": dict(
-        claim="Sec. 5.2, Fig. 10: FrozenLake's slip rate raises reward noise; no filter against "
-              "Top-P as moves go their way with probability 1, 0.6 and 1/3.",
-        flags=["--env", "frozenlake"],
+        claim="Earlier grid: no filter against Top-P as FrozenLake's moves go their way with "
+              "probability 1, 0.6 and 1/3.",
+        flags=["--env", "frozenlake"], world=None,
         settings={f"{f}-sr{sr}": ["--filter", f, "--success-rate", sr]
                   for sr in ("1.0", "0.6", "0.3333") for f in ("none", "topp")},
-        seeds=[0, 1, 2], steps=60, table_steps=[0, 30, 60]),
+        seeds=[0, 1, 2], steps=60, table_steps=[0, 30, 60], decide=[]),
 }
-METRICS = ["val_success", "train_success", "mi_estimate", "retrieval_acc", "reasoning_entropy",
-           "conditional_entropy", "token_entropy", "kept_ratio", "num_zero_var", "response_length",
-           "time_step"]
+# Whole programme: 2.5 + 1.1 + 1.0 (+ 0.15 warm starts) + 1.1 = about 5.9 h of the 2-core machine.
+# Cut to fit: no filter is not rerun at equal optimiser steps; the softmax Top-P variant only at
+# equal environment steps; the regime search has one seed and two KL values; the main world runs
+# 50 of the main command's 100 steps; the earlier grids are not rerun.
+
+METRICS = ["val_success", "train_success", "probe_mi_estimate", "probe_retrieval_acc",
+           "probe_reasoning_entropy", "probe_conditional_entropy", "probe_action_mi",
+           "mi_estimate", "token_entropy", "kept_ratio", "zero_var_success_frac",
+           "zero_var_fail_frac", "optimizer_steps_total", "trajectories_total"]
 AT_THE_STEP = ("val_success", "mi_estimate", "retrieval_acc", "reasoning_entropy",
-               "conditional_entropy")  # logged every 5 or 10 steps: taken at the step, not averaged
+               "conditional_entropy", "probe_", "optimizer_steps_total", "trajectories_total")
+COLUMNS = ["step", "skipped", "val_success", "train_success", "reward_mean", "kept_ratio",
+           "num_kept", "num_zero_var", "zero_var_frac", "zero_var_success_frac",
+           "zero_var_fail_frac", "optimizer_steps", "token_entropy", "response_length",
+           "mi_estimate", "mi_zscore_ema", "retrieval_acc", "reasoning_entropy",
+           "conditional_entropy", "time_step"]  # and every probe_* metric
+DIAGNOSTICS = ["probe_mi_estimate", "probe_retrieval_acc", "probe_reasoning_entropy",
+               "probe_conditional_entropy", "probe_action_mi", "mi_estimate", "token_entropy"]
+MOVES = {"probe_mi_estimate": (-1, 0.1), "val_success": (-1, 0.2),  # direction, least change
+         "probe_conditional_entropy": (1, 0.1), "token_entropy": (1, 0.1)}
 
 
 def runs_of(name):
@@ -93,10 +227,35 @@ def runs_of(name):
     return out
 
 
+def estimate_hours(name, jobs=2):
+    """The grid's wall-time estimate: steps x SECONDS_PER_STEP of its world, `jobs` at a time."""
+    g = GRIDS[name]
+    total = 0.0
+    for setting, _, _, argv in runs_of(name):
+        world = argv[argv.index("--env") + 1] if "--env" in argv else "sokoban"
+        total += g["steps"] * g.get("seconds", {}).get(setting, SECONDS_PER_STEP[world])
+    return total / jobs / 3600
+
+
+def read_jsonl(lines):
+    """Metric records from JSON lines; a damaged line (a killed writer's last) is skipped."""
+    out = []
+    for line in lines:
+        try:
+            out.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return out
+
+
 def finished(folder, steps):
     """The run did its steps, or train.py stopped it: MAX_SKIPS steps in a row without spread."""
     path = os.path.join(folder, "metrics.jsonl")
-    records = plots.read_metrics(folder) if os.path.isfile(path) else []
+    records = read_jsonl(open(path)) if os.path.isfile(path) else []
+    return done(records, steps)
+
+
+def done(records, steps):
     records = [r for r in records if r.get("step")]
     stopped = len(records) >= MAX_SKIPS and all(r.get("skipped") for r in records[-MAX_SKIPS:])
     return stopped or any(r["step"] == steps for r in records)
@@ -105,10 +264,11 @@ def finished(folder, steps):
 # ------------------------------------------------------------------------------------------ running
 
 def run(name, jobs):
-    """Every run of the grid that has not finished, `jobs` processes at a time; then the summary."""
+    """Every run of the grid that has not finished, `jobs` processes at a time; each run's log is
+    archived when its process ends (finished or not); then the report."""
     todo = [r for r in runs_of(name) if not finished(r[2], GRIDS[name]["steps"])]
     print(f"{name}: {len(runs_of(name)) - len(todo)} runs finished, {len(todo)} to go, {jobs} at "
-          f"a time")
+          f"a time (estimate {estimate_hours(name, jobs):.1f} h for the whole grid)")
     started, running = time.time(), []
     while todo or running:
         while todo and len(running) < jobs:
@@ -126,156 +286,439 @@ def run(name, jobs):
             folder, process, log = item
             log.close()
             running.remove(item)
+            archive(folder, name)
             minutes = (time.time() - started) / 60
             print(f"  {folder}: exit {process.returncode} ({minutes:.1f} min)", flush=True)
-    summarize(name)
+    for _, _, folder, _ in runs_of(name):  # runs finished by an earlier call, archived again
+        archive(folder, name)
+    report(name)
 
 
-# ---------------------------------------------------------------------------------------- summaries
+def archive(folder, name, results=RESULTS):
+    """A run's metrics.jsonl, trimmed to COLUMNS and every probe_* metric, floats to 6 significant
+    digits, gzipped without a time stamp (the same log gives the same bytes) to
+    results/<grid>/runs/<run>.jsonl.gz, written atomically. No log: nothing."""
+    path = os.path.join(folder, "metrics.jsonl")
+    if not os.path.isfile(path):
+        return None
+    lines = []
+    for r in read_jsonl(open(path)):
+        kept = {k: (float(f"{v:.6g}") if isinstance(v, float) else v) for k, v in r.items()
+                if (k in COLUMNS or k.startswith("probe_")) and not isinstance(v, list)}
+        lines.append(json.dumps(kept) + "\n")
+    out = os.path.join(results, name, "runs", os.path.basename(folder) + ".jsonl.gz")
+    os.makedirs(os.path.dirname(out), exist_ok=True)
+    buffer = io.BytesIO()
+    with gzip.GzipFile(fileobj=buffer, mode="wb", mtime=0, filename="") as f:
+        f.write("".join(lines).encode())
+    with open(out + ".tmp", "wb") as f:
+        f.write(buffer.getvalue())
+    os.replace(out + ".tmp", out)
+    return out
 
-def value_at(records, key, step):
-    """A metric at a table step: validation and diagnosis at the step itself (the nearest diagnosis
-    within 5 steps before it), every other metric the mean of the WINDOW steps ending there; None
-    when nothing was logged."""
-    window = 5 if key in AT_THE_STEP else WINDOW
-    exact = [r[key] for r in records if r.get("step") == step and key in r]
-    if key in AT_THE_STEP and (exact or key == "val_success"):
-        return exact[-1] if exact else None
-    values = [r[key] for r in records if step - window < r.get("step", -1) <= step and key in r]
-    return sum(values) / len(values) if values else None
+
+def load(name, results=RESULTS):
+    """{(setting, seed): records} from the grid's archived logs, each record with the cumulative
+    optimiser steps and trajectories trained on up to its step."""
+    out = {}
+    for setting, seed, folder, argv in runs_of(name):
+        path = os.path.join(results, name, "runs", os.path.basename(folder) + ".jsonl.gz")
+        if not os.path.isfile(path):
+            continue
+        with gzip.open(path, "rt") as f:
+            records = read_jsonl(f)
+        K = int(argv[argv.index("--group-size") + 1]) if "--group-size" in argv else GROUP_SIZE
+        opt = trajectories = 0
+        for r in sorted(records, key=lambda r: r["step"]):
+            opt += r.get("optimizer_steps", 0) if not r.get("skipped") else 0
+            trajectories += r.get("num_kept", 0) * K if not r.get("skipped") else 0
+            r["optimizer_steps_total"], r["trajectories_total"] = opt, trajectories
+        out[(setting, seed)] = records
+    return out
 
 
-def mean_se(xs):
-    """(mean, standard error, count) of the values that are not None; SE is nan for one value."""
+# ------------------------------------------------------------------------------------- statistics
+
+def interval(xs):
+    """(mean, half-width of the 95% t interval at n - 1 degrees of freedom, n) of the values that
+    are not None; the half-width is nan for one value."""
+    from scipy.stats import t
+
     xs = [x for x in xs if x is not None]
     if not xs:
         return None, None, 0
     m = sum(xs) / len(xs)
     if len(xs) < 2:
-        return m, math.nan, len(xs)
-    se = math.sqrt(sum((x - m) ** 2 for x in xs) / (len(xs) - 1) / len(xs))
-    return m, se, len(xs)
+        return m, math.nan, 1
+    sd = math.sqrt(sum((x - m) ** 2 for x in xs) / (len(xs) - 1))
+    return m, t.ppf(0.975, len(xs) - 1) * sd / math.sqrt(len(xs)), len(xs)
 
 
-def summarize(name):
-    """results/<name>/table.md and table.csv (mean +- SE over seeds at the table steps) and the
-    figures of plots.py, seeds of a setting averaged."""
-    g = GRIDS[name]
-    out = os.path.join(RESULTS, name)
-    os.makedirs(out, exist_ok=True)
-    done = [(s, folder) for s, _, folder, _ in runs_of(name)
-            if os.path.isfile(os.path.join(folder, "metrics.jsonl"))]
-    rows = []
-    for setting in g["settings"]:
-        folders = [f for s, f in done if s == setting]
-        records = [plots.read_metrics(f) for f in folders]
-        complete = sum(finished(f, g["steps"]) for f in folders)
-        for step in g["table_steps"]:
-            row = {"setting": setting, "step": step, "runs": len(folders), "finished": complete}
-            for key in METRICS:
-                row[key], row[key + "_se"], _ = mean_se([value_at(r, key, step) for r in records])
-            rows.append(row)
-    with open(os.path.join(out, "table.csv"), "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
-        writer.writeheader()
-        writer.writerows(rows)
-    with open(os.path.join(out, "table.md"), "w") as f:
-        f.write(f"# {name}\n\n{g['claim']}\n\nFlags: `{' '.join(g['flags'] + COMMON)}`; seeds "
-                f"{g['seeds']}; {g['steps']} steps. Mean +- standard error over seeds; per-step "
-                f"metrics averaged over the {WINDOW} steps ending at the step.\n\n")
-        f.write("| setting | step | runs (finished) | " + " | ".join(METRICS) + " |\n")
-        f.write("|---|---|---|" + "---|" * len(METRICS) + "\n")
-        for row in rows:
-            cells = " | ".join(fmt(row[k], row[k + "_se"]) for k in METRICS)
-            f.write(f"| {row['setting']} | {row['step']} | {row['runs']} ({row['finished']}) | "
-                    f"{cells} |\n")
-    if done:
-        plots.plot_runs([f for _, f in done], out, labels=[s for s, _ in done])
-    print(f"wrote {out}/table.md, table.csv and figures ({len(done)} runs)")
-    return rows
+def value_at(records, key, step):
+    """A metric at a table step: validation, diagnoses and cumulative counts at the step itself,
+    every other metric the mean of the WINDOW steps ending there; None when nothing was logged."""
+    if key.startswith(AT_THE_STEP):
+        exact = [r[key] for r in records if r.get("step") == step and key in r]
+        return exact[-1] if exact else None
+    values = [r[key] for r in records if step - WINDOW < r.get("step", -1) <= step and key in r]
+    return sum(values) / len(values) if values else None
 
 
-def fmt(m, se):
-    if m is None:
-        return "-"
-    return f"{m:.3f}" if se is None or math.isnan(se) else f"{m:.3f} +- {se:.3f}"
+def value_on(records, key, axis, point):
+    """`key` at an environment step (axis "step"), or at the logged step whose cumulative optimiser
+    steps are nearest `point` (axis "optimizer_steps"; ties to the earlier step)."""
+    if axis == "step":
+        return value_at(records, key, point)
+    logged = [r for r in records if key in r]
+    if not logged:
+        return None
+    return min(logged, key=lambda r: (abs(r["optimizer_steps_total"] - point), r["step"]))[key]
 
 
-# ----------------------------------------------------------------------------------------- Sec. 5.1
+def event_step(records, key):
+    """The step at which a series moves half-way from its first value to its extreme in the
+    direction MOVES gives (fall or rise), or None when it moves less than MOVES' least change."""
+    direction, least = MOVES[key]
+    points = [(r["step"], r[key]) for r in sorted(records, key=lambda r: r["step"]) if key in r]
+    if len(points) < 2:
+        return None
+    start = points[0][1]
+    extreme = (min if direction < 0 else max)(v for _, v in points)
+    if abs(extreme - start) < least:
+        return None
+    half = start + (extreme - start) / 2
+    return next(s for s, v in points if (v - half) * direction >= 0)
 
-DIAGNOSTICS = ["mi_zscore_ema", "mi_estimate", "retrieval_acc", "conditional_entropy",
-               "reasoning_entropy", "token_entropy"]
 
-
-def correlations(names, resamples=2000, seed=0):
-    """Spearman correlation of each diagnostic with validation success over every (run, step) where
-    both were logged, across the grids' runs, with a 95% interval from resampling whole runs (the
-    steps of one run are not independent). Writes results/correlations/table.md and scatter.png."""
+def spearman(xs, ys):
     from scipy.stats import spearmanr
 
-    points = {}  # run folder -> [(that step's record, its validation success)]
-    for name in names:
-        for _, _, folder, _ in runs_of(name):
-            if os.path.isfile(os.path.join(folder, "metrics.jsonl")):
-                by_step = {}
-                for r in plots.read_metrics(folder):
-                    by_step.setdefault(r["step"], {}).update(r)
-                points[folder] = [(r, r["val_success"]) for _, r in sorted(by_step.items())
-                                  if "val_success" in r and "mi_estimate" in r]
-    folders = [f for f in points if points[f]]
-    rng = random.Random(seed)
-    rows = []
-    for key in DIAGNOSTICS:
-        def rho(chosen):
-            pairs = [(p[0][key], p[1]) for f in chosen for p in points[f] if key in p[0]]
-            xs, ys = [x for x, _ in pairs], [y for _, y in pairs]
-            if len(set(xs)) < 2 or len(set(ys)) < 2:
-                return math.nan  # a constant ranks nothing
-            return spearmanr(xs, ys).statistic
+    if len(xs) < 3 or len(set(xs)) < 2 or len(set(ys)) < 2:
+        return None  # a constant ranks nothing
+    return float(spearmanr(xs, ys).statistic)
 
-        resampled = (rho([rng.choice(folders) for _ in folders]) for _ in range(resamples))
-        boot = sorted(r for r in resampled if not math.isnan(r))
-        low, high = (boot[int(0.025 * len(boot))], boot[int(0.975 * len(boot)) - 1]) if boot else (
-            None, None)
-        n = sum(key in p[0] for f in folders for p in points[f])
-        rows.append((key, rho(folders), low, high, n))
-    out = os.path.join(RESULTS, "correlations")
-    os.makedirs(out, exist_ok=True)
-    with open(os.path.join(out, "table.md"), "w") as f:
-        f.write(f"# Spearman correlation with validation success\n\nGrids: {', '.join(names)}; "
-                f"{len(folders)} runs; points: every step with both a diagnosis and a validation. "
-                f"95% interval: {resamples} resamples of whole runs.\n\n"
-                f"| diagnostic | Spearman rho | 95% interval | points |\n|---|---|---|---|\n")
-        for key, r, low, high, n in rows:
-            interval = f"{low:.3f} .. {high:.3f}" if low is not None else "-"
-            f.write(f"| {key} | {r:.3f} | {interval} | {n} |\n")
-    scatter(points, out)
-    print(f"wrote {out}/table.md and scatter.png ({len(folders)} runs)")
+
+# ----------------------------------------------------------------------------------------- decisions
+
+def decide(name, data, rule, results=RESULTS):
+    """One rule's row: what it compares, the estimate with its 95% interval, n, the verdict."""
+    if rule["kind"] == "search":
+        return search(name, data, rule)
+    if rule["kind"] == "leadlag":
+        lags = []
+        for (setting, _), records in sorted(data.items()):
+            if setting == rule["setting"]:
+                ta, tb = event_step(records, rule["a"]), event_step(records, rule["b"])
+                lags.append(tb - ta if ta is not None and tb is not None else None)
+        diffs = lags
+    else:
+        sides = []
+        for setting, axis, point in (rule["a"], rule["b"]):
+            source = load(setting.split("/")[0], results) if "/" in setting else data
+            setting = setting.split("/")[-1]
+            sides.append({seed: value_on(r, rule["metric"], axis, point)
+                          for (s, seed), r in source.items() if s == setting})
+        a, b = sides
+        diffs = [a[s] - b[s] for s in sorted(set(a) & set(b))
+                 if a[s] is not None and b[s] is not None]
+    m, half, n = interval(diffs)
+    if n < 2:
+        verdict = "not run" if n == 0 else "one seed: undecided"
+    elif (m - half) * rule["sign"] > 0 and (m + half) * rule["sign"] > 0:
+        verdict = "holds"
+    elif (m - half) * rule["sign"] < 0 and (m + half) * rule["sign"] < 0:
+        verdict = "contradicted"
+    else:
+        verdict = "undecided"
+    return {"rule": rule["text"], "estimate": m, "low": None if m is None else m - half,
+            "high": None if m is None else m + half, "n": n, "verdict": verdict}
+
+
+def search(name, data, rule):
+    """The regime search's rule, run by run: which settings showed a collapse regime."""
+    found, checked = [], 0
+    for (setting, seed), records in sorted(data.items()):
+        probes = [r["probe_mi_estimate"] for r in sorted(records, key=lambda r: r["step"])
+                  if "probe_mi_estimate" in r]
+        vals = [r["val_success"] for r in sorted(records, key=lambda r: r["step"])
+                if "val_success" in r]
+        fails = [r["zero_var_fail_frac"] for r in records if "zero_var_fail_frac" in r]
+        if len(probes) < 3 or not vals or not fails:
+            continue
+        checked += 1
+        if (sum(fails) / len(fails) >= 0.5 and sum(probes[-2:]) / 2 <= probes[0] / 2
+                and vals[-1] <= max(vals) - 0.1):
+            found.append(f"{setting}-s{seed}")
+    verdict = ("not run" if not checked else
+               f"regime found: {', '.join(found)}" if found else "no regime found")
+    return {"rule": rule["text"], "estimate": len(found), "low": None, "high": None,
+            "n": checked, "verdict": verdict}
+
+
+# ----------------------------------------------------------------------------------------- the report
+
+def report(name, results=RESULTS):
+    """Every table, figure and number of the grid from results/<grid>/runs/ alone."""
+    g = GRIDS[name]
+    data = load(name, results)
+    out = os.path.join(results, name)
+    if not data:
+        print(f"{name}: no archived runs in {out}/runs: nothing to report")
+        return None
+    rows = []
+    for setting in g["settings"]:
+        runs = [r for (s, _), r in sorted(data.items()) if s == setting]
+        complete = sum(done(r, g["steps"]) for r in runs)
+        for step in g["table_steps"]:
+            row = {"setting": setting, "step": step, "runs": len(runs), "finished": complete}
+            for key in METRICS:
+                m, half, _ = interval([value_at(r, key, step) for r in runs])
+                row[key], row[key + "_ci95"] = m, half
+            rows.append(row)
+    decisions = [decide(name, data, rule, results) for rule in g["decide"]]
+    within, world_rows = correlations(name, data)
+    leads = leadlag(data)
+    write_csv(os.path.join(out, "table.csv"), rows)
+    write_csv(os.path.join(out, "decisions.csv"), decisions)
+    write_csv(os.path.join(out, "correlations.csv"), within + world_rows)
+    write_csv(os.path.join(out, "leadlag.csv"), leads)
+    numbers = {"decisions": decisions, "correlations": within + world_rows, "leadlag": leads}
+    with open(os.path.join(out, "numbers.json"), "w") as f:
+        json.dump(rounded(numbers), f, indent=1, sort_keys=True)
+        f.write("\n")
+    write_markdown(name, out, rows, decisions, within, world_rows, leads)
+    figures(name, data, out)
+    print(f"wrote {out}/table.md, csv files, numbers.json and figures ({len(data)} runs)")
     return rows
 
 
-def scatter(points, out):
+def world_of(name, setting):
+    """The world a setting runs in: its env flags (a grid's `world`, else from the flags)."""
+    if GRIDS[name].get("world"):
+        return GRIDS[name]["world"]
+    flags = GRIDS[name]["flags"] + GRIDS[name]["settings"][setting]
+    names = ("--env", "--num-boxes", "--room-size", "--success-rate", "--lake-size")
+    return " ".join(f"{flags[i]} {flags[i + 1]}" for i in range(len(flags) - 1)
+                    if flags[i] in names)
+
+
+def correlations(name, data, resamples=1000, seed=0):
+    """Spearman correlation of each diagnostic with validation success, at the steps with both:
+    within each run (mean over runs with a 95% t interval), within each world (all its runs'
+    points, 95% interval from resampling whole runs), and pooled over worlds (a footnote: worlds
+    differ in both)."""
+    points = {}  # (setting, seed) -> [record with val_success]
+    for key, records in data.items():
+        by_step = {}
+        for r in records:
+            by_step.setdefault(r["step"], {}).update(r)
+        points[key] = [r for _, r in sorted(by_step.items()) if "val_success" in r]
+    worlds = {}
+    for key in points:
+        worlds.setdefault(world_of(name, key[0]), []).append(key)
+    within, world_rows = [], []
+    rng = random.Random(seed)
+    for diagnostic in DIAGNOSTICS:
+        def rho(keys):
+            pairs = [(r[diagnostic], r["val_success"]) for k in keys for r in points[k]
+                     if diagnostic in r]
+            return spearman([x for x, _ in pairs], [y for _, y in pairs])
+
+        per_run = [rho([k]) for k in sorted(points)]
+        m, half, n = interval(per_run)
+        within.append({"scope": "within runs", "world": "each", "diagnostic": diagnostic,
+                       "rho": m, "low": None if m is None else m - half,
+                       "high": None if m is None else m + half, "n": n})
+        for world, keys in sorted(worlds.items()) + [("pooled (footnote)", sorted(points))]:
+            boot = sorted(r for r in (rho([rng.choice(keys) for _ in keys])
+                                      for _ in range(resamples)) if r is not None)
+            low, high = (boot[int(0.025 * len(boot))], boot[int(0.975 * len(boot)) - 1]) if (
+                boot) else (None, None)
+            world_rows.append({"scope": "within world" if world in worlds else "pooled",
+                               "world": world, "diagnostic": diagnostic, "rho": rho(keys),
+                               "low": low, "high": high, "n": len(keys)})
+    return within, world_rows
+
+
+def leadlag(data):
+    """Per run: the step at which the probe MI falls, success falls, H(Z|X) and token entropy rise
+    (event_step); resolution: diagnoses every 5 steps, validation every 10."""
+    rows = []
+    for (setting, seed), records in sorted(data.items()):
+        row = {"setting": setting, "seed": seed}
+        for key in MOVES:
+            row[key] = event_step(records, key)
+        rows.append(row)
+    return rows
+
+
+def rounded(x):
+    if isinstance(x, float):
+        return None if math.isnan(x) else round(x, 4)
+    if isinstance(x, dict):
+        return {k: rounded(v) for k, v in x.items()}
+    if isinstance(x, list):
+        return [rounded(v) for v in x]
+    return x
+
+
+def write_csv(path, rows):
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "w", newline="") as f:
+        if rows:
+            writer = csv.DictWriter(f, fieldnames=list(rows[0]), lineterminator="\n")
+            writer.writeheader()
+            writer.writerows(rounded(rows))
+
+
+def fmt(m, half=None):
+    if m is None:
+        return "-"
+    if half is None or (isinstance(half, float) and math.isnan(half)):
+        return f"{m:.3f}"
+    return f"{m:.3f} ± {half:.3f}"
+
+
+def write_markdown(name, out, rows, decisions, within, world_rows, leads):
+    g = GRIDS[name]
+    shown = ["val_success", "probe_mi_estimate", "probe_reasoning_entropy",
+             "probe_conditional_entropy", "probe_action_mi", "token_entropy", "kept_ratio",
+             "zero_var_fail_frac", "optimizer_steps_total"]
+    lines = [f"# {name}", "", g["claim"], "",
+             f"Flags: `{' '.join(g['flags'] + COMMON)}`; seeds {g['seeds']}; {g['steps']} steps. "
+             f"Mean ± half-width of the 95% t interval over seeds (n - 1 degrees of freedom); "
+             f"per-step metrics averaged over the {WINDOW} steps ending at the step. All columns: "
+             f"table.csv.", "",
+             "| setting | step | runs (finished) | " + " | ".join(shown) + " |",
+             "|---|---|---|" + "---|" * len(shown)]
+    for row in rows:
+        cells = " | ".join(fmt(row[k], row[k + "_ci95"]) for k in shown)
+        lines.append(f"| {row['setting']} | {row['step']} | {row['runs']} ({row['finished']}) | "
+                     f"{cells} |")
+    lines += ["", "## Decision rules (written before the runs)", "",
+              "| rule | estimate (a - b) | 95% interval | n | verdict |", "|---|---|---|---|---|"]
+    for d in decisions:
+        span = f"{d['low']:.3f} .. {d['high']:.3f}" if d["low"] is not None and not math.isnan(
+            d["low"]) else "-"
+        lines.append(f"| {d['rule']} | {fmt(d['estimate'])} | {span} | {d['n']} | "
+                     f"{d['verdict']} |")
+    lines += ["", "## Spearman correlation with validation success", "",
+              "| scope | world | diagnostic | rho | 95% interval | n |", "|---|---|---|---|---|---|"]
+    for c in within + [c for c in world_rows if c["scope"] != "pooled"]:
+        span = f"{c['low']:.3f} .. {c['high']:.3f}" if c["low"] is not None and not math.isnan(
+            c["low"]) else "-"
+        lines.append(f"| {c['scope']} | {c['world']} | {c['diagnostic']} | {fmt(c['rho'])} | "
+                     f"{span} | {c['n']} |")
+    pooled = ", ".join(f"{c['diagnostic']} {fmt(c['rho'])}" for c in world_rows
+                       if c["scope"] == "pooled")
+    lines += ["", f"Footnote, pooled over worlds (worlds differ in both, so this mixes them): "
+                  f"{pooled}.", "", "## Lead-lag: the step at which each series moves half-way",
+              "", "| setting | seed | " + " | ".join(MOVES) + " |", "|---|---|" + "---|" * len(MOVES)]
+    for r in leads:
+        lines.append(f"| {r['setting']} | {r['seed']} | " + " | ".join(
+            "-" if r[k] is None else str(r[k]) for k in MOVES) + " |")
+    with open(os.path.join(out, "table.md"), "w") as f:
+        f.write("\n".join(lines) + "\n")
+
+
+def figures(name, data, out):
+    """curves.png: validation success, probe MI, H(Z) and token entropy against environment steps,
+    optimiser steps and trajectories trained on (each seed a thin line, the setting's mean over
+    seeds a thick one against environment steps); perseed.png: every seed's probe MI, H(Z),
+    H(Z|X) and token entropy, a row per setting; scatter.png: diagnostics against success."""
+    import matplotlib
+
+    matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    keys = ["mi_zscore_ema", "mi_estimate", "conditional_entropy", "token_entropy"]
-    fig, axes = plt.subplots(1, len(keys), figsize=(4 * len(keys), 3.3), squeeze=False)
-    for ax, key in zip(axes[0], keys):
-        pairs = [(p[0][key], p[1]) for ps in points.values() for p in ps if key in p[0]]
-        ax.scatter([x for x, _ in pairs], [y for _, y in pairs], s=8, alpha=0.5)
+    settings = list(GRIDS[name]["settings"])
+    colors = {s: plt.cm.tab10(i % 10) for i, s in enumerate(settings)}
+    keys = ["val_success", "probe_mi_estimate", "probe_reasoning_entropy", "token_entropy"]
+    axes_x = [("step", "environment steps"), ("optimizer_steps_total", "optimiser steps"),
+              ("trajectories_total", "trajectories trained on")]
+    fig, axes = plt.subplots(len(keys), len(axes_x), figsize=(13, 11), squeeze=False)
+    for i, key in enumerate(keys):
+        for j, (x, label) in enumerate(axes_x):
+            ax = axes[i][j]
+            for (setting, seed), records in sorted(data.items()):
+                pts = [(r[x], r[key]) for r in sorted(records, key=lambda r: r["step"]) if key in r]
+                ax.plot([p[0] for p in pts], [p[1] for p in pts], color=colors[setting], lw=0.6,
+                        alpha=0.5)
+            if x == "step":
+                for setting in settings:
+                    runs = [r for (s, _), r in data.items() if s == setting]
+                    steps = sorted({r["step"] for rs in runs for r in rs if key in r})
+                    means = [interval([value_at(rs, key, s) for rs in runs])[0] for s in steps]
+                    ax.plot(steps, means, color=colors[setting], lw=2, label=setting)
+            ax.set_xlabel(label)
+            ax.set_ylabel(key)
+            ax.grid(alpha=0.3)
+    axes[0][0].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(os.path.join(out, "curves.png"), dpi=90)
+    plt.close(fig)
+
+    per_seed = ["probe_mi_estimate", "probe_reasoning_entropy", "probe_conditional_entropy",
+                "token_entropy"]
+    fig, axes = plt.subplots(len(settings), len(per_seed), figsize=(13, 2.6 * len(settings)),
+                             squeeze=False)
+    for i, setting in enumerate(settings):
+        for j, key in enumerate(per_seed):
+            ax = axes[i][j]
+            for (s, seed), records in sorted(data.items()):
+                if s == setting:
+                    pts = [(r["step"], r[key]) for r in sorted(records, key=lambda r: r["step"])
+                           if key in r]
+                    ax.plot([p[0] for p in pts], [p[1] for p in pts], label=f"seed {seed}")
+            ax.set_title(f"{setting}: {key}", fontsize=8)
+            ax.grid(alpha=0.3)
+    axes[0][0].legend(fontsize=6)
+    fig.tight_layout()
+    fig.savefig(os.path.join(out, "perseed.png"), dpi=80)
+    plt.close(fig)
+
+    scatter_keys = ["probe_mi_estimate", "probe_reasoning_entropy", "probe_conditional_entropy",
+                    "token_entropy"]
+    fig, axes = plt.subplots(1, len(scatter_keys), figsize=(4 * len(scatter_keys), 3.3),
+                             squeeze=False)
+    worlds = sorted({world_of(name, s) for s, _ in data})
+    for ax, key in zip(axes[0], scatter_keys):
+        for w, world in enumerate(worlds):
+            pairs = [(r[key], r["val_success"]) for (s, _), rs in data.items()
+                     if world_of(name, s) == world for r in merged(rs)
+                     if key in r and "val_success" in r]
+            ax.scatter([x for x, _ in pairs], [y for _, y in pairs], s=8, alpha=0.5,
+                       color=plt.cm.tab10(w % 10), label=world)
         ax.set_xlabel(key)
         ax.set_ylabel("validation success")
-        ax.set_ylim(0, 1.02)
         ax.grid(alpha=0.3)
+    axes[0][0].legend(fontsize=6)
     fig.tight_layout()
-    fig.savefig(os.path.join(out, "scatter.png"), dpi=110)
+    fig.savefig(os.path.join(out, "scatter.png"), dpi=100)
     plt.close(fig)
+
+
+def merged(records):
+    by_step = {}
+    for r in records:
+        by_step.setdefault(r["step"], {}).update(r)
+    return [r for _, r in sorted(by_step.items())]
 
 
 # ------------------------------------------------------------------------------------- command line
 
+def describe(name):
+    g = GRIDS[name]
+    lines = [f"{name}: {len(g['settings']) * len(g['seeds'])} runs x {g['steps']} steps, "
+             f"about {estimate_hours(name):.1f} h on 2 cores (2 at a time). {g['claim']}"]
+    lines += [f"  rule: {rule['text']}" for rule in g["decide"]]
+    return "\n".join(lines)
+
+
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("command", choices=("list", "run", "summarize", "correlations"))
+    parser = argparse.ArgumentParser(
+        prog="experiments.py", description=" ".join(__doc__.split("\n\n")[0].split()))
+    parser.add_argument("command", choices=("list", "run", "report"))
     parser.add_argument("grids", nargs="*", help=f"grid names: {', '.join(GRIDS)}")
     parser.add_argument("--jobs", type=int, default=2, help="train.py processes at a time")
     args = parser.parse_args(argv)
@@ -283,15 +726,15 @@ def main(argv=None):
     if unknown:
         print(f"error: unknown grid {unknown[0]!r}; valid: {', '.join(GRIDS)}", file=sys.stderr)
         return 2
+    if args.jobs < 1:
+        print("error: --jobs must be >= 1", file=sys.stderr)
+        return 2
     if args.command == "list":
-        for name, g in GRIDS.items():
-            print(f"{name}: {len(g['settings']) * len(g['seeds'])} runs x {g['steps']} steps. "
-                  f"{g['claim']}")
-    elif args.command == "correlations":
-        correlations(args.grids or [g for g in GRIDS if g != "pilot"])
+        for name in args.grids or GRIDS:
+            print(describe(name))
     else:
         for name in args.grids:
-            run(name, args.jobs) if args.command == "run" else summarize(name)
+            run(name, args.jobs) if args.command == "run" else report(name)
     return 0
 
 

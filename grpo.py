@@ -1,19 +1,19 @@
-"""GRPO: PPO's clipped loss with a critic-free, group-relative advantage (Shao et al. 2024).
+"""GRPO: a critic-free, group-relative advantage for PPO's clipped loss (Shao et al. 2024).
 
 Each prompt (a seeded environment) is rolled out K times; episode i of group g gets
 
     A_gi = (R_gi - mean_g R) / (std_g R + eps)       (GRPO, unbiased std)
     A_gi =  R_gi - mean_g R                          (Dr.GRPO, Liu et al. 2025: no std division)
 
-and every policy token of the episode shares A_gi. The loss is ppo.clipped_policy_loss (dual clip
-included) with `seq-mean-token-mean` aggregation (`seq-mean-token-sum` for Dr.GRPO), plus an
-optional KL penalty kl_coef * KL(pi || ref) (RAGEN-2's main table uses none; its analysis runs use
-k3 at 0.001). Note the std division cancels the sqrt(Var(R|x)) scale of a group's task gradient
-(RAGEN-2, Sec. 3.2): a low-spread group is amplified to the size of a high-spread one.
+and every policy token of the episode shares A_gi. This file holds only these advantages: the loss
+is ppo.policy_loss, the same as PPO's (dual clip, entropy bonus, optional KL penalty
+kl_coef * KL(pi || ref); RAGEN-2's main table uses none, its analysis runs k3 at 0.001), with
+`seq-mean-token-mean` aggregation for GRPO and `seq-mean-token-sum-norm` for Dr.GRPO (each
+sequence's token sum divided by one constant, the longest response). Note the std division
+cancels the sqrt(Var(R|x)) scale of a group's task gradient (RAGEN-2, Sec. 3.2): a low-spread
+group is amplified to the size of a high-spread one.
 """
 import torch
-
-from ppo import aggregate, clipped_policy_loss, kl_estimate
 
 
 def group_advantages(rewards, normalize_std=True, eps=1e-6):
@@ -43,27 +43,3 @@ def episode_advantages_to_tokens(adv, mask):
     """
     adv = adv[:, None].expand(mask.shape)                                  # [B, T]
     return torch.where(mask.bool(), adv, torch.zeros_like(adv))            # [B, T]
-
-
-def grpo_loss(logp, old_logp, adv_tokens, mask, ref_logp=None, kl_coef=0.0, kl_kind="k3",
-              clip_low=0.2, clip_high=0.28, agg="seq-mean-token-mean", clip_c=3.0):
-    """Clipped policy loss + kl_coef * agg(KL estimate vs. the reference policy) -> (loss, stats).
-
-    clip_c is the dual clip of ppo.clipped_policy_loss (None: off). stats: "clip_frac",
-    "clip_frac_lower", "approx_kl" (from ppo.clipped_policy_loss), "pg_loss", and "kl" when a KL
-    term is used.
-
-    >>> z = torch.zeros(1, 2)
-    >>> grpo_loss(z, z, torch.tensor([[1., 3.]]), torch.ones(1, 2))[0]   # r = 1: -mean(A)
-    tensor(-2.)
-    """
-    pg_loss, stats = clipped_policy_loss(logp, old_logp, adv_tokens, mask, clip_low, clip_high, agg,
-                                         clip_c=clip_c)
-    stats["pg_loss"] = pg_loss.item()
-    if kl_coef == 0.0:
-        return pg_loss, stats
-    if ref_logp is None:
-        raise ValueError("kl_coef != 0 needs ref_logp (log-probs of the reference policy)")
-    kl = aggregate(kl_estimate(logp, ref_logp, kl_kind), mask, agg)
-    stats["kl"] = kl.item()
-    return pg_loss + kl_coef * kl, stats

@@ -21,6 +21,10 @@ Retrieval accuracy asks whether arg-max_j L[m, j] is owner[m] (or a prompt ident
 when reasoning is grounded, chance level under collapse (paper Fig. 6b). The MI z-score divides the
 MI estimate by the spread of the marginal (paper Fig. 9).
 
+The same metrics on a fixed probe set of held-out prompts come with standard errors over the
+prompts (metrics_with_se), and on that set the answer's dependence on the reasoning, I(Z; A | X),
+is estimated the same way within a prompt's samples (action_dependence).
+
 Order of the file: closed-form entropies for discrete tables -> metrics from a score matrix -> EMA
 smoothing -> cross-scoring a Hugging Face causal LM.
 """
@@ -30,7 +34,7 @@ import math
 import numpy as np
 import torch
 
-import ppo
+import models
 
 # --------------------------------------------------------------------------------------------------
 # Closed form: discrete distributions, natural log (nats), 0 log 0 = 0
@@ -248,6 +252,84 @@ def collapse_metrics(scores, owner, lengths=None, topk=(2, 4, 8), prompt_keys=No
     return out
 
 
+def _clustered_se(values, cluster):
+    """Standard error of the mean of per-sample `values` [M] whose samples come in clusters (the
+    prompt that produced them: samples of one prompt are not independent): the sample std of the
+    clusters' means over sqrt(clusters); nan with fewer than 2 clusters. Exact for equal clusters,
+    as the probe set has."""
+    ids = torch.unique(cluster)
+    means = torch.stack([values[cluster == c].mean() for c in ids])       # [P]
+    return means.std(correction=1).item() / math.sqrt(len(ids)) if len(ids) > 1 else math.nan
+
+
+def metrics_with_se(scores, owner, lengths=None, prompt_keys=None):
+    """collapse_metrics' estimates on a fixed probe set, each with its standard error over the
+    prompts (_clustered_se): mi_estimate, mi_seq_estimate, retrieval_acc, conditional_entropy,
+    reasoning_entropy (per-token, as collapse_metrics) and retrieval_chance; the means equal
+    collapse_metrics' own.
+
+    >>> out = metrics_with_se([[-1., -3.], [-1., -5.], [-4., -2.], [-6., -2.]], [0, 0, 1, 1])
+    >>> round(out["mi_seq_estimate"], 4), round(out["mi_seq_estimate_se"], 4)   # gaps .5662 .6750
+    (0.6206, 0.0)
+    """
+    scores, owner, lengths = _as_scores(scores, owner, lengths)
+    log_n = math.log(scores.shape[1])
+    out = {}
+    per_token = scores / lengths.clamp(min=1.0)[:, None]                   # [M, N]
+    for suffix, table in (("", per_token), ("_seq", scores)):
+        matched = table.gather(1, owner[:, None])[:, 0]                    # [M]
+        marginal = torch.logsumexp(table, dim=1) - log_n                   # [M]
+        for name, values in (("mi_estimate" if not suffix else "mi_seq_estimate",
+                              matched - marginal),
+                             ("conditional_entropy" + suffix, -matched),
+                             ("reasoning_entropy" + suffix, -marginal)):
+            out[name] = values.mean().item()
+            out[name + "_se"] = _clustered_se(values, owner)
+    credit = retrieval_credit(scores, owner, 1, prompt_keys)               # [M]
+    out["retrieval_acc"], out["retrieval_acc_se"] = credit.mean().item(), _clustered_se(credit,
+                                                                                       owner)
+    key = _key_ids(prompt_keys, scores.shape[1])                           # [N]
+    copies = (key[owner][:, None] == key[None, :]).sum(1).double()         # [M]
+    out["retrieval_chance"] = (copies / scores.shape[1]).mean().item()
+    return out
+
+
+def action_dependence(scores):
+    """How much the answer depends on the reasoning, I(Z; A | X), by cross-scoring within each
+    prompt's K samples (one step past the paper: a template can also live between the reasoning
+    and the action). scores [P, K, K]: L[p, k, j] = log p(a_k | x_p, z_j), the k-th sampled answer
+    scored after the j-th sampled reasoning of the same prompt x_p (summed over a_k's tokens).
+
+        gap[p, k] = L[p, k, k] - logsumexp_j L[p, k, j] + log K
+        estimate  = mean over p and k of gap                <= log K  (logsumexp >= its k-th term)
+
+    0 when the answer ignores the reasoning (every column alike), log K when each answer is
+    possible only after its own reasoning. With exact likelihoods this is the contrastive
+    (InfoNCE) bound: its expectation lies below I(Z; A | X) and approaches it as K grows. Returns
+    floats: action_mi, action_mi_se (over the P prompts; nan for P = 1), action_mi_upper_bound =
+    log K.
+
+    >>> abs(action_dependence([[[-1., -1.], [-2., -2.]]])["action_mi"]) < 1e-12  # answers ignore z
+    True
+    >>> out = action_dependence([[[0., -math.inf], [-math.inf, 0.]]])  # only its own z
+    >>> round(out["action_mi"], 4), round(out["action_mi_upper_bound"], 4)
+    (0.6931, 0.6931)
+    """
+    L = torch.as_tensor(_as_float64(scores))                               # [P, K, K]
+    if L.ndim != 3 or L.shape[1] != L.shape[2] or 0 in L.shape:
+        raise ValueError(f"scores must have shape [P prompts, K, K] with P, K >= 1, got "
+                         f"{tuple(L.shape)}")
+    own = torch.diagonal(L, dim1=1, dim2=2)                                # [P, K]
+    if torch.isnan(L).any() or (L == math.inf).any() or not torch.isfinite(own).all():
+        raise ValueError("scores must be log-likelihoods (no NaN, no +inf) with finite "
+                         "L[p, k, k]: each answer was sampled after its own reasoning")
+    log_k = math.log(L.shape[1])
+    gap = own - torch.logsumexp(L, dim=2) + log_k                          # [P, K]
+    per_prompt = gap.mean(1)                                               # [P]
+    se = per_prompt.std(correction=1).item() / math.sqrt(len(gap)) if len(gap) > 1 else math.nan
+    return {"action_mi": gap.mean().item(), "action_mi_se": se, "action_mi_upper_bound": log_k}
+
+
 # --------------------------------------------------------------------------------------------------
 # Smoothing over training steps
 
@@ -295,12 +377,13 @@ def _encode(tokenizer, texts, what):
 
 
 @torch.inference_mode()
-def cross_scores(model, tokenizer, prompts, reasonings, batch_size=8):
+def cross_scores(model, tokenizer, prompts, reasonings, batch_size=8, temperature=1.0):
     """Score every reasoning under every prompt: returns (scores_sum [M, N] float32, lengths [M]
     int64), on the CPU.
 
-    scores_sum[m, j] = sum_t log p(z_m,t | x_j, z_m,<t) under `model` (teacher forcing, no
-    gradients), lengths[m] = number of tokens of z_m. Each text is tokenized once without added
+    scores_sum[m, j] = sum_t log p(z_m,t | x_j, z_m,<t) under `model` at the sampling temperature
+    (p = softmax(logits / temperature), the policy that wrote z; teacher forcing, no gradients),
+    lengths[m] = number of tokens of z_m. Each text is tokenized once without added
     special tokens (the prompt already carries what the chat template put there) and the
     reasoning's tokens are appended to the prompt's, so the token boundary is the same for every
     pair. An empty reasoning scores 0 with length 0.
@@ -308,12 +391,14 @@ def cross_scores(model, tokenizer, prompts, reasonings, batch_size=8):
     Cost: each prompt is encoded once; its key/value cache is then repeated over a batch of at most
     `batch_size` reasonings (right-padded, attention-masked), so the work grows with
     N x (reasoning tokens) instead of N x (prompt + reasoning tokens). The output layer runs on a
-    few positions at a time (ppo.head_logprobs), so peak memory is the batch's hidden states, not
+    few positions at a time (models.head_logprobs), so peak memory is the batch's hidden states, not
     [batch_size, longest reasoning, vocab] logits. Grouping by prompt means prompts of different
     lengths never share a batch and need no padding.
     """
     if not isinstance(batch_size, int) or batch_size < 1:
         raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
+    if not temperature > 0:
+        raise ValueError(f"temperature must be > 0, got {temperature!r}")
     prompt_ids = _encode(tokenizer, prompts, "prompts")
     reasoning_ids = _encode(tokenizer, reasonings, "reasonings")
     if any(len(ids) == 0 for ids in prompt_ids):
@@ -345,7 +430,7 @@ def cross_scores(model, tokenizer, prompts, reasonings, batch_size=8):
         for j, ids in enumerate(prompt_ids):
             prompt = torch.tensor([ids], device=device)                    # [1, P]
             out = model(input_ids=prompt, use_cache=True, logits_to_keep=1)
-            first_logp = torch.log_softmax(out.logits[0, -1].float(), dim=-1)   # [V]: z's 1st token
+            first_logp = torch.log_softmax(out.logits[0, -1].float() / temperature, dim=-1)  # [V]
             for batch, tokens, real in batches:
                 rows = len(batch)
                 total = first_logp[tokens[:, 0]]                           # [B]
@@ -359,8 +444,9 @@ def cross_scores(model, tokenizer, prompts, reasonings, batch_size=8):
                         input_ids=tokens[:, :-1], attention_mask=mask, past_key_values=cache,
                         use_cache=True).last_hidden_state                  # [B, R - 1, D]
                     targets = tokens[:, 1:]                                # [B, R - 1]
-                    logp = ppo.head_logprobs(lm, hidden.reshape(-1, hidden.shape[-1]),
-                                             targets.reshape(-1))[0].view(targets.shape)
+                    logp = models.head_logprobs(lm, hidden.reshape(-1, hidden.shape[-1]),
+                                                targets.reshape(-1),
+                                                temperature=temperature)[0].view(targets.shape)
                     total = total + (logp * real[:, 1:]).sum(dim=1)        # padding counts 0
                 scores[batch, j] = total.cpu()
     finally:

@@ -1,6 +1,6 @@
 """The models of a run: the policy (tiny, a Hugging Face id or folder, or a checkpoint of ours),
-LoRA adapters, the PPO critic, the KL reference, and the GPU memory plan that decides micro-batches
-and rollout batches.
+LoRA adapters, the PPO critic, the KL reference, log-probs at the policy's tokens without full
+logits, and the GPU memory plan that decides micro-batches and rollout batches.
 
 A new top-level file because loading is a concept of its own, which train.py's loop never needs to
 see: it gets a policy, a critic and a reference that behave alike whether the weights are all
@@ -18,7 +18,7 @@ import socket
 import torch
 
 import ppo
-import rollout
+import sampler
 
 
 class ModelError(ValueError):
@@ -45,8 +45,9 @@ def load(a, device, source, env_kwargs):
         critic_params = [p for p in critic.parameters() if p.requires_grad]
         critic_params += lora_params(policy, "critic") if a.lora else []
     reference_model = None
-    # the reference is the initial policy, loaded again from its source
-    if a.kl_coef > 0 and not a.lora:
+    # the reference is the initial policy, loaded again from its source (the KL term's, and the
+    # gradient decomposition's KL column)
+    if (a.kl_coef > 0 or a.grad_decomp_every) and not a.lora:
         reference_model = (
             load_policy(a, a.model, device, env_kwargs)[0].eval().requires_grad_(False)
         )
@@ -275,6 +276,60 @@ def reference(run):
             yield run.policy
 
 
+# --------------------------------------------------------------------------- log-probs where needed
+
+def policy_logprobs(model, input_ids, mask, with_entropy=False, temperature=1.0,
+                    chunk_elements=2 ** 24):
+    """log pi(ids[b, t+1] | ids[b, :t+1]) -- and the entropy of pi there -- only at the positions
+    where mask[b, t] = 1 -> ([B, T-1], [B, T-1] or None), 0 elsewhere. `input_ids` [B, T] is
+    right-padded: a causal mask already hides the padding at the end from every real token, so no
+    attention mask is passed (the fast kernel).
+
+    pi is the policy that sampled: softmax(logits / temperature), the rollouts' temperature (as
+    verl and TRL divide the logits before every log-prob). Scoring samples drawn at T = 0.7 with
+    the T = 1 softmax would make the ratio, the entropy bonus and the KL those of another policy.
+
+    The output layer is what costs memory: full logits are [B, T, V] floats (V = 151,936 for Qwen).
+    Here the transformer body runs once, its hidden states are gathered at the masked positions
+    ([N, D]), and the output layer runs on them a chunk at a time (head_logprobs), so the backward
+    pass keeps only the [N, D] inputs and recomputes one chunk's [n, V] logits at a time. Equal to
+    ppo.token_logprobs and ppo.entropy_from_logits on the full tempered logits (tests check it).
+    Works for peft models (the adapters stay active).
+    """
+    lm = model.get_base_model() if hasattr(model, "get_base_model") else model
+    hidden = lm.get_decoder()(input_ids=input_ids).last_hidden_state[:, :-1]  # [B, T-1, D]
+    at = mask.bool()                                                           # [B, T-1]
+    logp, entropy = head_logprobs(lm, hidden[at], input_ids[:, 1:][at], with_entropy,
+                                  temperature, chunk_elements)                 # [N] each
+    zeros = torch.zeros(at.shape, dtype=logp.dtype, device=logp.device)        # [B, T-1]
+    return zeros.masked_scatter(at, logp), (zeros.masked_scatter(at, entropy) if with_entropy
+                                            else None)
+
+
+def head_logprobs(lm, hidden, targets, with_entropy=False, temperature=1.0, chunk_elements=2 ** 24):
+    """log pi(targets) -- and the entropy of pi -- from hidden states [N, D] and targets [N] ->
+    ([N], [N] or None) float32, pi = softmax(logits / temperature): `lm`'s output layer runs on
+    chunk_elements / V positions at a time under torch.utils.checkpoint, so neither the forward nor
+    the backward pass holds more than one chunk's [n, V] logits. mi.cross_scores uses it too
+    (without gradients)."""
+    if not temperature > 0:
+        raise ValueError(f"temperature must be > 0, got {temperature!r}")
+    head = lm.get_output_embeddings()
+    size = max(1, chunk_elements // head.weight.shape[0])
+    parts = [torch.utils.checkpoint.checkpoint(_head_logprobs, head, h, y, with_entropy,
+                                               temperature, use_reentrant=False)
+             for h, y in zip(hidden.split(size), targets.split(size))]  # [n, D], [n] each
+    out = [torch.cat([p[i] for p in parts]) if parts else hidden.new_zeros(0, dtype=torch.float32)
+           for i in range(2 if with_entropy else 1)]                           # [N] each
+    return out[0], out[1] if with_entropy else None
+
+
+def _head_logprobs(head, hidden, targets, with_entropy, temperature):
+    logits = head(hidden).float() / temperature                                # [n, V]
+    logp = ppo.token_logprobs(logits, targets)                                 # [n]
+    return (logp, ppo.entropy_from_logits(logits)) if with_entropy else (logp,)
+
+
 # --------------------------------------------------------------------------------------- GPU memory
 
 
@@ -303,7 +358,8 @@ def memory_plan(a, cfg, n_all, n_train, total, budget=0.85):
     episodes sampled at once: as many whole groups as fit.
     """
     models = 2 if a.algo == "ppo" else 1
-    resident = models * (4 * n_all + 8 * n_train) + (4 * n_all if a.kl_coef and not a.lora else 0)
+    reference = (a.kl_coef or a.grad_decomp_every) and not a.lora
+    resident = models * (4 * n_all + 8 * n_train) + (4 * n_all if reference else 0)
     free = budget * total - resident
     # prompt + turns x (reply + observation), tokens
     longest = 400 + a.max_turns * (a.max_new_tokens + 300)
@@ -325,7 +381,7 @@ def memory_plan(a, cfg, n_all, n_train, total, budget=0.85):
             break
     kv_heads, head_dim = cfg.num_key_value_heads, cfg.hidden_size // cfg.num_attention_heads
     # the sampler's cache keeps up to GrowingLayer.SPARE tokens of room a row
-    kv_per_seq = ((longest + rollout.GrowingLayer.SPARE) * cfg.num_hidden_layers * 2 * kv_heads
+    kv_per_seq = ((longest + sampler.GrowingLayer.SPARE) * cfg.num_hidden_layers * 2 * kv_heads
                   * head_dim * 2 + 4 * cfg.vocab_size)
     episodes = a.groups * a.group_size
     # autocast's bf16 weight copies: 2 n_all

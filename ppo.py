@@ -1,5 +1,5 @@
 """Token-level PPO for multi-turn LLM agents: the pieces of the loss, in the order the math uses
-them.
+them, and the one actor objective (policy_loss) that PPO, GRPO and Dr.GRPO all train on.
 
 A transcript is one token sequence [T] holding system prompt, observations and the policy's
 replies; `mask` marks the policy's own tokens (the actions). Only those tokens are trained, so every
@@ -25,7 +25,7 @@ import copy
 import torch
 from torch import nn
 
-AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum")
+AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
 KL_KINDS = ("k1", "k2", "k3")
 
 
@@ -65,17 +65,22 @@ def masked_whiten(x, mask, shift_mean=True):
     return torch.where(on, out, torch.zeros_like(out))
 
 
-def aggregate(loss, mask, mode):
-    """Reduce a per-token loss [B, T] to a scalar. With m the mask and S the sequences holding >= 1
-    policy token:
+def aggregate(loss, mask, mode, norm_length=None):
+    """Reduce a per-token loss [B, T] to a scalar. With m the mask, S the sequences holding >= 1
+    policy token and L = norm_length a constant:
 
-        token-mean:          sum_{b,t} m l / sum_{b,t} m             (every token weighs the same)
-        seq-mean-token-mean: 1/|S| sum_{b in S} (sum_t m l / sum_t m) (every sequence alike; GRPO)
-        seq-mean-token-sum:  1/|S| sum_{b in S} sum_t m l            (no length norm.; Dr.GRPO)
+        token-mean:              sum_{b,t} m l / sum_{b,t} m              (every token alike; PPO)
+        seq-mean-token-mean:     1/|S| sum_{b in S} (sum_t m l / sum_t m) (every sequence; GRPO)
+        seq-mean-token-sum:      1/|S| sum_{b in S} sum_t m l             (no length norm.)
+        seq-mean-token-sum-norm: 1/|S| sum_{b in S} sum_t m l / L         (Dr.GRPO)
+
+    Dr.GRPO (Liu et al. 2025) divides every sequence's token sum by one constant, the longest
+    response the sampler allows, so a sequence's weight does not depend on its own length nor does
+    the loss scale grow with it (verl's agg_loss: seq-mean-token-sum-norm; TRL: loss_type dr_grpo).
 
     >>> l = torch.tensor([[1., 2., 3.], [4., 0., 0.]]); m = torch.tensor([[1, 1, 1], [1, 0, 0]])
-    >>> [aggregate(l, m, k).item() for k in AGG_MODES]   # 10/4, (2 + 4)/2, (6 + 4)/2
-    [2.5, 3.0, 5.0]
+    >>> [aggregate(l, m, k, norm_length=4).item() for k in AGG_MODES]   # 10/4, 6/2, 10/2, 10/2/4
+    [2.5, 3.0, 5.0, 1.25]
     """
     if mode not in AGG_MODES:
         raise ValueError(f"unknown aggregation mode {mode!r}; choose one of {AGG_MODES}")
@@ -86,6 +91,11 @@ def aggregate(loss, mask, mode):
         per_seq = masked_mean(loss, mask, dim=-1)                 # [B]
     else:
         per_seq = (loss * mask.to(loss.dtype)).sum(-1)            # [B]
+    if mode == "seq-mean-token-sum-norm":
+        if not (norm_length and norm_length > 0):
+            raise ValueError(f"{mode} needs norm_length > 0 (the longest response); got "
+                             f"{norm_length!r}")
+        per_seq = per_seq / norm_length                           # [B]
     return masked_mean(per_seq, has_tokens)
 
 
@@ -148,8 +158,8 @@ def kl_estimate(logp, ref_logp, kind):
 # ---------------------------------------------------------------------------------------- the actor
 
 def clipped_policy_loss(logp, old_logp, adv, mask, clip_low=0.2, clip_high=0.28, agg="token-mean",
-                        clip_c=3.0):
-    """PPO's clipped surrogate with the dual clip, aggregated by `agg` -> (loss, stats):
+                        clip_c=3.0, norm_length=None):
+    """PPO's clipped surrogate with the dual clip, aggregated by `agg` (aggregate) -> (loss, stats):
 
         l = max(-A r, -A clip(r, 1 - clip_low, 1 + clip_high));   l = min(l, -A c) where A < 0.
 
@@ -183,7 +193,7 @@ def clipped_policy_loss(logp, old_logp, adv, mask, clip_low=0.2, clip_high=0.28,
         cap = -adv * clip_c                                                # [B, T]
         capped = (adv < 0) & (per_token > cap)
         per_token = torch.where(capped, cap, per_token)
-    loss = aggregate(per_token, mask, agg)
+    loss = aggregate(per_token, mask, agg, norm_length)
     with torch.no_grad():
         stats = {
             "clip_frac": masked_mean((clipped > unclipped).float(), mask).item(),
@@ -191,6 +201,42 @@ def clipped_policy_loss(logp, old_logp, adv, mask, clip_low=0.2, clip_high=0.28,
             "approx_kl": masked_mean(ratio - 1.0 - log_ratio, mask).item(),
         }
     return loss, stats
+
+
+def policy_loss(logp, old_logp, advantages, mask, agg="token-mean", *, entropy=None,
+                entropy_coef=0.0, ref_logp=None, kl_coef=0.0, kl_kind="k3", clip_low=0.2,
+                clip_high=0.28, clip_c=3.0, norm_length=None):
+    """The actor's objective, the one PPO, GRPO and Dr.GRPO train on (they differ only in their
+    advantages and `agg`) -> (loss, terms):
+
+        loss = agg(clipped surrogate) - entropy_coef * agg(entropy) + kl_coef * agg(KL estimate)
+
+    logp, old_logp, advantages, mask, entropy, ref_logp: [B, T] per policy token. Every term is
+    aggregated the same way (`agg`, `norm_length`: aggregate). The entropy bonus needs `entropy`
+    (the policy's token entropy, with its gradient); the KL term, when kl_coef != 0, needs
+    `ref_logp`, the reference policy's log-probs (kl_estimate of kind `kl_kind`).
+
+    terms: "pg_loss", and "entropy_loss" (the aggregated entropy) with `entropy` given, and
+    "kl_loss" with kl_coef != 0: 0-d tensors still in the graph, so that
+    snr_filter.gradient_decomposition can differentiate each alone; and the clip statistics
+    "clip_frac", "clip_frac_lower", "approx_kl" (floats, from clipped_policy_loss).
+
+    >>> z = torch.zeros(1, 2); m = torch.ones(1, 2); h = torch.tensor([[1., 3.]])
+    >>> policy_loss(z, z, torch.tensor([[1., 3.]]), m, entropy=h, entropy_coef=0.5)[0]  # -2 - 1
+    tensor(-3.)
+    """
+    pg_loss, terms = clipped_policy_loss(logp, old_logp, advantages, mask, clip_low, clip_high, agg,
+                                         clip_c, norm_length)
+    terms["pg_loss"], loss = pg_loss, pg_loss
+    if entropy is not None:
+        terms["entropy_loss"] = aggregate(entropy, mask, agg, norm_length)
+        loss = loss - entropy_coef * terms["entropy_loss"]
+    if kl_coef != 0.0:
+        if ref_logp is None:
+            raise ValueError("kl_coef != 0 needs ref_logp (log-probs of the reference policy)")
+        terms["kl_loss"] = aggregate(kl_estimate(logp, ref_logp, kl_kind), mask, agg, norm_length)
+        loss = loss + kl_coef * terms["kl_loss"]
+    return loss, terms
 
 
 # --------------------------------------------------------------------------------------- advantages
@@ -291,49 +337,3 @@ def critic_values(critic, input_ids, attention_mask):
     is produced -- the same alignment as logits, so pair values[:, :-1] with
     token_logprobs(logits[:, :-1], ids[:, 1:])."""
     return critic(input_ids, attention_mask)
-
-
-# --------------------------------------------------------------------------- log-probs where needed
-
-def policy_logprobs(model, input_ids, mask, with_entropy=False, chunk_elements=2 ** 24):
-    """log pi(ids[b, t+1] | ids[b, :t+1]) -- and the entropy of pi there -- only at the positions
-    where mask[b, t] = 1 -> ([B, T-1], [B, T-1] or None), 0 elsewhere. `input_ids` [B, T] is
-    right-padded: a causal mask already hides the padding at the end from every real token, so no
-    attention mask is passed (the fast kernel).
-
-    The output layer is what costs memory: full logits are [B, T, V] floats (V = 151,936 for Qwen).
-    Here the transformer body runs once, its hidden states are gathered at the masked positions
-    ([N, D]), and the output layer runs on them a chunk at a time (head_logprobs), so the backward
-    pass keeps only the [N, D] inputs and recomputes one chunk's [n, V] logits at a time. Equal to
-    token_logprobs and entropy_from_logits on the full logits (tests check it). Works for peft
-    models (the adapters stay active).
-    """
-    lm = model.get_base_model() if hasattr(model, "get_base_model") else model
-    hidden = lm.get_decoder()(input_ids=input_ids).last_hidden_state[:, :-1]  # [B, T-1, D]
-    at = mask.bool()                                                           # [B, T-1]
-    logp, entropy = head_logprobs(lm, hidden[at], input_ids[:, 1:][at], with_entropy,
-                                  chunk_elements)                              # [N] each
-    zeros = torch.zeros(at.shape, dtype=logp.dtype, device=logp.device)        # [B, T-1]
-    return zeros.masked_scatter(at, logp), (zeros.masked_scatter(at, entropy) if with_entropy
-                                            else None)
-
-
-def head_logprobs(lm, hidden, targets, with_entropy=False, chunk_elements=2 ** 24):
-    """log pi(targets) -- and the entropy of pi -- from hidden states [N, D] and targets [N] ->
-    ([N], [N] or None) float32: `lm`'s output layer runs on chunk_elements / V positions at a time
-    under torch.utils.checkpoint, so neither the forward nor the backward pass holds more than one
-    chunk's [n, V] logits. mi.cross_scores uses it too (without gradients)."""
-    head = lm.get_output_embeddings()
-    size = max(1, chunk_elements // head.weight.shape[0])
-    parts = [torch.utils.checkpoint.checkpoint(_head_logprobs, head, h, y, with_entropy,
-                                               use_reentrant=False)
-             for h, y in zip(hidden.split(size), targets.split(size))]  # [n, D], [n] each
-    out = [torch.cat([p[i] for p in parts]) if parts else hidden.new_zeros(0, dtype=torch.float32)
-           for i in range(2 if with_entropy else 1)]                           # [N] each
-    return out[0], out[1] if with_entropy else None
-
-
-def _head_logprobs(head, hidden, targets, with_entropy):
-    logits = head(hidden)                                                      # [n, V]
-    logp = token_logprobs(logits, targets)                                     # [n]
-    return (logp, entropy_from_logits(logits)) if with_entropy else (logp,)

@@ -29,20 +29,13 @@ and a turn whose answer is malformed -- no closed think and answer blocks, or a 
 not an action -- earns the format penalty -0.1. The episode's total R = env rewards + penalties sits
 on its last policy token (collate's token_rewards), as in the reference's token-level PPO.
 
-Sampling (`hf_policy`). A plain loop: one forward pass per new token with a key/value cache, then
-log softmax(logits / temperature), a draw from it (or from its top-p nucleus), and the drawn token's
-tempered full-vocabulary log-prob recorded -- what a training forward pass recomputes (tests check
-it). Every turn's prompt is the last turn's prompt plus the tokens sampled plus the new observation,
-so the policy keeps each episode's cache between turns and encodes only the new tokens: turn 5 of a
-700-token Sokoban transcript costs its ~100 new tokens, not 700. With top_p < 1 the log-prob of the
-renormalised nucleus is not what is recorded: training compares against the tempered full policy.
+The policy is any function policy(prompt_ids, envs) -> list[Generation]; sampler.py turns a Hugging
+Face causal LM into one.
 """
 
 from dataclasses import dataclass, field
 
 import torch
-from transformers import Cache
-from transformers.cache_utils import DynamicLayer
 
 import envs
 
@@ -144,183 +137,6 @@ class Generation:
     cut: bool = False
 
 
-def as_generations(tokens, logprobs, stop_ids):
-    """Sampled rows [B][N] and their log-probs as Generations, each ending after its first
-    end-of-turn token; a row without one was cut by the token limit. Rows sampled together run to
-    the same length, so what follows a row's stop is dropped here.
-
-    >>> out = as_generations([[5, 9, 0], [5, 6, 7]], [[-1.0, -2.0, 0.0], [-1.0, -1.0, -1.0]], [9])
-    >>> [(g.token_ids, g.logprobs, g.cut) for g in out]
-    [([5, 9], [-1.0, -2.0], False), ([5, 6, 7], [-1.0, -1.0, -1.0], True)]
-    """
-    out = []
-    for row, lp in zip(tokens, logprobs):
-        end = next((i + 1 for i, t in enumerate(row) if t in stop_ids), None)
-        out.append(Generation(row[:end], lp[:end], cut=end is None))
-    return out
-
-
-def nucleus(probs, top_p):
-    """Top-p filtering: zero every token whose likelier tokens already hold top_p of the mass -> [B,
-    V] (unnormalised; torch.multinomial does not need the sum to be 1). The most likely token always
-    stays.
-
-    >>> nucleus(torch.tensor([[0.1, 0.6, 0.3]]), 0.7)
-    tensor([[0.0000, 0.6000, 0.3000]])
-    """
-    ranked, order = probs.sort(dim=-1, descending=True)                        # [B, V]
-    drop = ranked.cumsum(-1) - ranked >= top_p                                 # [B, V]
-    return torch.zeros_like(probs).scatter(-1, order, ranked.masked_fill(drop, 0.0))
-
-
-class GrowingLayer(DynamicLayer):
-    """One layer's key/value cache that writes new tokens into spare room: Hugging Face's
-    DynamicLayer concatenates, which copies the whole cache at every sampled token (on a CPU a
-    large share of the tiny policy's rollout time). The room grows by SPARE tokens when full, and
-    attention reads a view of its filled part: the same numbers, no copy."""
-
-    SPARE = 256  # tokens; on a GPU at most this many tokens' keys and values a row are unused
-
-    def update(self, key_states, value_states, *args, **kwargs):
-        n = self.get_seq_length()
-        end = n + key_states.shape[-2]
-        if n == 0 or end > self.room[0].shape[-2]:  # (re)allocate and copy the filled part once
-            room = [x.new_empty(*x.shape[:2], end + self.SPARE, x.shape[-1])
-                    for x in (key_states, value_states)]                       # [B, H, W, D]
-            if n:
-                room[0][:, :, :n], room[1][:, :, :n] = self.keys, self.values
-            self.room, self.is_initialized = room, True
-            self.dtype, self.device = key_states.dtype, key_states.device
-        self.room[0][:, :, n:end], self.room[1][:, :, n:end] = key_states, value_states
-        self.keys, self.values = self.room[0][:, :, :end], self.room[1][:, :, :end]
-        return self.keys, self.values
-
-    def batch_select_indices(self, indices):
-        n = self.get_seq_length()
-        if n:
-            self.room = [x[indices] for x in self.room]
-            self.keys, self.values = self.room[0][:, :, :n], self.room[1][:, :, :n]
-
-
-def hf_policy(model, tokenizer, max_new_tokens, temperature=1.0, top_p=1.0):
-    """A Hugging Face causal LM as a policy(prompt_ids, envs) -> list[Generation]: one batched call
-    for all prompts, left-padded, each stopping at an end-of-turn token or after max_new_tokens;
-    temperature 0 means greedy (log-probs then at temperature 1). Sampling settings are explicit, so
-    a checkpoint's generation_config (e.g. Qwen's repetition penalty and top_k) cannot change the
-    distribution. Runs on the model's device in its current mode (sample in eval mode: no dropout).
-
-    The policy remembers the key/value cache of its last call, one row per prompt. A prompt that
-    continues a remembered row (the row's tokens are a prefix of it) reuses the row and encodes only
-    its new tokens; otherwise the whole batch is encoded afresh. The cache holds holes -- padding,
-    and the steps after a row stopped, with attention mask 0 -- and every token gets its true
-    position id, so attention and RoPE see exactly the tokens of its own transcript, as a fresh
-    forward pass does.
-    """
-    if not (isinstance(max_new_tokens, int) and max_new_tokens >= 1):
-        raise ValueError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
-    if temperature < 0 or not 0 < top_p <= 1:
-        raise ValueError(f"need temperature >= 0 and 0 < top_p <= 1, got {temperature}, {top_p}")
-    stop_ids, pad = end_of_turn_ids(tokenizer), pad_token_id(tokenizer)
-    # the last call's cache, attention [B, W], positions [B] and {key: (row, tokens)}
-    last = {"rows": {}}
-
-    @torch.no_grad()
-    def policy(prompt_ids, env_list=None):  # the environments are not needed to sample
-        device, B = model.device, len(prompt_ids)
-        keys = [id(env) for env in env_list] if env_list is not None else list(range(B))
-        rows = _continued_rows(last["rows"], prompt_ids, keys)
-        if rows is None:  # start afresh: an empty cache
-            cache = Cache(layer_class_to_replicate=GrowingLayer)
-            attention = torch.zeros(B, 0, dtype=torch.long, device=device)
-            position, known = torch.zeros(B, dtype=torch.long, device=device), [0] * B
-        else:  # keep the rows of the prompts that continue, in the new order
-            index = torch.tensor(rows, device=device)
-            cache, attention, position = (
-                last["cache"],
-                last["attention"][index],
-                last["position"][index],
-            )
-            cache.batch_select_indices(index)
-            known = [len(last["rows"][key][1]) for key in keys]
-
-        # ---- encode what is new in every prompt, left-padded to the longest new piece
-        new = [p[k:] for p, k in zip(prompt_ids, known)]
-        width = max(len(n) for n in new)
-        ids = torch.full((B, width), pad, dtype=torch.long)                    # [B, W]
-        real = torch.zeros((B, width), dtype=torch.long)                       # [B, W]
-        for b, n in enumerate(new):
-            ids[b, width - len(n):] = torch.tensor(n, dtype=torch.long)
-            real[b, width - len(n):] = 1
-        ids, real = ids.to(device), real.to(device)
-        positions = position[:, None] + (real.cumsum(1) - 1).clamp(min=0)      # [B, W]
-        attention = torch.cat([attention, real], dim=1)                        # [B, W_cache + W]
-        logits = model(
-            input_ids=ids,
-            attention_mask=attention,
-            position_ids=positions,
-            past_key_values=cache,
-            use_cache=True,
-            logits_to_keep=1,
-        ).logits[
-            :, -1
-        ]  # [B, V]
-        position = position + real.sum(1)                                      # [B]
-
-        # ---- sample token by token; a row that stopped is fed padding, attention 0, until all rows
-        # stopped
-        tokens, logprobs, fed = [], [], []
-        running = torch.ones(B, dtype=torch.bool, device=device)               # [B]
-        stop = torch.tensor(stop_ids, device=device)
-        for step in range(max_new_tokens):
-            table = torch.log_softmax(logits.float() / (temperature or 1.0), dim=-1)   # [B, V]
-            if temperature == 0:
-                token = table.argmax(-1)                                       # [B]
-            else:
-                probs = table.exp() if top_p == 1.0 else nucleus(table.exp(), top_p)
-                token = torch.multinomial(probs, 1)[:, 0]                      # [B]
-            token = torch.where(running, token, pad)
-            tokens.append(token)
-            logprobs.append(table.gather(1, token[:, None])[:, 0])
-            still = running & ~torch.isin(token, stop)
-            if step == max_new_tokens - 1 or not still.any():
-                break
-            fed.append(running)  # this token enters the cache for the rows that were still running
-            attention = torch.cat([attention, running.long()[:, None]], dim=1)
-            logits = model(
-                input_ids=token[:, None],
-                attention_mask=attention,
-                position_ids=position[:, None],
-                past_key_values=cache,
-                use_cache=True,
-            ).logits[:, -1]
-            position = position + running.long()
-            running = still
-
-        tokens = torch.stack(tokens, 1).cpu().tolist()                         # [B, N]
-        logprobs = torch.stack(logprobs, 1).float().cpu().tolist()             # [B, N]
-        fed = torch.stack(fed, 1).cpu().tolist() if fed else [[] for _ in new]  # [B, N-1]
-        last.update(cache=cache, attention=attention, position=position, rows={
-            key: (b, p + [t for t, f in zip(row, on) if f])
-            for b, (key, p, row, on) in enumerate(zip(keys, prompt_ids, tokens, fed))})
-        return as_generations(tokens, logprobs, stop_ids)
-
-    return policy
-
-
-def _continued_rows(remembered, prompt_ids, keys):
-    """For each prompt the remembered row it continues, or None when some prompt continues none. A
-    row is found by the prompt's key (its environment object; its index when none is given) and must
-    hold a proper prefix of the prompt: _continued_rows({"a": (0, [1, 2]), "b": (1, [3])}, [[3, 4],
-    [1, 2, 5]], ["b", "a"]) == [1, 0]."""
-    rows = []
-    for prompt, key in zip(prompt_ids, keys):
-        row, tokens = remembered.get(key, (None, None))
-        if row is None or len(tokens) >= len(prompt) or prompt[:len(tokens)] != tokens:
-            return None
-        rows.append(row)
-    return rows
-
-
 # ----------------------------------------------------------------------------------------- the loop
 @dataclass
 class Episode:
@@ -368,15 +184,19 @@ class Episode:
 
 def _split_reasoning(prompt_text, response_text):
     """(X, Z) for cross-scoring: X ends with the response's first "<think>" (the prompt's own format
-    example does not count), Z runs to "</think>". _split_reasoning("Q", "<think> a </think> b") ==
-    ("Q<think>", " a ")."""
+    example does not count), Z runs to "</think>" without the one space before it: BPE tokenizers
+    (Qwen's, the tiny one's) write that space into the closing tag's token, so Z re-tokenised alone
+    gives the tokens the policy sampled. _split_reasoning("Q", "<think> a </think> b") ==
+    ("Q<think>", " a")."""
     full = prompt_text + response_text
     start = full.find("<think>", len(prompt_text))
     if start < 0:
         return prompt_text, response_text
     start += len("<think>")
     stop = full.find("</think>", start)
-    return full[:start], full[start:] if stop < 0 else full[start:stop]
+    if stop < 0:
+        return full[:start], full[start:]
+    return full[:start], full[start:stop - (full[start:stop].endswith(" "))]
 
 
 def play(
@@ -391,22 +211,30 @@ def play(
     system=None,
     prefill="<think>",
     user=user_message,
+    noise_seeds=None,
 ):
     """Play len(seeds) groups x group_size rollouts for at most max_turns turns; each turn one
     policy call for all running episodes (episodes that ended are not generated for). system: None
     (system_prompt(env)), a string, or a function env -> string; user: the function that writes each
-    user turn (user_message's signature). Returns the episodes group by group."""
+    user turn (user_message's signature); noise_seeds: one transition-noise seed per episode, in
+    the order returned (default: seed * 1000 + k for rollout k of a group; a caller holding only
+    part of a group passes the numbers of the rollouts it holds). Returns the episodes group by
+    group."""
     if not (isinstance(group_size, int) and 1 <= group_size <= 1000):
         raise ValueError(f"group_size must be an int in 1..1000, got {group_size!r}")
     if max_turns < 1 or max_actions_per_turn < 1:
         raise ValueError(f"max_turns and max_actions_per_turn must be >= 1, got {max_turns}, "
                          f"{max_actions_per_turn}")
+    if noise_seeds is not None and len(noise_seeds) != len(seeds) * group_size:
+        raise ValueError(f"need one noise seed per episode ({len(seeds) * group_size}), got "
+                         f"{len(noise_seeds)}")
     stop_ids = end_of_turn_ids(tokenizer)
     episodes = []
     for g, seed in enumerate(seeds):
         for k in range(group_size):
+            noise_seed = seed * 1000 + k if noise_seeds is None else noise_seeds[len(episodes)]
             env = envs.make_env(env_name, **(env_kwargs or {}))
-            obs, info = env.reset(seed=seed, noise_seed=seed * 1000 + k)
+            obs, info = env.reset(seed=seed, noise_seed=noise_seed)
             sys_text = system_prompt(env, max_actions_per_turn) if system is None else (
                 system(env) if callable(system) else system)
             messages = [{"role": "system", "content": sys_text},
@@ -418,7 +246,7 @@ def play(
                     env=env,
                     group=g,
                     seed=seed,
-                    noise_seed=seed * 1000 + k,
+                    noise_seed=noise_seed,
                     ids=ids,
                     policy_mask=[0.0] * len(ids),
                     logprobs=[0.0] * len(ids),
@@ -528,7 +356,10 @@ def validate(
     """Success rate on held-out seeds, one rollout each, at a lower temperature."""
     if not len(seeds):
         raise ValueError("validate needs at least one seed")
-    policy = hf_policy(model, tokenizer, max_new_tokens, temperature=temperature, top_p=top_p)
+    import sampler  # here, not at the top: sampler.py uses this file's chat-template helpers
+
+    policy = sampler.hf_policy(model, tokenizer, max_new_tokens, temperature=temperature,
+                               top_p=top_p)
     episodes = play(
         policy,
         tokenizer,

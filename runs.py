@@ -212,11 +212,15 @@ def check_args(a):
     need(a.max_turns >= 1 and a.max_actions_per_turn >= 1,
          "--max-turns and --max-actions-per-turn must be >= 1")
     need(a.mini_batch_size >= 1 and a.epochs >= 1, "--mini-batch-size and --epochs must be >= 1")
+    need(a.optimizer_steps >= 0, f"--optimizer-steps must be >= 0, got {a.optimizer_steps}")
+    need(a.probe_prompts >= 0 and a.probe_samples >= 1,
+         "--probe-prompts must be >= 0 and --probe-samples >= 1")
     need(all(x is None or x >= 1 for x in (a.micro_batch, a.rollout_batch)),
          "--micro-batch and --rollout-batch must be >= 1")
     need(all(x is None or x > 0 for x in (a.lr, a.critic_lr)), "learning rates must be > 0")
-    need(0 <= a.gamma <= 1 and 0 <= a.lam <= 1,
-         f"--gamma and --lam must be in [0, 1], got {a.gamma}, {a.lam}")
+    need(0 <= a.lam <= 1, f"--lam must be in [0, 1], got {a.lam}")
+    need(a.gamma == 1, f"--gamma {a.gamma}: only 1 is supported; the episode's rewards all sit on "
+                       f"its last token, so a discount would count tokens, not turns")
     need(0 < a.clip_low < 1 and a.clip_high > 0, "need 0 < --clip-low < 1 and --clip-high > 0")
     need(a.clip_c == 0 or a.clip_c > 1, f"--clip-c must be > 1 (or 0 = off), got {a.clip_c}")
     need(a.value_clip > 0 and a.grad_clip > 0, "--value-clip and --grad-clip must be > 0")

@@ -22,6 +22,12 @@ the advantage computation. Zero-spread groups are set aside first (unless includ
     Top-P, p = 1:  every remaining group (with include_zero: every group, the no-filter baseline)
     Top-K:         keep the max(1, int(k * G)) best remaining groups
 
+Two controls (not remedies; select_control), each keeping as many groups as a named filter would:
+    random:        that many groups drawn uniformly from all G (a seeded generator): does it
+                   matter WHICH groups the filter keeps, or only how many?
+    bottom:        that many of the lowest-spread remaining groups: the mechanism predicts worse
+                   than no filter (the regulariser drives the update)
+
 Worked example (Fig. 5): A = 9, B = 1, C = 5, p = 0.9: target 0.9 * 15 - 0.01 = 13.49, and
 A + C = 14 >= 13.49, so A and C are kept and B is dropped. Paper recommendation: p = 0.9;
 [0.8, 0.98] works best; <= 0.6 is too aggressive.
@@ -29,6 +35,10 @@ A + C = 14 >= 13.49, so A and C are kept and B is dropped. Paper recommendation:
 Shapes: G prompt groups, K rollouts per group, B = G * K sequences stored group-major (rows
 g*K .. g*K + K - 1 belong to group g), T tokens, D parameters. Inputs may be numpy arrays, lists or
 torch tensors; outputs are torch tensors.
+
+Order of the file: the remedy first (select_groups, filter_stats, group_scores), then the
+mechanism it rests on (the bound, the spread buckets, the gradient decomposition), and last the
+controls (select_control, zero_spread_split).
 """
 import math
 import numbers
@@ -36,10 +46,11 @@ import numbers
 import torch
 
 from grpo import group_advantages
-from ppo import aggregate, clipped_policy_loss, entropy_from_logits, kl_estimate, token_logprobs
+from ppo import entropy_from_logits, policy_loss, token_logprobs
 
 SCORE_KINDS = ("std", "var")
 MODES = ("none", "topp", "topk")
+CONTROLS = ("random", "bottom")  # controls for the filter's claims, not remedies (select_control)
 PROB_MODES = ("linear", "softmax")
 
 
@@ -48,6 +59,98 @@ def _as_float64(x, name):
     if not torch.isfinite(x).all():
         raise ValueError(f"{name} must be finite (no NaN / inf)")
     return x
+
+
+# --------------------------------------------------------------------------------------- the filter
+
+def select_groups(scores, mode, value=None, include_zero=False, prob_mode="linear"):
+    """Which groups to train on -> bool mask [G].
+
+    Zero-score groups (no task gradient) are set aside first unless include_zero=True; the others
+    are ranked by score, descending, ties to the lower index (deterministic), and the mode keeps a
+    prefix of that ranking:
+
+      "none"  every group (`value` ignored)
+      "topp"  value = 1: every ranked group (with include_zero: every group -- the official
+                         no-filter baseline; without: every group with spread)
+              prob_mode "linear":  smallest prefix whose summed score reaches value * total - 0.01;
+                                   zero scores add nothing, so they are never part of it
+              prob_mode "softmax": softmax over the ranked groups' scores only, then the smallest
+                                   prefix whose mass reaches value
+      "topk"  the max(1, int(value * G)) best ranked groups (G counts every group)
+
+    value must lie in (0, 1] for "topp" and "topk". An all-False mask means the caller skips the
+    update (an all-zero batch gives it in every mode but "none" and topp at 1 with include_zero).
+    The 0.01 slack only absorbs round-off: the best group with spread is always kept, however
+    small the total (the official code keeps nothing when value * total <= 0.01).
+
+    >>> select_groups([9., 1., 5.], "topp", 0.9)           # Fig. 5: target 13.49, A + C = 14
+    tensor([ True, False,  True])
+    >>> select_groups([0., 0., 3., 1.], "topk", 0.75)      # int(0.75 * 4) = 3, only two have spread
+    tensor([False, False,  True,  True])
+    >>> select_groups([3., 2., 0., 0., 0., 0., 0., 0.], "topp", 0.7, prob_mode="softmax")
+    tensor([ True, False, False, False, False, False, False, False])
+    """
+    if mode not in MODES:
+        raise ValueError(f"unknown filter mode {mode!r}; choose one of {MODES}")
+    if prob_mode not in PROB_MODES:
+        raise ValueError(f"unknown prob_mode {prob_mode!r}; choose one of {PROB_MODES}")
+    s = _as_float64(scores, "scores")                                      # [G]
+    if s.dim() != 1 or (s < 0).any():
+        raise ValueError(f"scores must be a [G] vector of non-negative spreads; got shape "
+                         f"{tuple(s.shape)}")
+    G = s.shape[0]
+    if mode == "none":
+        return torch.ones(G, dtype=torch.bool, device=s.device)
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not 0.0 < value <= 1.0:
+        raise ValueError(f"{mode} value must be a number in (0, 1]; got {value!r}")
+
+    candidates = torch.ones_like(s, dtype=torch.bool) if include_zero else s > 0      # [G]
+    idx = candidates.nonzero()[:, 0]                                       # [E] ascending index
+    order = idx[torch.sort(s[idx], descending=True, stable=True).indices]  # [E] best first
+    ranked = s[order]                                                      # [E]
+    if mode == "topk":
+        n_keep = min(len(order), max(1, int(value * G)))
+    elif value >= 1.0:
+        n_keep = len(order)
+    elif prob_mode == "linear":
+        reached = (ranked.cumsum(0) >= value * ranked.sum() - 0.01).nonzero()   # prefixes
+        n_keep = int(reached[0]) + 1 if len(reached) else len(order)
+    else:
+        mass = torch.softmax(ranked, 0).cumsum(0)                          # [E]
+        reached = (mass >= value - 1e-12).nonzero()                        # mass 1 may round below
+        n_keep = int(reached[0]) + 1 if len(reached) else len(order)
+
+    keep = torch.zeros(G, dtype=torch.bool, device=s.device)               # [G]
+    keep[order[:n_keep]] = True
+    if mode == "topp" and prob_mode == "linear" and value < 1.0:
+        keep &= s > 0
+    return keep
+
+
+def filter_stats(scores, mask):
+    """Statistics of one filtering step, as Python numbers for logging (Fig. 11's kept ratio and
+    zero-variance count): kept_ratio, num_kept, num_zero_var, zero_var_frac, mean_score_kept,
+    mean_score_dropped. An empty side has mean 0.0 (never NaN).
+
+    >>> filter_stats([9., 1., 5., 0.], [True, False, True, False])["mean_score_dropped"]   # 1/2
+    0.5
+    """
+    s = _as_float64(scores, "scores")                                      # [G]
+    keep = torch.as_tensor(mask, dtype=torch.bool, device=s.device)        # [G]
+    if s.dim() != 1 or keep.shape != s.shape:
+        raise ValueError(f"scores and mask must both be [G]; got {tuple(s.shape)} and "
+                         f"{tuple(keep.shape)}")
+    G = max(s.shape[0], 1)
+    zero = int((s == 0).sum())
+    return {
+        "kept_ratio": int(keep.sum()) / G,
+        "num_kept": int(keep.sum()),
+        "num_zero_var": zero,
+        "zero_var_frac": zero / G,
+        "mean_score_kept": s[keep].mean().item() if keep.any() else 0.0,
+        "mean_score_dropped": s[~keep].mean().item() if (~keep).any() else 0.0,
+    }
 
 
 # ------------------------------------------------------------------------------------ reward spread
@@ -144,17 +247,18 @@ def gradient_decomposition(model, input_ids, attention_mask, policy_mask, reward
                            old_logp=None, ref_model=None, ref_logp=None, n_buckets=6,
                            normalize_std=False, eps=1e-6, kl_kind="k3", kl_coef=1.0,
                            entropy_coef=1.0, clip_low=0.2, clip_high=0.28, clip_c=3.0,
-                           agg="token-mean"):
+                           agg="token-mean", temperature=1.0):
     """Norms of the task, KL and entropy gradients per reward-spread bucket -- the data of Fig. 4.
 
     Inputs: a Hugging Face causal LM; input_ids, attention_mask, policy_mask [B, T] (policy_mask
     marks the policy's own tokens); rewards [G, K] total reward per trajectory with B = G * K in
     group-major order; optional old_logp and ref_logp [B, T - 1], aligned with ids[:, 1:] (old_logp
-    defaults to the current log-probs, i.e. the first PPO epoch).
+    defaults to the current log-probs, i.e. the first PPO epoch). Every log-prob is the sampling
+    policy's, softmax(logits / temperature), as in training.
 
     Per bucket of groups (rv_buckets on the std of rewards) one forward pass, then three separate
     backward passes (torch.autograd.grad; no optimiser step, the parameters and their .grad are
-    left as they were):
+    left as they were), each term of ppo.policy_loss, the loss training runs:
       task     clipped_policy_loss with the group-mean baseline A = r - mean_g(r)
                (grpo.group_advantages) on every policy token of the trajectory. No std division by
                default, so the sqrt(RV) scaling shows; normalize_std=True gives GRPO's
@@ -196,23 +300,28 @@ def gradient_decomposition(model, input_ids, attention_mask, policy_mask, reward
         rows = (groups[:, None] * K + torch.arange(K, device=groups.device)).reshape(-1)  # [b]
         rows = rows.to(input_ids.device)
         ids, m, att = input_ids[rows], mask[rows], attention_mask[rows]    # [b, T], [b, T-1]
-        logits = model(input_ids=ids, attention_mask=att).logits[:, :-1]   # [b, T-1, V]
+        logits = model(input_ids=ids, attention_mask=att).logits[:, :-1].float()
+        logits = logits / temperature                                      # [b, T-1, V]
         logp = token_logprobs(logits, ids[:, 1:])                          # [b, T-1]
         old = logp.detach() if old_logp is None else old_logp[rows]        # [b, T-1]
         if ref_logp is not None:
             ref = ref_logp[rows]                                           # [b, T-1]
         elif ref_model is not None:
             with torch.no_grad():
-                ref_logits = ref_model(input_ids=ids, attention_mask=att).logits[:, :-1]
+                ref_logits = ref_model(input_ids=ids, attention_mask=att).logits[:, :-1].float()
+                ref_logits = ref_logits / temperature                      # [b, T-1, V]
                 ref = token_logprobs(ref_logits, ids[:, 1:])               # [b, T-1]
         else:
             ref = logp.detach()                                            # [b, T-1]
 
-        task_loss, _ = clipped_policy_loss(logp, old, adv[rows][:, None].expand_as(logp), m,
-                                           clip_low=clip_low, clip_high=clip_high, agg=agg,
-                                           clip_c=clip_c)
-        kl_loss = kl_coef * aggregate(kl_estimate(logp, ref, kl_kind), m, agg)
-        entropy_loss = -entropy_coef * aggregate(entropy_from_logits(logits), m, agg)
+        # the training loss, its three terms taken apart (each coefficient 1 there, applied here)
+        _, terms = policy_loss(logp, old, adv[rows][:, None].expand_as(logp), m, agg,
+                               entropy=entropy_from_logits(logits), entropy_coef=1.0,
+                               ref_logp=ref, kl_coef=1.0, kl_kind=kl_kind, clip_low=clip_low,
+                               clip_high=clip_high, clip_c=clip_c)
+        task_loss = terms["pg_loss"]
+        kl_loss = kl_coef * terms["kl_loss"]
+        entropy_loss = -entropy_coef * terms["entropy_loss"]
 
         task_norm, _ = _grad_norm_and_grads(task_loss, params)
         kl_norm, kl_grads = _grad_norm_and_grads(kl_loss, params)
@@ -228,93 +337,60 @@ def gradient_decomposition(model, input_ids, attention_mask, policy_mask, reward
     return results
 
 
-# --------------------------------------------------------------------------------------- the filter
+# ------------------------------------------------------------------------------------- the controls
 
-def select_groups(scores, mode, value=None, include_zero=False, prob_mode="linear"):
-    """Which groups to train on -> bool mask [G].
+def select_control(scores, control, of, value=None, include_zero=False, prob_mode="linear",
+                   generator=None):
+    """A control for a filter claim -> bool mask [G] with exactly as many groups as
+    select_groups(scores, of, value, include_zero, prob_mode) keeps (n below):
 
-    Zero-score groups (no task gradient) are set aside first unless include_zero=True; the others
-    are ranked by score, descending, ties to the lower index (deterministic), and the mode keeps a
-    prefix of that ranking:
+      "random"  n groups drawn uniformly at random from all G groups, zero-spread ones included
+                (torch.randperm on `generator`: seed it from the step's seed and the choice is
+                reproducible); every n-subset is equally likely
+      "bottom"  the n lowest-scoring eligible groups (zero-spread ones only with include_zero),
+                ties to the lower index; fewer if fewer are eligible
 
-      "none"  every group (`value` ignored)
-      "topp"  value = 1: every ranked group (with include_zero: every group -- the official
-                         no-filter baseline; without: every group with spread)
-              prob_mode "linear":  smallest prefix whose summed score reaches value * total - 0.01;
-                                   zero scores add nothing, so they are never part of it
-              prob_mode "softmax": softmax over the ranked groups' scores only, then the smallest
-                                   prefix whose mass reaches value
-      "topk"  the max(1, int(value * G)) best ranked groups (G counts every group)
+    A control is not a remedy: it answers a sceptic. Random at the filter's count separates "which
+    groups" from "how many" (fewer groups also mean fewer optimiser steps at a fixed mini-batch
+    size); bottom tests the mechanism's prediction that low-spread groups hand the update to the
+    regulariser. (The official filter has the same second mode: rollout_filter_type: smallest.)
 
-    value must lie in (0, 1] for "topp" and "topk". An all-False mask means the caller skips the
-    update (an all-zero batch gives it in every mode but "none" and topp at 1 with include_zero).
-    The 0.01 slack only absorbs round-off: the best group with spread is always kept, however
-    small the total (the official code keeps nothing when value * total <= 0.01).
-
-    >>> select_groups([9., 1., 5.], "topp", 0.9)           # Fig. 5: target 13.49, A + C = 14
-    tensor([ True, False,  True])
-    >>> select_groups([0., 0., 3., 1.], "topk", 0.75)      # int(0.75 * 4) = 3, only two have spread
+    >>> select_control([0., 3., 1., 2.], "bottom", "topk", 0.5)    # n = int(0.5 * 4) = 2
     tensor([False, False,  True,  True])
-    >>> select_groups([3., 2., 0., 0., 0., 0., 0., 0.], "topp", 0.7, prob_mode="softmax")
-    tensor([ True, False, False, False, False, False, False, False])
+    >>> int(select_control([0., 3., 1., 2.], "random", "topk", 0.5,
+    ...                    generator=torch.Generator().manual_seed(0)).sum())
+    2
     """
-    if mode not in MODES:
-        raise ValueError(f"unknown filter mode {mode!r}; choose one of {MODES}")
-    if prob_mode not in PROB_MODES:
-        raise ValueError(f"unknown prob_mode {prob_mode!r}; choose one of {PROB_MODES}")
+    if control not in CONTROLS:
+        raise ValueError(f"unknown control {control!r}; choose one of {CONTROLS}")
+    if of not in ("topp", "topk"):
+        raise ValueError(f"a control takes its count from topp or topk, not {of!r}")
     s = _as_float64(scores, "scores")                                      # [G]
-    if s.dim() != 1 or (s < 0).any():
-        raise ValueError(f"scores must be a [G] vector of non-negative spreads; got shape "
-                         f"{tuple(s.shape)}")
+    n = int(select_groups(s, of, value, include_zero, prob_mode).sum())
     G = s.shape[0]
-    if mode == "none":
-        return torch.ones(G, dtype=torch.bool, device=s.device)
-    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not 0.0 < value <= 1.0:
-        raise ValueError(f"{mode} value must be a number in (0, 1]; got {value!r}")
-
-    candidates = torch.ones_like(s, dtype=torch.bool) if include_zero else s > 0      # [G]
-    idx = candidates.nonzero()[:, 0]                                       # [E] ascending index
-    order = idx[torch.sort(s[idx], descending=True, stable=True).indices]  # [E] best first
-    ranked = s[order]                                                      # [E]
-    if mode == "topk":
-        n_keep = min(len(order), max(1, int(value * G)))
-    elif value >= 1.0:
-        n_keep = len(order)
-    elif prob_mode == "linear":
-        reached = (ranked.cumsum(0) >= value * ranked.sum() - 0.01).nonzero()   # prefixes
-        n_keep = int(reached[0]) + 1 if len(reached) else len(order)
-    else:
-        mass = torch.softmax(ranked, 0).cumsum(0)                          # [E]
-        reached = (mass >= value - 1e-12).nonzero()                        # mass 1 may round below
-        n_keep = int(reached[0]) + 1 if len(reached) else len(order)
-
     keep = torch.zeros(G, dtype=torch.bool, device=s.device)               # [G]
-    keep[order[:n_keep]] = True
-    if mode == "topp" and prob_mode == "linear" and value < 1.0:
-        keep &= s > 0
+    if control == "random":
+        keep[torch.randperm(G, generator=generator)[:n].to(s.device)] = True
+        return keep
+    idx = (torch.ones_like(s, dtype=torch.bool) if include_zero else s > 0).nonzero()[:, 0]
+    order = idx[torch.sort(s[idx], stable=True).indices]                   # [E] lowest first
+    keep[order[:n]] = True
     return keep
 
 
-def filter_stats(scores, mask):
-    """Statistics of one filtering step, as Python numbers for logging (Fig. 11's kept ratio and
-    zero-variance count): kept_ratio, num_kept, num_zero_var, zero_var_frac, mean_score_kept,
-    mean_score_dropped. An empty side has mean 0.0 (never NaN).
+def zero_spread_split(rewards, success):
+    """The zero-spread groups of a step split by what their rollouts did: every rollout succeeded
+    (too easy) or none did (too hard) -> fractions of all G groups, as floats. The filter drops both
+    alike; they call for different answers (a harder prompt, or a hint). A zero-spread group with
+    mixed success (equal rewards, different outcomes) counts in neither.
 
-    >>> filter_stats([9., 1., 5., 0.], [True, False, True, False])["mean_score_dropped"]   # 1/2
-    0.5
+    >>> zero_spread_split([[1., 1.], [0., 0.], [0., 1.], [0., 0.]],
+    ...                   [[True, True], [False, False], [False, True], [False, False]])
+    {'zero_var_success_frac': 0.25, 'zero_var_fail_frac': 0.5}
     """
-    s = _as_float64(scores, "scores")                                      # [G]
-    keep = torch.as_tensor(mask, dtype=torch.bool, device=s.device)        # [G]
-    if s.dim() != 1 or keep.shape != s.shape:
-        raise ValueError(f"scores and mask must both be [G]; got {tuple(s.shape)} and "
-                         f"{tuple(keep.shape)}")
-    G = max(s.shape[0], 1)
-    zero = int((s == 0).sum())
-    return {
-        "kept_ratio": int(keep.sum()) / G,
-        "num_kept": int(keep.sum()),
-        "num_zero_var": zero,
-        "zero_var_frac": zero / G,
-        "mean_score_kept": s[keep].mean().item() if keep.any() else 0.0,
-        "mean_score_dropped": s[~keep].mean().item() if (~keep).any() else 0.0,
-    }
+    r = _as_float64(rewards, "rewards")                                    # [G, K]
+    ok = torch.as_tensor(success, dtype=torch.bool).reshape(r.shape)       # [G, K]
+    zero = group_scores(r) == 0                                            # [G]
+    G = max(r.shape[0], 1)
+    return {"zero_var_success_frac": int((zero & ok.all(1)).sum()) / G,
+            "zero_var_fail_frac": int((zero & ~ok.any(1)).sum()) / G}

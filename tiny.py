@@ -6,11 +6,14 @@ and learn, on a laptop CPU with no download. The rest of the code treats it exac
 model.
 
 Tokenizer. Word-level: text is cut into pieces -- the tags <think> </think> <answer> </answer> ||,
-words, numbers, runs of white space, any other single character -- and every piece seen in the
-worlds' prompts is one token, so a grid cell is one token. An unseen piece falls back to its longest
-known prefixes, down to single characters (every printable ASCII character and every character of
-the prompts is a token), and decoding concatenates the pieces, so decode(encode(s)) == s and no
-prompt meets <unk>. Chat template: ChatML as Qwen2.5 writes it.
+words, numbers, any other single character, each with the one space before it, as Qwen's BPE carries
+a word's leading space in the word's token (" Down", " 1", " </think>"); then runs of white space --
+and every piece seen in the worlds' prompts is one token, so a grid cell is one token. Carrying the
+space makes a Sokoban transcript about 0.7x as long and a reply about 0.6x (tokens per world:
+README). An unseen piece falls back to its longest known prefixes, down to single characters (every
+printable ASCII character and every character of the prompts is a token), and decoding concatenates
+the pieces, so decode(encode(s)) == s and no prompt meets <unk>. Chat template: ChatML as Qwen2.5
+writes it.
 
 Model. A Qwen2ForCausalLM from a Qwen2Config: 2 layers, 64 wide, grouped-query attention, about 0.1M
 parameters.
@@ -41,7 +44,7 @@ import envs
 import rollout
 
 # bump when demonstrations, tokenizer or default sizes / training settings change: no stale cache
-FORMAT_VERSION = 6
+FORMAT_VERSION = 7
 WARM_START_STEPS = 600
 SAVE_EVERY = 100  # warm-start steps between saves of its progress (a multiple of demos.ROUND)
 # the warm start's torch threads, fixed so that the build does not depend on the core count
@@ -50,9 +53,12 @@ TAGS = ("<think>", "</think>", "<answer>", "</answer>", "||")
 # Qwen2.5's: pad, turn start, turn end (= eos)
 SPECIAL = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 UNK = "<unk>"
-# a piece: a word (capitalised or lower case: grid rows such as "_PX#" fall apart into cells), a
-# number, white space, or one other character
-PIECE = r"[A-Za-z][a-z]+|-?\d+(?:\.\d+)?|\s+|."
+# a piece, as Qwen's (GPT-2's) pre-tokenizer cuts text: a tag, a word (capitalised or lower case:
+# grid rows such as "_PX#" fall apart into cells), a number or one other character, each carrying
+# the single space before it (" Down", " 1", " </think>"); then white space, whose last space is
+# left to the piece that follows it
+PIECE = (r" ?</?think>| ?</?answer>| ?\|\||"
+         r" ?[A-Za-z][a-z]*| ?-?\d+(?:\.\d+)?|\s+(?!\S)| ?\S|\s+")
 # Qwen2.5's ChatML template without tool calls; like Qwen's it writes a default system message when
 # none is given
 CHAT_TEMPLATE = (
@@ -76,7 +82,7 @@ def prompts(env_name):
 def _sample_texts(seeds=range(8)):
     """Every kind of text the rollout loop writes for tiny: system prompts, user turns,
     demonstrations, numbers."""
-    texts = [demos.TINY_SYSTEM, CHAT_TEMPLATE, "Try Push from none expects pays"]
+    texts = [demos.TINY_SYSTEM, CHAT_TEMPLATE, "Try Push from none expects pays", "user assistant"]
     rng = random.Random(0)
     for name in envs.ENVS:
         for seed in seeds:
@@ -99,13 +105,13 @@ def build_tokenizer():
     Qwen's specials.
 
     >>> tok = build_tokenizer(); tok.convert_ids_to_tokens(tok.encode("#_P\\n<think> Up"))
-    ['#', '_', 'P', '\\n', '<think>', ' ', 'Up']
+    ['#', '_', 'P', '\\n', '<think>', ' Up']
     """
-    pieces = set(string.printable)
+    pieces = set(string.printable) | set(TAGS) | {" " + tag for tag in TAGS}
     for text in _sample_texts():
         pieces.update(text)  # every character, the grid symbols included
         pieces.update(re.findall(PIECE, text))
-    pieces -= set(TAGS) | set(SPECIAL)
+    pieces -= set(SPECIAL)
     vocab = {UNK: 0}
     for piece in sorted(pieces):
         vocab[piece] = len(vocab)
@@ -115,7 +121,6 @@ def build_tokenizer():
                                       max_input_chars_per_word=1_000_000))
     core.pre_tokenizer = pre_tokenizers.Split(Regex(PIECE), behavior="isolated")
     core.decoder = decoders.Fuse()  # decoding = concatenation: exact round trip
-    core.add_tokens([AddedToken(t, normalized=False, special=False) for t in TAGS])
     core.add_special_tokens([AddedToken(t, normalized=False, special=True) for t in SPECIAL])
     return PreTrainedTokenizerFast(tokenizer_object=core, eos_token="<|im_end|>", unk_token=UNK,
                                    pad_token="<|endoftext|>", chat_template=CHAT_TEMPLATE,

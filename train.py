@@ -9,9 +9,9 @@ One training step, as `train` below runs it (the right column names the code):
                   first-turn reasoning under every prompt of the batch                mi
   3. filter       rank groups by reward std, keep Top-P / Top-K; dropped groups       snr_filter
                   never reach the advantages; nothing kept -> no update
-  4. old / ref    log-probs of the sampled tokens before the update, critic values    ppo
+  4. old / ref    log-probs of the sampled tokens before the update, critic values    models
   5. advantages   PPO: GAE with the critic, whitened; GRPO / Dr.GRPO: group-relative  ppo.gae, grpo
-  6. update       clipped loss - entropy bonus (+ KL), micro-batches, grad clip 1.0   ppo
+  6. update       clipped loss - entropy bonus (+ KL), micro-batches, grad clip 1.0   ppo.policy_loss
   7. bookkeeping  metrics.jsonl line, validation every 10 steps, checkpoint, figures
 
 Everything around the loop -- the command line, the run folder and its checkpoints, resuming -- is
@@ -31,12 +31,16 @@ import models
 import ppo
 import rollout
 import runs
+import sampler
 import snr_filter
 
 VAL_SEED_BASE = 10_000_000  # validation seeds are 10_000_000 + i; training seeds are drawn below it
+PROBE_SEED_BASE = 20_000_000  # the probe set's prompts: 20_000_000 + i, held out like validation's
+CONTROL_STREAM = 1  # the random control's draws: np.random.default_rng([seed, step, 1])
 MAX_SKIPS = 5  # stop after this many steps in a row without reward spread (the official default)
-ANALYSIS_KL_COEF = 1e-3  # the KL coefficient of the paper's analysis runs, for Fig. 4
-AGGREGATION = {"ppo": "token-mean", "grpo": "seq-mean-token-mean", "drgrpo": "seq-mean-token-sum"}
+ANALYSIS_KL_COEF = 1e-3  # Fig. 4's KL coefficient without --kl-coef (the paper's analysis runs)
+AGGREGATION = {"ppo": "token-mean", "grpo": "seq-mean-token-mean",
+               "drgrpo": "seq-mean-token-sum-norm"}
 
 
 def arg(default, help, **kw):
@@ -57,8 +61,10 @@ class Args:
     # the algorithm
     algo: str = arg("ppo", "ppo: critic + GAE; grpo: group-normalised; drgrpo: no std division",
                     choices=tuple(AGGREGATION))
-    filter: str = arg("topp", "SNR-aware filter on the groups' reward std",
-                      choices=snr_filter.MODES)
+    filter: str = arg("topp", "filter (random / bottom: controls)",
+                      choices=snr_filter.MODES + snr_filter.CONTROLS)
+    control_of: str = arg("topk", "random / bottom keep as many groups as this filter would",
+                          choices=("topk", "topp"))
     top_p: float = arg(0.9, "topp: keep the best groups until this fraction of the summed std")
     top_k: float = arg(0.5, "topk: keep max(1, int(top_k * groups)) best groups")
     filter_prob_mode: str = arg("linear", "topp: on the std itself or on its softmax",
@@ -73,13 +79,14 @@ class Args:
     clip_high: float = arg(0.28, "PPO ratio clip above 1")
     clip_c: float = arg(3.0, "dual clip: loss cap for negative advantages, times -A (0 = off)")
     value_clip: float = arg(0.5, "critic value clip")
-    kl_coef: float = arg(0.0, "KL penalty to the initial policy (0 = none, no reference model)")
+    kl_coef: float = arg(0.0, "KL penalty to the initial policy (0 = none)")
     kl_kind: str = arg("k3", "KL estimator", choices=ppo.KL_KINDS)
     entropy_coef: float = arg(0.001, "entropy bonus coefficient")
-    gamma: float = arg(1.0, "GAE discount")
+    gamma: float = arg(1.0, "GAE discount (only 1: each reward sits on the episode's last token)")
     lam: float = arg(1.0, "GAE lambda")
     mini_batch_size: int = arg(32, "trajectories per optimiser step")
     epochs: int = arg(1, "passes over the kept batch per step")
+    optimizer_steps: int = arg(0, "N mini-batches per update, whatever was kept (0: by size)")
     grad_clip: float = arg(1.0, "gradient norm clip")
     # generation
     temperature: float = arg(1.0, "sampling temperature of the rollouts")
@@ -102,7 +109,10 @@ class Args:
     # diagnosis, validation, output
     mi_every: int = arg(5, "cross-scoring diagnosis at step 1 and every N steps (0 = off)")
     mi_samples: int = arg(64, "samples cross-scored per diagnosis")
-    grad_decomp_every: int = arg(0, "task / KL / entropy gradient norms per spread bucket, every N")
+    probe_prompts: int = arg(8, "fixed held-out prompts diagnosed at every diagnosis (0 = off)")
+    probe_samples: int = arg(8, "first-turn reasonings sampled per probe prompt")
+    grad_decomp_every: int = arg(0, "task / KL (to the initial policy) / entropy gradient norms "
+                                 "per spread bucket, every N")
     val_every: int = arg(10, "validation before training, every N steps and at the end")
     val_seeds: int = arg(64, "held-out validation seeds (one rollout each)")
     val_temperature: float = arg(0.5, "validation sampling temperature")
@@ -133,13 +143,15 @@ def train(run):
         # 2. diagnosis, before filtering: does the reasoning still depend on its prompt?
         t1 = time.time()
         if a.mi_every and (step == 1 or step % a.mi_every == 0):
-            m.update(diagnose(run, episodes))
+            m.update(diagnose(run, episodes, np.random.default_rng([a.seed, step, 1])))
+            m.update(probe(run))
         if a.grad_decomp_every and step % a.grad_decomp_every == 0:
             m["grad_decomposition"] = decompose_gradients(run, episodes, rewards)
 
         # 3. the filter: whole groups, before any advantage is computed
-        keep, stats = select(a, rewards)                                                    # [G]
+        keep, stats = select(a, rewards, step)                                              # [G]
         m.update(stats, time_scoring=time.time() - t1, skipped=not keep.any())
+        m.update(snr_filter.zero_spread_split(rewards, [e.success for e in episodes]))
 
         # 4-6. the update, on the kept groups only
         t2 = time.time()
@@ -173,7 +185,7 @@ def collect_rollouts(run, seeds, group_size, temperature, top_p):
     per_call = max(1, (a.rollout_batch or len(seeds) * group_size) // group_size)  # whole groups
     episodes = []
     for first in range(0, len(seeds), per_call):
-        policy = rollout.hf_policy(run.policy, run.tokenizer, a.max_new_tokens, temperature, top_p)
+        policy = sampler.hf_policy(run.policy, run.tokenizer, a.max_new_tokens, temperature, top_p)
         with run.ctx:
             played = rollout.play(policy, run.tokenizer, a.env, seeds[first:first + per_call],
                                   group_size, runs.env_kwargs(a), a.max_turns,
@@ -193,17 +205,16 @@ def rollout_stats(episodes, rewards):
             "cut_frac": float(np.mean([e.cut for e in episodes]))}
 
 
-def diagnose(run, episodes):
+def diagnose(run, episodes, rng):
     """Step 2: cross-score up to mi_samples first-turn reasonings under every group's first prompt
     (Sec. 2.3). Identical prompts (Bandit repeats its 4 layouts; rooms can repeat) count as one."""
     a = run.args
-    per_group = max(1, a.mi_samples // a.groups)
-    picked = [e for i, e in enumerate(episodes) if i % a.group_size < per_group][:a.mi_samples]
+    picked = [episodes[i] for i in mi_sample(a.groups, a.group_size, a.mi_samples, rng)]
     prompts = [next(e.first_prompt for e in episodes if e.group == g) for g in range(a.groups)]
     with run.ctx:
         reasonings = [e.first_reasoning for e in picked]
         scores, lengths = mi.cross_scores(run.policy, run.tokenizer, prompts, reasonings,
-                                          batch_size=a.micro_batch)
+                                          batch_size=a.micro_batch, temperature=a.temperature)
     metrics = mi.collapse_metrics(scores, [e.group for e in picked], lengths, prompt_keys=prompts)
     metrics["mi_zscore_ema"], run.state["std_ema"] = mi.mi_zscore_ema(metrics, run.state["std_ema"])
     keep = ("mi_estimate", "mi_seq_estimate", "mi_zscore", "mi_zscore_seq", "mi_zscore_ema",
@@ -213,24 +224,95 @@ def diagnose(run, episodes):
     return {k: metrics[k] for k in keep if k in metrics}
 
 
+def mi_sample(groups, group_size, num_samples, rng):
+    """Which episodes (indices, group-major) the diagnosis cross-scores: the same number from
+    every group, min(group_size, num_samples // groups), as the estimate's uniform mixture over the
+    prompts assumes. Fewer samples than groups: one from each of num_samples groups drawn uniformly
+    without replacement (`rng`), so every prompt is equally likely to own a sample.
+
+    >>> mi_sample(3, 4, 7, None)                    # 2 from each group; the 7th would skew owners
+    [0, 1, 4, 5, 8, 9]
+    """
+    per_group = min(group_size, num_samples // groups)
+    if per_group == 0:
+        return sorted(int(g) * group_size for g in rng.choice(groups, num_samples, replace=False))
+    return [g * group_size + k for g in range(groups) for k in range(per_group)]
+
+
+def probe(run):
+    """Step 2 on a fixed probe set: the diagnosis on the same held-out prompts at every diagnosis
+    (seeds PROBE_SEED_BASE + i, one first turn sampled probe_samples times each, on a forked RNG
+    seeded alike every time: the training stream is unchanged and the curve moves only when the
+    policy does). Logged as probe_<metric> with probe_<metric>_se over the prompts, and, on the
+    same samples, the answer's dependence on the reasoning, probe_action_mi (mi.action_dependence:
+    each answer a_k scored after every reasoning z_j of its prompt)."""
+    a = run.args
+    if not a.probe_prompts:
+        return {}
+    seeds = [PROBE_SEED_BASE + i for i in range(a.probe_prompts)]
+    K = a.probe_samples
+    with torch.random.fork_rng(devices=[run.device] if run.device.type == "cuda" else []):
+        torch.manual_seed(a.seed)
+        run.policy.eval()
+        policy = sampler.hf_policy(run.policy, run.tokenizer, a.max_new_tokens, a.temperature,
+                                   a.sample_top_p)
+        with run.ctx:
+            episodes = rollout.play(policy, run.tokenizer, a.env, seeds, K, runs.env_kwargs(a), 1,
+                                    a.max_actions_per_turn, **run.prompt)
+    prompts = [episodes[g * K].first_prompt for g in range(a.probe_prompts)]
+    with run.ctx:
+        scores, lengths = mi.cross_scores(run.policy, run.tokenizer, prompts,
+                                          [e.first_reasoning for e in episodes],
+                                          batch_size=a.micro_batch, temperature=a.temperature)
+        actions = []  # [P, K, K]: L[k, j] = log p(a_k | x, z_j), within each prompt
+        for g in range(a.probe_prompts):
+            turns = [split_answer(e) for e in episodes[g * K:(g + 1) * K]]
+            actions.append(mi.cross_scores(run.policy, run.tokenizer, [c for c, _ in turns],
+                                           [t for _, t in turns], batch_size=a.micro_batch,
+                                           temperature=a.temperature)[0])
+    out = mi.metrics_with_se(scores, [e.group for e in episodes], lengths, prompt_keys=prompts)
+    out.update(mi.action_dependence(torch.stack(actions)))
+    return {"probe_" + k: v for k, v in out.items() if not k.endswith("upper_bound")}
+
+
+def split_answer(episode):
+    """(X + Z + "</think>", the answer after it) of an episode's first reply; an unclosed think
+    gives an empty answer (it scores 0 under every reasoning: no dependence)."""
+    full = episode.prompt_text + episode.responses[0]
+    cut = full.find("</think>", len(episode.first_prompt))
+    if cut < 0:
+        return full, ""
+    cut += len("</think>")
+    return full[:cut], full[cut:]
+
+
 def decompose_gradients(run, episodes, rewards):
     """Fig. 4 on this batch: task / KL / entropy gradient norms per reward-spread bucket, no
-    optimiser step. Without a KL term the reference is the policy itself (its KL gradient is 0)."""
+    optimiser step. The KL is measured against the initial policy (the warm start; with LoRA the
+    base), the run's --kl-kind at its --kl-coef or, without one, at the analysis runs' 0.001."""
     a = run.args
     batch = rollout_batch(run, episodes)
-    ref = passes(run, batch, reference_pass) if a.kl_coef else None
+    ref = over_batch(run, batch, reference_pass)                                        # [B, T-1]
     with run.ctx:
         buckets = snr_filter.gradient_decomposition(
             run.policy, batch["input_ids"], batch["attention_mask"], batch["policy_mask"], rewards,
-            ref_logp=ref, kl_coef=a.kl_coef or ANALYSIS_KL_COEF, entropy_coef=a.entropy_coef)
+            ref_logp=ref, kl_coef=a.kl_coef or ANALYSIS_KL_COEF, kl_kind=a.kl_kind,
+            entropy_coef=a.entropy_coef, temperature=a.temperature)
     run.policy.zero_grad(set_to_none=True)
     return [{k: v for k, v in b.items() if k != "groups"} for b in buckets]
 
 
-def select(a, rewards):
-    """Step 3: which groups to train on, from the spread (unbiased std) of their total rewards."""
+def select(a, rewards, step=0):
+    """Step 3: which groups to train on, from the spread (unbiased std) of their total rewards.
+    The random control draws from its own stream of (seed, step): the same choice on a resume."""
     scores = snr_filter.group_scores(rewards)                                               # [G]
     value = a.top_p if a.filter == "topp" else a.top_k
+    if a.filter in snr_filter.CONTROLS:
+        value = a.top_p if a.control_of == "topp" else a.top_k
+        draw = int(np.random.default_rng([a.seed, step, CONTROL_STREAM]).integers(2 ** 62))
+        keep = snr_filter.select_control(scores, a.filter, a.control_of, value, a.include_zero,
+                                         a.filter_prob_mode, torch.Generator().manual_seed(draw))
+        return keep, snr_filter.filter_stats(scores, keep)
     keep = snr_filter.select_groups(scores, a.filter, value, a.include_zero, a.filter_prob_mode)
     return keep, snr_filter.filter_stats(scores, keep)
 
@@ -239,79 +321,79 @@ def update_policy(run, episodes, rewards, shuffle):
     """Steps 4-6 on the kept episodes (`rewards` [G_kept, K]). The dropped groups were removed
     before collation: nothing of them (padding width, advantages, normalisers) reaches the
     update."""
-    a = run.args
-    b_ = rollout_batch(run, episodes)
-    B = b_["input_ids"].shape[0]
-    b_mask = b_["policy_mask"][:, 1:]                                  # [B, T-1] the trained tokens
-    agg = AGGREGATION[a.algo]
+    args = run.args
+    batch = rollout_batch(run, episodes)
+    mask = batch["policy_mask"][:, 1:]                                 # [B, T-1] the trained tokens
+    agg = AGGREGATION[args.algo]
 
     # 4. before the update: the ratio's old log-probs, the reference's, the critic's values
-    b_old, b_entropy = passes(run, b_, policy_pass, with_entropy=True)                  # [B, T-1]
-    b_ref = passes(run, b_, reference_pass) if a.kl_coef else None                       # [B, T-1]
-    b_values = passes(run, b_, critic_pass) if run.critic is not None else None         # [B, T-1]
+    old_logp, old_entropy = over_batch(run, batch, policy_pass, with_entropy=True)      # [B, T-1]
+    ref_logp = over_batch(run, batch, reference_pass) if args.kl_coef else None         # [B, T-1]
+    old_values = over_batch(run, batch, critic_pass) if run.critic is not None else None
 
     # 5. advantages
     if run.critic is not None:
-        b_adv, b_returns = ppo.gae(b_["token_rewards"][:, 1:], b_values, b_mask, a.gamma, a.lam)
+        advantages, returns = ppo.gae(batch["token_rewards"][:, 1:], old_values, mask, args.gamma,
+                                      args.lam)                                         # [B, T-1]
     else:
-        per_episode = grpo.group_advantages(rewards, normalize_std=a.algo == "grpo").reshape(-1)
-        b_adv = grpo.episode_advantages_to_tokens(per_episode.to(b_mask.device), b_mask)  # [B, T-1]
+        per_episode = grpo.group_advantages(rewards, normalize_std=args.algo == "grpo").reshape(-1)
+        advantages = grpo.episode_advantages_to_tokens(per_episode.to(mask.device), mask)
 
-    # 6. the update: each mini-batch one optimiser step, its gradient summed over micro-batches;
-    # every logged loss is the mini-batch's (micro-batches weighted by their share), averaged
-    logs = {k: [] for k in ("pg_loss", "entropy_loss", "clip_frac", "clip_frac_lower", "approx_kl",
-                            "grad_norm") + ("kl_loss",) * (b_ref is not None)
-            + ("value_loss",) * (run.critic is not None)}
+    # 6. the update: each mini-batch one optimiser step, its gradient summed over micro-batches
+    # weighted so that they add up to the mini-batch's loss; every logged number is the
+    # mini-batch's, averaged over the mini-batches
+    logs = {}
     # Hugging Face layers recompute activations (--grad-checkpointing) only in training mode; the
     # models here have no dropout, so nothing else changes
     run.policy.train()
     if run.critic is not None:
         run.critic.train()
-    for _ in range(a.epochs):
-        order = torch.randperm(B, generator=shuffle)
-        for mb_rows in order.split(a.mini_batch_size):
+    for _ in range(args.epochs):
+        for mini_batch in mini_batches(len(mask), args.mini_batch_size, args.optimizer_steps,
+                                       shuffle):
             for opt in run.optimizers:
                 opt.zero_grad(set_to_none=True)
-            sums = dict.fromkeys(logs, 0.0)
-            for rows, width in pieces(b_, mb_rows, a.micro_batch):
-                mb = {k: v[rows, :width] for k, v in b_.items() if v.dim() == 2}
-                mask, cols = b_mask[rows, :width - 1], slice(0, width - 1)            # [b, w-1]
-                w = share(b_mask, mb_rows, rows, agg)
-                w_tokens = share(b_mask, mb_rows, rows, "token-mean")
-                logp, entropy = policy_pass(run, mb, with_entropy=True)                 # [b, w-1]
-                pg_loss, stats = ppo.clipped_policy_loss(
-                    logp, b_old[rows, cols], b_adv[rows, cols], mask, a.clip_low, a.clip_high, agg,
-                    a.clip_c or None)
-                entropy_loss = ppo.aggregate(entropy, mask, agg)
-                loss = pg_loss - a.entropy_coef * entropy_loss
-                if b_ref is not None:
-                    kl = ppo.aggregate(ppo.kl_estimate(logp, b_ref[rows, cols], a.kl_kind), mask,
-                                       agg)
-                    loss = loss + a.kl_coef * kl
-                    sums["kl_loss"] += w * kl.item()
-                (w * loss).backward()
+            stats = {}
+            for rows, width in micro_batches(batch, mini_batch, args.micro_batch):
+                micro = {k: v[rows, :width] for k, v in batch.items() if v.dim() == 2}  # [b, w]
+                cols = slice(0, width - 1)
+                weight = micro_batch_weight(mask, mini_batch, rows, agg)
+                token_weight = micro_batch_weight(mask, mini_batch, rows, "token-mean")
+                logp, entropy = policy_pass(run, micro, with_entropy=True)              # [b, w-1]
+                loss, terms = ppo.policy_loss(
+                    logp, old_logp[rows, cols], advantages[rows, cols], mask[rows, cols], agg,
+                    entropy=entropy, entropy_coef=args.entropy_coef,
+                    ref_logp=None if ref_logp is None else ref_logp[rows, cols],
+                    kl_coef=args.kl_coef, kl_kind=args.kl_kind, clip_low=args.clip_low,
+                    clip_high=args.clip_high, clip_c=args.clip_c or None,
+                    norm_length=response_budget(args))
+                (weight * loss).backward()
                 if run.critic is not None:
-                    v_loss = ppo.value_loss(critic_pass(run, mb), b_values[rows, cols],
-                                            b_returns[rows, cols], mask, a.value_clip)
-                    (w_tokens * v_loss).backward()
-                    sums["value_loss"] += w_tokens * v_loss.item()
-                sums["pg_loss"] += w * pg_loss.item()
-                sums["entropy_loss"] += w * entropy_loss.item()
-                for k in ("clip_frac", "clip_frac_lower", "approx_kl"):
-                    sums[k] += w_tokens * stats[k]
-            norm = torch.nn.utils.clip_grad_norm_(run.policy_params, a.grad_clip)
-            sums["grad_norm"] = float(norm)
+                    value_loss = ppo.value_loss(critic_pass(run, micro), old_values[rows, cols],
+                                                returns[rows, cols], mask[rows, cols],
+                                                args.value_clip)
+                    (token_weight * value_loss).backward()
+                    terms["value_loss"] = value_loss
+                # the policy loss's terms add up with its weight, token means with the tokens'
+                for k, v in terms.items():
+                    w = weight if k in ("pg_loss", "entropy_loss", "kl_loss") else token_weight
+                    stats[k] = stats.get(k, 0.0) + w * float(v)
+            stats["grad_norm"] = float(torch.nn.utils.clip_grad_norm_(run.policy_params,
+                                                                      args.grad_clip))
             if run.critic is not None:
-                torch.nn.utils.clip_grad_norm_(run.critic_params, a.grad_clip)
+                torch.nn.utils.clip_grad_norm_(run.critic_params, args.grad_clip)
             for opt in run.optimizers:
                 opt.step()
-            for k, v in sums.items():
-                logs[k].append(v)
+            for k, v in stats.items():
+                logs.setdefault(k, []).append(v)
     for opt in run.optimizers:  # no gradients kept while the next rollouts sample
         opt.zero_grad(set_to_none=True)
     out = {k: float(np.mean(v)) for k, v in logs.items()}
-    out["token_entropy"] = ppo.masked_mean(b_entropy, b_mask).item()
-    out["optimizer_steps"] = a.epochs * len(order.split(a.mini_batch_size))
+    out["token_entropy"] = ppo.masked_mean(old_entropy, mask).item()
+    out["optimizer_steps"] = len(logs["grad_norm"])  # one grad_norm per optimiser step
+    if "logprobs" in batch:  # the sampler's own log-probs: any difference means off-policy scoring
+        sampled = batch["logprobs"][:, 1:]                                              # [B, T-1]
+        out["rollout_logprob_diff"] = ppo.masked_mean((sampled - old_logp).abs(), mask).item()
     return out
 
 
@@ -335,7 +417,20 @@ def rollout_batch(run, episodes):
     return batch
 
 
-def pieces(batch, rows, size):
+def mini_batches(n_rows, size, optimizer_steps, generator):
+    """The rows of one epoch in a random order (torch.randperm on `generator`), cut into
+    mini-batches, one optimiser step each -> list of row tensors covering every row once:
+    optimizer_steps = 0: mini-batches of `size` rows, the last one shorter (as verl does: a
+    filtered batch then takes fewer optimiser steps); optimizer_steps = N: N mini-batches of
+    near-equal size (differing by at most one row) whatever n_rows (at most n_rows of them), so
+    that runs with and without a filter can be compared at equal optimiser steps."""
+    order = torch.randperm(n_rows, generator=generator)                                    # [B]
+    if optimizer_steps:
+        return list(order.tensor_split(min(optimizer_steps, n_rows)))
+    return list(order.split(size))
+
+
+def micro_batches(batch, rows, size):
     """Micro-batches of at most `size` of the given rows, each with the width of its longest
     transcript: rows are sorted by length first, so short transcripts are not padded to the longest
     of the whole batch."""
@@ -344,12 +439,13 @@ def pieces(batch, rows, size):
 
 
 @torch.no_grad()
-def passes(run, batch, fn, **kw):
+def over_batch(run, batch, fn, **kw):
     """fn(run, micro-batch, **kw) -> [b, w-1] tensor (or a tuple of them), run over the whole batch
-    in pieces without gradients and put back as [B, T-1] tensors: the values before the update."""
+    micro-batch by micro-batch without gradients, put back as [B, T-1] tensors: the values before
+    the update."""
     B, T = batch["input_ids"].shape
     outs = None
-    for rows, width in pieces(batch, torch.arange(B), run.args.micro_batch):
+    for rows, width in micro_batches(batch, torch.arange(B), run.args.micro_batch):
         results = fn(run, {k: v[rows, :width] for k, v in batch.items() if v.dim() == 2}, **kw)
         results = results if isinstance(results, tuple) else (results,)
         if outs is None:
@@ -361,17 +457,19 @@ def passes(run, batch, fn, **kw):
 
 def policy_pass(run, mb, with_entropy=False):
     """log pi and (optionally) its entropy at the policy tokens of a micro-batch -> [b, w-1] each,
-    0 elsewhere."""
+    0 elsewhere; pi at the rollouts' temperature, the policy that sampled them."""
     with run.ctx:
-        logp, entropy = ppo.policy_logprobs(run.policy, mb["input_ids"], mb["policy_mask"][:, 1:],
-                                            with_entropy)
+        logp, entropy = models.policy_logprobs(run.policy, mb["input_ids"],
+                                               mb["policy_mask"][:, 1:], with_entropy,
+                                               run.args.temperature)
     return (logp, entropy) if with_entropy else logp
 
 
 def reference_pass(run, mb):
     """log pi_ref at the policy tokens: the initial policy (with LoRA: the base, adapters off)."""
     with run.ctx, models.reference(run) as ref:
-        return ppo.policy_logprobs(ref, mb["input_ids"], mb["policy_mask"][:, 1:])[0]
+        return models.policy_logprobs(ref, mb["input_ids"], mb["policy_mask"][:, 1:],
+                                      temperature=run.args.temperature)[0]
 
 
 def critic_pass(run, mb):
@@ -380,13 +478,19 @@ def critic_pass(run, mb):
         return ppo.critic_values(run.critic, mb["input_ids"], None)[:, :-1].float()
 
 
-def share(mask, rows, sub, agg):
-    """Weight of micro-batch `sub` inside mini-batch `rows`, so that summing weight x
-    aggregate(micro) gives exactly aggregate(mini): its share of the tokens (token-mean) or of the
-    sequences with tokens (seq-mean-*)."""
+def micro_batch_weight(mask, mini_batch, rows, agg):
+    """Weight of the micro-batch `rows` inside `mini_batch`, so that summing weight x
+    aggregate(micro-batch) gives exactly aggregate(mini-batch): its share of the tokens
+    (token-mean) or of the sequences with tokens (seq-mean-*)."""
     if agg == "token-mean":
-        return float(mask[sub].sum() / mask[rows].sum().clamp_min(1))
-    return float((mask[sub].sum(-1) > 0).sum() / (mask[rows].sum(-1) > 0).sum().clamp_min(1))
+        return float(mask[rows].sum() / mask[mini_batch].sum().clamp_min(1))
+    return float((mask[rows].sum(-1) > 0).sum()
+                 / (mask[mini_batch].sum(-1) > 0).sum().clamp_min(1))
+
+
+def response_budget(args):
+    """The most tokens the policy can write in an episode: Dr.GRPO's constant normaliser."""
+    return args.max_turns * args.max_new_tokens
 
 
 def main(argv=None):

@@ -1,4 +1,4 @@
-"""Rollout throughput: the multi-turn loop (rollout.play + rollout.hf_policy) vs plain
+"""Rollout throughput: the multi-turn loop (rollout.play + sampler.hf_policy) vs plain
 model.generate on the same calls.
 
 The loop (RAGEN-2, Sec. 4.1: prompt groups of K rollouts, up to 5 turns) adds work around each
@@ -32,6 +32,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import rollout  # noqa: E402
+import sampler  # noqa: E402
 import demos  # noqa: E402
 import tiny  # noqa: E402
 from bench_cross_scores import median_seconds  # noqa: E402
@@ -127,7 +128,7 @@ def main():
         if device.type == "cuda"
         else torch.autocast("cpu", enabled=False)
     )
-    policy = rollout.hf_policy(model, tokenizer, args.max_new_tokens)
+    policy = sampler.hf_policy(model, tokenizer, args.max_new_tokens)
     stop_ids, pad = rollout.end_of_turn_ids(tokenizer), rollout.pad_token_id(tokenizer)
     seeds = list(range(args.groups))
     calls = []

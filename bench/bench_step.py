@@ -10,7 +10,7 @@ only:
   update   every micro-batch (8 transcripts) padded to the longest transcript of the batch, run with an attention
            mask, full-vocabulary logits at every position, then log-probs and entropies taken from
            them.
-This code: rollout.hf_policy (an explicit sampling loop that keeps each episode's key/value cache
+This code: sampler.hf_policy (an explicit sampling loop that keeps each episode's key/value cache
 between turns) and train.update_policy (length-sorted micro-batches of their own width, causal
 attention without a mask, the output layer only at policy tokens, 8 transcripts a micro-batch on
 a CPU). Both update the same kept episodes from the same weights; both rollouts start from the same
@@ -27,6 +27,7 @@ import statistics
 import sys
 import time
 
+import numpy as np
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -34,6 +35,7 @@ import models  # noqa: E402
 import ppo  # noqa: E402
 import rollout  # noqa: E402
 import runs  # noqa: E402
+import sampler  # noqa: E402
 import train  # noqa: E402
 
 
@@ -72,15 +74,15 @@ def plain_policy(model, tokenizer, max_new_tokens, temperature=1.0, top_p=1.0):
             )
         new = out[:, width:]
         logprobs = torch.stack(tables, 1)[:, : new.shape[1]].gather(-1, new[..., None])[..., 0]
-        return rollout.as_generations(new.tolist(), logprobs.tolist(), stop_ids)
+        return sampler.as_generations(new.tolist(), logprobs.tolist(), stop_ids)
 
     return policy
 
 
-def plain_logprobs(model, input_ids, mask, with_entropy=False):
+def plain_logprobs(model, input_ids, mask, with_entropy=False, temperature=1.0):
     """Full logits at every position, then log-probs and entropies from them (the plain update's forward)."""
     attention_mask = (input_ids != PAD[0]).long()
-    logits = model(input_ids=input_ids, attention_mask=attention_mask).logits[:, :-1]  # [b, T-1, V]
+    logits = model(input_ids=input_ids, attention_mask=attention_mask).logits[:, :-1] / temperature  # [b, T-1, V]
     logp = ppo.token_logprobs(logits, input_ids[:, 1:]) * mask
     return logp, ppo.entropy_from_logits(logits) * mask if with_entropy else None
 
@@ -164,30 +166,30 @@ def main():
             for opt, state in zip(run.optimizers, start[2]):
                 opt.load_state_dict(state)
             torch.manual_seed(repeat)
-            sampler = plain_policy if side == "plain" else rollout.hf_policy
+            policy_fn = plain_policy if side == "plain" else sampler.hf_policy
             original = (
-                rollout.hf_policy,
-                train.pieces,
-                ppo.policy_logprobs,
+                sampler.hf_policy,
+                train.micro_batches,
+                models.policy_logprobs,
                 a.micro_batch,
                 train.critic_pass,
             )
-            rollout.hf_policy = sampler
+            sampler.hf_policy = policy_fn
             episodes, t_rollout = timed(
                 lambda: train.collect_rollouts(run, seeds, a.group_size, 1.0, 1.0)
             )
-            rollout.hf_policy = original[0]
+            sampler.hf_policy = original[0]
             tokens[side] = [e.ids for e in episodes]
             rewards = torch.tensor([e.total_reward for e in episodes]).view(a.groups, a.group_size)
 
             def scoring():
-                train.diagnose(run, episodes)
+                train.diagnose(run, episodes, np.random.default_rng(0))
                 return train.select(a, rewards)[0]
 
             keep, t_scoring = timed(scoring)
             kept = [e for e in episodes if keep[e.group]]
             if side == "plain":
-                train.pieces, ppo.policy_logprobs, a.micro_batch = plain_pieces, plain_logprobs, 8
+                train.micro_batches, models.policy_logprobs, a.micro_batch = plain_pieces, plain_logprobs, 8
                 train.critic_pass = plain_critic_pass
             try:
                 _, t_update = timed(
@@ -196,7 +198,7 @@ def main():
                     )
                 )
             finally:
-                train.pieces, ppo.policy_logprobs, a.micro_batch = (
+                train.micro_batches, models.policy_logprobs, a.micro_batch = (
                     original[1],
                     original[2],
                     original[3],

@@ -2,10 +2,8 @@
 
     python bench/run_all.py                                   # full sizes (each script < 5 minutes on CPU)
     python bench/run_all.py --quick                           # every script's --quick mode
-    python bench/run_all.py --trl-python trl-venv/bin/python  # the interpreter that has trl (bench_trl.py)
 
-bench_trl.py runs under --trl-python (default: this interpreter); it is skipped when trl cannot be
-imported there. bench_gpu.py's full size needs a GPU (a 0.5B model on a CPU takes hours); without
+bench_gpu.py's full size needs a GPU (a 0.5B model on a CPU takes hours); without
 one only its --quick mode runs. Exit status 1 when any script fails.
 """
 
@@ -20,33 +18,19 @@ import torch
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
-def has_trl(python):
-    return subprocess.run([python, "-c", "import trl"], capture_output=True).returncode == 0
-
-
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="pass --quick to every script")
     parser.add_argument(
         "--threads", type=int, default=2, help="passed to every script (torch.set_num_threads)"
     )
-    parser.add_argument(
-        "--trl-python", default=sys.executable, help="interpreter with trl, for bench_trl.py"
-    )
     args = parser.parse_args()
 
     results, failed = [], []
     for script in sorted(glob.glob(os.path.join(HERE, "bench_*.py"))):
         name = os.path.basename(script)
-        python = args.trl_python if name == "bench_trl.py" else sys.executable
-        if name == "bench_trl.py" and not has_trl(python):
-            print(
-                f"== {name}: skipped, trl cannot be imported by {python} (see bench/requirements.txt)\n"
-            )
-            results.append(f"{name}: skipped (no trl)")
-            continue
         quick = args.quick or (name == "bench_gpu.py" and not torch.cuda.is_available())
-        command = [python, script, "--threads", str(args.threads)] + (["--quick"] if quick else [])
+        command = [sys.executable, script, "--threads", str(args.threads)] + (["--quick"] if quick else [])
         print(f"== {' '.join(command)}", flush=True)
         out = subprocess.run(command, capture_output=True, text=True)
         print(out.stdout, flush=True)

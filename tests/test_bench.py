@@ -1,9 +1,7 @@
 """Every benchmark's --quick mode still runs: exit status 0 and a last `RESULT <name> <finite
 number>` line.
 
-No timing is asserted: the numbers depend on the machine. bench_trl.py needs trl, which is not a
-dependency of the project: it runs under the interpreter named by BENCH_TRL_PYTHON (default: this
-one) and is skipped without trl.
+No timing is asserted: the numbers depend on the machine.
 """
 import math
 import os
@@ -27,13 +25,8 @@ def run_quick(script, python=sys.executable):
 
 @pytest.mark.parametrize("script, name", [("bench_cross_scores.py", "cross_scores"), ("bench_rollout.py", "rollout"),
                                           ("bench_filter.py", "filter"), ("bench_memory.py", "memory"),
-                                          ("bench_gpu.py", "gpu"), ("bench_step.py", "step")])
+                                          ("bench_gpu.py", "gpu"), ("bench_step.py", "step"),
+                                          ("bench_trl.py", "trl")])
 def test_quick_mode_reports_a_result(script, name):
     assert run_quick(script) == name
 
-
-def test_trl_quick_mode_reports_a_result():
-    python = os.environ.get("BENCH_TRL_PYTHON", sys.executable)
-    if subprocess.run([python, "-c", "import trl"], capture_output=True).returncode != 0:
-        pytest.skip(f"trl is not importable by {python} (bench/requirements.txt; set BENCH_TRL_PYTHON)")
-    assert run_quick("bench_trl.py", python) == "trl"

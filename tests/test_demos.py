@@ -35,8 +35,8 @@ def test_the_user_turn_is_the_grid_and_the_positions_line(tok):
     text = demos.prompts("frozenlake")["user"]("P_\n_G", 0.5, 7, 2)
     # no turn, reward or count text
     assert text == "P_\n_G\nPlayer (0,0), goal (1,1). Goal: 1 Down, 1 Right."
-    # words
-    assert {"Player", "goal", "Goal", "Down"} <= set(tok.convert_ids_to_tokens(tok.encode(text)))
+    # words, each with the space before it
+    assert {"Player", " goal", " Goal", " Down"} <= set(tok.convert_ids_to_tokens(tok.encode(text)))
     env = envs.make_env("sokoban")
     lengths = set()
     # every turn of a world has the same shape: the line sits at a fixed distance

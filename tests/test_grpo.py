@@ -1,5 +1,5 @@
-"""grpo.py: group-relative advantages and the GRPO loss, against known values and exact
-expectations."""
+"""grpo.py: group-relative advantages, and ppo.policy_loss as GRPO and Dr.GRPO use it, against known
+values and exact expectations."""
 import itertools
 
 import numpy as np
@@ -7,8 +7,12 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from grpo import episode_advantages_to_tokens, group_advantages, grpo_loss
-from ppo import aggregate, kl_estimate, token_logprobs
+from grpo import episode_advantages_to_tokens, group_advantages
+from ppo import aggregate, kl_estimate, policy_loss, token_logprobs
+
+
+def grpo_loss(logp, old_logp, adv, mask, agg="seq-mean-token-mean", **kw):
+    return policy_loss(logp, old_logp, adv, mask, agg, **kw)
 
 
 def test_group_advantages_known_values():
@@ -60,14 +64,15 @@ def test_episode_advantages_to_tokens_example():
 def test_grpo_loss_ratio_one_and_aggregation():
     z = torch.zeros(1, 2)
     loss, stats = grpo_loss(z, z, torch.tensor([[1., 3.]]), torch.ones(1, 2))
-    assert loss.item() == pytest.approx(-2.0) and "kl" not in stats
-    # seq-mean-token-mean weighs sequences equally; seq-mean-token-sum (Dr.GRPO) sums their tokens
+    assert loss.item() == pytest.approx(-2.0) and "kl_loss" not in stats
+    # seq-mean-token-mean weighs sequences equally; seq-mean-token-sum-norm (Dr.GRPO) sums their
+    # tokens and divides by one constant, the longest response (here 3)
     mask = torch.tensor([[1, 1, 1], [1, 0, 0]])
     adv = episode_advantages_to_tokens(torch.tensor([1.0, -2.0]), mask)
     lp = torch.zeros(2, 3)
     assert grpo_loss(lp, lp, adv, mask)[0].item() == pytest.approx((-1 + 2) / 2)
-    dr = grpo_loss(lp, lp, adv, mask, agg="seq-mean-token-sum")[0]
-    assert dr.item() == pytest.approx((-3 + 2) / 2)
+    dr = grpo_loss(lp, lp, adv, mask, agg="seq-mean-token-sum-norm", norm_length=3)[0]
+    assert dr.item() == pytest.approx((-3 + 2) / 2 / 3)
 
 
 def test_grpo_loss_passes_the_dual_clip_through():
@@ -89,8 +94,8 @@ def test_grpo_loss_kl_term():
     loss, stats = grpo_loss(logp, old, adv, mask, ref_logp=ref, kl_coef=0.5)
     kl = aggregate(kl_estimate(logp, ref, "k3"), mask, "seq-mean-token-mean")
     assert loss.item() == pytest.approx(base.item() + 0.5 * kl.item(), abs=1e-6)
-    assert stats["kl"] == pytest.approx(kl.item())
-    assert stats["pg_loss"] == pytest.approx(base.item())
+    assert stats["kl_loss"].item() == pytest.approx(kl.item())
+    assert stats["pg_loss"].item() == pytest.approx(base.item())
     with pytest.raises(ValueError, match="ref_logp"):
         grpo_loss(logp, old, adv, mask, kl_coef=0.1)
 
@@ -113,7 +118,8 @@ def test_dr_grpo_group_gradient_exact_enumeration():
         prob = pi[a].prod()
         adv = group_advantages(R[a].view(1, K), normalize_std=False).view(K, 1)
         logp = token_logprobs(th.view(1, 1, n).expand(K, 1, n), a.view(K, 1))      # [K, 1]
-        loss, _ = grpo_loss(logp, logp.detach(), adv, torch.ones(K, 1), agg="seq-mean-token-sum")
+        loss, _ = grpo_loss(logp, logp.detach(), adv, torch.ones(K, 1), agg="seq-mean-token-sum-norm",
+                            norm_length=1)
         expected_loss = expected_loss + prob * loss
     (grad,) = torch.autograd.grad(-expected_loss, th)
 

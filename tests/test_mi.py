@@ -277,7 +277,7 @@ PROMPTS = ["a box. go up <think>", "wall left, goal far right below <think>", "x
 REASONINGS = ["go up", "i should push the box right", "", "r", "left left", "down then up"]
 
 
-def _plain_loop(model, tokenizer, prompts, reasonings):
+def _plain_loop(model, tokenizer, prompts, reasonings, temperature=1.0):
     """One un-batched forward pass per (prompt, reasoning) pair, no cache."""
     scores = torch.zeros(len(reasonings), len(prompts), dtype=torch.float64)
     for m, z in enumerate(reasonings):
@@ -286,7 +286,7 @@ def _plain_loop(model, tokenizer, prompts, reasonings):
             ids = torch.tensor([tokenizer(x, add_special_tokens=False)["input_ids"] + z_ids])
             with torch.no_grad():
                 logits = model(input_ids=ids).logits[0, :-1].double()
-            per_token = torch.log_softmax(logits, -1).gather(1, ids[0, 1:, None])[:, 0]
+            per_token = torch.log_softmax(logits / temperature, -1).gather(1, ids[0, 1:, None])[:, 0]
             scores[m, j] = per_token[per_token.shape[0] - len(z_ids):].sum()   # z's tokens only
     return scores
 
@@ -306,6 +306,16 @@ def test_cross_scores_equal_plain_loop_and_ignore_padding(tiny_lm):
     all_at_once, _ = mi.cross_scores(model, tokenizer, PROMPTS, REASONINGS, batch_size=64)
     assert torch.allclose(one_at_a_time, scores, atol=1e-5)
     assert torch.allclose(all_at_once, scores, atol=1e-5)
+
+
+def test_cross_scores_score_under_the_sampling_temperature(tiny_lm):
+    """Reasonings sampled at temperature T were written by softmax(logits / T): that is the p(z | x)
+    the estimate needs, not the T = 1 softmax."""
+    model, tokenizer = tiny_lm
+    scores, _ = mi.cross_scores(model, tokenizer, PROMPTS, REASONINGS, batch_size=4, temperature=0.5)
+    want = _plain_loop(model, tokenizer, PROMPTS, REASONINGS, temperature=0.5)
+    assert torch.allclose(scores.double(), want, atol=1e-4)
+    assert not torch.allclose(want, _plain_loop(model, tokenizer, PROMPTS, REASONINGS), atol=1e-2)
 
 
 def test_cross_scores_restores_training_mode(tiny_lm):
@@ -338,3 +348,92 @@ def test_cross_scores_rejects_bad_input(tiny_lm):
         mi.cross_scores(model, tokenizer, ["", "a"], REASONINGS)
     with pytest.raises(ValueError, match="list of strings"):
         mi.cross_scores(model, tokenizer, "a <think>", REASONINGS)
+
+
+# ----------------------------------------------------------------- the probe set: standard errors
+
+def test_probe_metrics_equal_collapse_metrics_and_their_se_is_over_prompts():
+    rng = np.random.default_rng(5)
+    table = rng.dirichlet(np.full(6, 0.5), size=4)
+    scores, owner = _sample_scores(table, 5, rng)
+    lengths = rng.integers(1, 9, size=len(owner))
+    out, plain = mi.metrics_with_se(scores, owner, lengths), mi.collapse_metrics(scores, owner, lengths)
+    for key in ("mi_estimate", "mi_seq_estimate", "retrieval_acc", "conditional_entropy",
+                "reasoning_entropy", "retrieval_chance"):
+        assert out[key] == pytest.approx(plain[key])
+    # plain loop: the per-prompt means of matched - marginal, their sample std / sqrt(prompts)
+    per_token = scores / lengths[:, None]
+    gaps = [per_token[m, owner[m]] - (np.logaddexp.reduce(per_token[m]) - math.log(4))
+            for m in range(len(owner))]
+    means = [np.mean([g for g, o in zip(gaps, owner) if o == p]) for p in range(4)]
+    assert out["mi_estimate_se"] == pytest.approx(np.std(means, ddof=1) / 2)
+    single = mi.metrics_with_se(scores[owner == 0], owner[owner == 0])  # one prompt: no SE
+    assert math.isnan(single["mi_estimate_se"])
+
+
+# ------------------------------------------------------------ reasoning -> action: I(Z; A | X)
+
+def test_action_dependence_closed_form_ends():
+    K = 4
+    ignore = np.tile(np.array([-1.0, -2.0, -3.0, -0.5])[:, None], (3, 1, K))  # L[k, j] = c_k
+    assert mi.action_dependence(ignore)["action_mi"] == pytest.approx(0.0, abs=1e-12)
+    own_only = np.where(np.eye(K, dtype=bool), 0.0, -np.inf)[None]  # a_k only after z_k
+    out = mi.action_dependence(own_only)
+    assert out["action_mi"] == pytest.approx(math.log(K)) == out["action_mi_upper_bound"]
+    # two prompts with per-prompt means 0 and log K: SE = std(0, log K) / sqrt(2) = log K / 2
+    both = mi.action_dependence(np.concatenate([ignore[:1], own_only]))
+    assert both["action_mi"] == pytest.approx(math.log(K) / 2)
+    assert both["action_mi_se"] == pytest.approx(math.log(K) / 2)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(1, 4), st.integers(1, 6), st.data())
+def test_action_dependence_never_exceeds_log_k(P, K, data):
+    finite = st.floats(-1e4, 0.0, allow_nan=False)
+    scores = np.array(data.draw(st.lists(st.lists(st.lists(finite, min_size=K, max_size=K),
+                                                  min_size=K, max_size=K), min_size=P, max_size=P)))
+    assert mi.action_dependence(scores)["action_mi"] <= math.log(K) + 1e-9
+
+
+def test_action_dependence_expectation_is_the_infonce_bound_below_exact_mi():
+    """K = 2 samples (z, a) of one prompt, every pair enumerated with its probability: the
+    estimator's expectation (vectorised) equals a plain loop, lies below the exact I(Z; A) and
+    below log 2."""
+    p_z = np.array([0.5, 0.3, 0.2])
+    p_a_given_z = np.array([[0.8, 0.2], [0.3, 0.7], [0.5, 0.5]])
+    exact = mi.mutual_information(p_a_given_z, p_z)
+    expectation, plain = 0.0, 0.0
+    for z1 in range(3):
+        for a1 in range(2):
+            for z2 in range(3):
+                for a2 in range(2):
+                    prob = p_z[z1] * p_a_given_z[z1, a1] * p_z[z2] * p_a_given_z[z2, a2]
+                    zs, answers = (z1, z2), (a1, a2)
+                    L = np.log([[p_a_given_z[zs[j], answers[k]] for j in range(2)] for k in range(2)])
+                    expectation += prob * mi.action_dependence(L[None])["action_mi"]
+                    plain += prob * np.mean([L[k, k] - np.log(np.exp(L[k]).sum()) + math.log(2)
+                                             for k in range(2)])
+    assert expectation == pytest.approx(plain)
+    assert 0.0 < expectation < exact < math.log(2)
+
+
+def test_action_dependence_approaches_exact_mi_with_many_samples():
+    rng = np.random.default_rng(0)
+    p_z = rng.dirichlet(np.ones(5))
+    p_a_given_z = rng.dirichlet(np.full(3, 0.7), size=5)
+    exact = mi.mutual_information(p_a_given_z, p_z)
+    P, K = 20, 300
+    z = rng.choice(5, size=(P, K), p=p_z)
+    a = np.array([[rng.choice(3, p=p_a_given_z[zz]) for zz in row] for row in z])
+    L = np.log(p_a_given_z[z[:, None, :], a[:, :, None]])  # [P, K, K]: L[p, k, j] = log p(a_k | z_j)
+    out = mi.action_dependence(L)
+    # the bound's bias shrinks like 1/K; 4 standard errors plus 0.02 for it
+    assert out["action_mi"] <= exact + 4 * out["action_mi_se"]
+    assert abs(out["action_mi"] - exact) < 4 * out["action_mi_se"] + 0.02
+
+
+def test_action_dependence_bad_input():
+    with pytest.raises(ValueError, match=r"\[P prompts, K, K\]"):
+        mi.action_dependence(np.zeros((2, 3)))
+    with pytest.raises(ValueError, match="finite"):
+        mi.action_dependence(np.array([[[-np.inf, 0.0], [0.0, 0.0]]]))

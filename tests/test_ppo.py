@@ -8,7 +8,7 @@ from hypothesis import given, settings, strategies as st
 import ppo
 from conftest import tiny_qwen2
 from ppo import (aggregate, clipped_policy_loss, entropy_from_logits, gae, kl_estimate, masked_mean,
-                 masked_whiten, token_logprobs, value_loss)
+                 masked_whiten, policy_loss, token_logprobs, value_loss)
 
 
 # --------------------------------------------------------------------------------------- reductions
@@ -54,6 +54,20 @@ def test_aggregate_hand_computed():
     assert aggregate(loss, mask, "token-mean").item() == pytest.approx(10 / 4)
     assert aggregate(loss, mask, "seq-mean-token-mean").item() == pytest.approx((6 / 3 + 4) / 2)
     assert aggregate(loss, mask, "seq-mean-token-sum").item() == pytest.approx((6 + 4) / 2)
+    # Dr.GRPO: every sequence's sum over one constant, the longest response (here 8)
+    assert aggregate(loss, mask, "seq-mean-token-sum-norm", 8).item() == pytest.approx((6 + 4) / 2 / 8)
+
+
+def test_dr_grpo_normaliser_is_a_constant_not_the_batch_length():
+    """A longer response elsewhere in the batch (or more padding) changes neither a sequence's weight
+    nor the scale: the loss is the token sums over a fixed budget, whatever the batch holds."""
+    loss, mask = torch.tensor([[1., 2., 0., 0.]]), torch.tensor([[1, 1, 0, 0]])
+    wider = torch.cat([loss, torch.zeros(1, 4)], 1), torch.cat([mask, torch.zeros(1, 4)], 1)
+    one = aggregate(loss, mask, "seq-mean-token-sum-norm", norm_length=10)
+    assert one.item() == pytest.approx(3 / 10)
+    assert aggregate(*wider, "seq-mean-token-sum-norm", norm_length=10).item() == pytest.approx(3 / 10)
+    with pytest.raises(ValueError, match="norm_length"):
+        aggregate(loss, mask, "seq-mean-token-sum-norm")
 
 
 def test_aggregate_ignores_masked_values_and_empty_rows():
@@ -62,11 +76,36 @@ def test_aggregate_ignores_masked_values_and_empty_rows():
     for mode, want in [("token-mean", 2.0), ("seq-mean-token-mean", 2.0),
                        ("seq-mean-token-sum", 4.0)]:
         assert aggregate(loss, mask, mode).item() == pytest.approx(want)
+    assert aggregate(loss, mask, "seq-mean-token-sum-norm", 2).item() == pytest.approx(2.0)
 
 
 def test_aggregate_bad_mode():
     with pytest.raises(ValueError, match="token-mean"):
         aggregate(torch.zeros(1, 1), torch.ones(1, 1), "mean")
+
+
+def test_policy_loss_is_the_clipped_loss_minus_the_entropy_bonus_plus_the_kl_term():
+    """One loss for PPO, GRPO and Dr.GRPO: every term aggregated the same way, each term returned
+    in the graph so that one can be differentiated alone."""
+    g = torch.Generator().manual_seed(0)
+    logp, old, ref, adv, entropy = (torch.randn(3, 5, generator=g) for _ in range(5))
+    mask = (torch.rand(3, 5, generator=g) > 0.3).float()
+    logp.requires_grad_(True)
+    for agg in ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"):
+        kw = dict(norm_length=7) if agg.endswith("norm") else {}
+        loss, terms = policy_loss(logp, old, adv, mask, agg, entropy=entropy, entropy_coef=0.1,
+                                  ref_logp=ref, kl_coef=0.5, kl_kind="k2", **kw)
+        pg, stats = clipped_policy_loss(logp, old, adv, mask, agg=agg, **kw)
+        want = (pg - 0.1 * aggregate(entropy, mask, agg, **kw)
+                + 0.5 * aggregate(kl_estimate(logp, ref, "k2"), mask, agg, **kw))
+        assert loss.item() == pytest.approx(want.item(), rel=1e-6)
+        assert terms["pg_loss"].item() == pytest.approx(pg.item())
+        assert terms["clip_frac"] == stats["clip_frac"] and terms["kl_loss"].requires_grad
+    alone, terms = policy_loss(logp, old, adv, mask)
+    assert set(terms) == {"pg_loss", "clip_frac", "clip_frac_lower", "approx_kl"}
+    assert alone.item() == pytest.approx(clipped_policy_loss(logp, old, adv, mask)[0].item())
+    with pytest.raises(ValueError, match="ref_logp"):
+        policy_loss(logp, old, adv, mask, kl_coef=0.1)
 
 
 # -------------------------------------------------------------------------------- policy quantities

@@ -21,7 +21,8 @@ import train
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SMALL = ["--model", "tiny", "--no-warm-start", "--groups", "2", "--group-size", "2", "--max-turns", "2",
-         "--max-new-tokens", "8", "--val-seeds", "1", "--mi-samples", "4", "--no-plot", "--filter", "none"]
+         "--max-new-tokens", "8", "--val-seeds", "1", "--mi-samples", "4", "--no-plot", "--filter", "none",
+         "--probe-prompts", "2", "--probe-samples", "2"]
 
 
 def records(out):
@@ -39,7 +40,7 @@ def same_metrics(a, b):
         for k in x:
             if k.startswith("time_"):
                 continue
-            if k.startswith(("mi_", "reasoning_entropy", "conditional_entropy")):
+            if k.startswith(("mi_", "reasoning_entropy", "conditional_entropy", "probe_")):
                 assert x[k] == pytest.approx(y[k], rel=1e-3, abs=1e-6), k
             else:
                 assert x[k] == y[k], k
@@ -89,6 +90,7 @@ def test_help_is_one_line_per_flag_with_its_default(capsys):
     (["--mi-samples", "0"], "--mi-samples"),
     (["--gamma", "5"], "--gamma"),
     (["--lam", "-3"], "--lam"),
+    (["--gamma", "0.99"], "only 1 is supported"),  # rewards sit on the last token: no discount
     (["--clip-c", "0.5"], "--clip-c"),
     (["--model", "./no/such/folder"], "no such folder"),
     (["--model", "tinny"], "did you mean --model tiny"),

@@ -475,3 +475,78 @@ def test_decomposition_bad_shapes(models):
         gradient_decomposition(policy, ids, att, pm, torch.zeros(G, K + 1))
     with pytest.raises(ValueError):
         gradient_decomposition(policy, ids, att, pm, torch.zeros(G, K), kl_kind="k4")
+
+
+# ------------------------------------------------------------------------------------- the controls
+
+from snr_filter import select_control, zero_spread_split  # noqa: E402
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.sampled_from([0.0, 0.5, 1.0, 2.0, 3.0]), min_size=1, max_size=12),
+       st.sampled_from(["topp", "topk"]), st.sampled_from([0.3, 0.5, 0.9, 1.0]),
+       st.booleans(), st.sampled_from(["linear", "softmax"]), st.integers(0, 2 ** 31))
+def test_controls_keep_exactly_the_named_filters_count(scores, of, value, include_zero, prob_mode,
+                                                       seed):
+    n = int(select_groups(scores, of, value, include_zero, prob_mode).sum())
+    generator = torch.Generator().manual_seed(seed)
+    random_keep = select_control(scores, "random", of, value, include_zero, prob_mode, generator)
+    assert int(random_keep.sum()) == n
+    bottom = select_control(scores, "bottom", of, value, include_zero, prob_mode)
+    assert int(bottom.sum()) == n  # the named filter only keeps eligible groups: as many exist
+    # bottom keeps the lowest eligible scores: nothing eligible it dropped scores below what it kept
+    s = torch.tensor(scores, dtype=torch.float64)
+    eligible = torch.ones_like(bottom) if include_zero else s > 0
+    if bottom.any() and (eligible & ~bottom).any():
+        assert s[bottom].max() <= s[eligible & ~bottom].min()
+    assert not (bottom & ~eligible).any()
+
+
+def test_bottom_keeps_the_lowest_spread_groups_closed_form():
+    scores = [0.0, 4.0, 1.0, 3.0, 0.0, 2.0, 5.0, 6.0]
+    # Top-K 0.5 keeps int(0.5 * 8) = 4: bottom keeps the 4 lowest with spread, 1 2 3 4
+    assert select_control(scores, "bottom", "topk", 0.5).nonzero()[:, 0].tolist() == [1, 2, 3, 5]
+    # with include_zero the two zero-spread groups are the lowest
+    assert select_control(scores, "bottom", "topk", 0.5, include_zero=True).nonzero()[:, 0].tolist() == [
+        0, 2, 4, 5]
+    # Top-P 0.9 linear: 6 + 5 + 4 + 3 = 18 < 0.9 * 21 - 0.01 = 18.89, + 2 = 20: five groups
+    assert select_control(scores, "bottom", "topp", 0.9).nonzero()[:, 0].tolist() == [1, 2, 3, 5, 6]
+
+
+def test_random_control_is_uniform_and_reproducible():
+    G, n, trials = 8, 4, 4000
+    scores = [0.0, 0.0, 1.0, 2.0, 3.0, 4.0, 5.0, 6.0]  # the choice must ignore the scores
+    counts = torch.zeros(G)
+    pairs = torch.zeros(G, G)
+    for seed in range(trials):
+        keep = select_control(scores, "random", "topk", 0.5,
+                              generator=torch.Generator().manual_seed(seed)).double()
+        counts += keep
+        pairs += keep[:, None] * keep[None, :]
+    # each group is kept with probability n / G; a binomial count's sd is sqrt(T p (1 - p))
+    p = n / G
+    tolerance = 4.5 * math.sqrt(trials * p * (1 - p))  # 4.5 sd on each of 8 counts
+    assert (counts - trials * p).abs().max() < tolerance
+    # and each pair together with probability n (n - 1) / (G (G - 1)): a uniform n-subset
+    q = n * (n - 1) / (G * (G - 1))
+    off = ~torch.eye(G, dtype=torch.bool)
+    assert (pairs[off] - trials * q).abs().max() < 4.5 * math.sqrt(trials * q * (1 - q))
+    same = [select_control(scores, "random", "topk", 0.5,
+                           generator=torch.Generator().manual_seed(7)) for _ in range(2)]
+    assert torch.equal(*same)
+
+
+def test_controls_bad_input():
+    with pytest.raises(ValueError, match="unknown control"):
+        select_control([1.0], "top", "topk", 0.5)
+    with pytest.raises(ValueError, match="takes its count from topp or topk"):
+        select_control([1.0], "random", "none")
+
+
+def test_zero_spread_split_counts_too_easy_and_too_hard():
+    rewards = [[1.0, 1.0, 1.0], [0.0, 0.0, 0.0], [0.0, 1.0, 1.0], [-0.2, -0.2, -0.2], [0.5, 0.5, 0.5]]
+    success = [[1, 1, 1], [0, 0, 0], [0, 1, 1], [0, 0, 0], [1, 0, 1]]
+    out = zero_spread_split(rewards, success)
+    assert out == {"zero_var_success_frac": 1 / 5, "zero_var_fail_frac": 2 / 5}
+    # the two fractions never exceed the zero-spread fraction
+    assert sum(out.values()) <= filter_stats(group_scores(rewards), [True] * 5)["zero_var_frac"]

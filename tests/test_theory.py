@@ -323,7 +323,8 @@ def computed_values():
     v["ppo.value_loss"] = ppo.value_loss(2.0 * one, one, 3.0 * one, one).item()
     loss_tbl = torch.tensor([[1.0, 2.0, 3.0], [4.0, 0.0, 0.0]])
     mask_tbl = torch.tensor([[1, 1, 1], [1, 0, 0]])
-    v["ppo.aggregate"] = [ppo.aggregate(loss_tbl, mask_tbl, mode).item() for mode in ppo.AGG_MODES]
+    v["ppo.aggregate"] = [ppo.aggregate(loss_tbl, mask_tbl, mode, norm_length=4).item()
+                          for mode in ppo.AGG_MODES]
     return v
 
 

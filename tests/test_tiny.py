@@ -38,6 +38,29 @@ def test_round_trip_on_prompts_and_demonstrations(tok, name):
         assert tok.encode(tok.decode(e.ids), add_special_tokens=False) == e.ids
 
 
+def test_pieces_carry_their_leading_space(tok):
+    """As in Qwen's BPE: a word, number, tag or sign takes the one space before it, so no
+    demonstration holds a lone-space token, and longer runs of spaces leave their last space to the
+    word that follows."""
+    for word in (" Up", " Down", " 1", " -0.1", " </think>", " <answer>", " ||", " ("):
+        assert tok.convert_ids_to_tokens(tok.encode(word)) == [word]
+    assert tok.convert_ids_to_tokens(tok.encode("Up  Down\n Left")) == ["Up", " ", " Down", "\n", " Left"]
+    for name in sorted(envs.ENVS):
+        for e in demos.demonstrations(tok, name, range(5)):
+            assert tok.convert_tokens_to_ids(" ") not in e.ids
+
+
+def test_the_reasoning_cross_scored_is_the_reasoning_sampled(tok):
+    """Z re-tokenised alone (what mi.cross_scores scores) gives exactly the sampled tokens between
+    <think> and the closing tag's token."""
+    close = tok.convert_tokens_to_ids(" </think>")
+    for name in sorted(envs.ENVS):
+        for e in demos.demonstrations(tok, name, range(5)):
+            start = len(tok.encode(e.first_prompt, add_special_tokens=False))
+            sampled = e.ids[start:e.ids.index(close, start)]
+            assert tok.encode(e.first_reasoning, add_special_tokens=False) == sampled
+
+
 def test_unseen_text_falls_back_to_characters(tok):
     text = "Zebra walks 123.456 steps\t\tfast!"
     ids = tok.encode(text, add_special_tokens=False)

@@ -7,6 +7,7 @@ import json
 import math
 import os
 
+import numpy as np
 import pytest
 import torch
 
@@ -16,13 +17,16 @@ import models
 import ppo
 import rollout
 import runs
+import sampler
 import tiny
 import train
 
 SMALL = ["--model", "tiny", "--no-warm-start", "--groups", "3", "--group-size", "4", "--max-turns", "2",
-         "--max-new-tokens", "8", "--val-seeds", "1", "--mi-samples", "6", "--no-plot"]
+         "--max-new-tokens", "8", "--val-seeds", "1", "--mi-samples", "6", "--no-plot",
+         "--probe-prompts", "2", "--probe-samples", "2"]
 EVERY_STEP = {"step", "train_success", "reward_mean", "reward_std", "kept_ratio", "zero_var_frac", "num_zero_var",
-              "response_length", "skipped", "time_rollout", "time_scoring", "time_update", "time_step"}
+              "response_length", "skipped", "time_rollout", "time_scoring", "time_update", "time_step",
+              "zero_var_success_frac", "zero_var_fail_frac"}
 DIAGNOSIS = {"mi_estimate", "mi_seq_estimate", "mi_zscore", "mi_zscore_ema", "retrieval_acc", "conditional_entropy",
              "reasoning_entropy", "retrieval_chance"}
 UPDATE = {"pg_loss", "entropy_loss", "clip_frac", "clip_frac_lower", "approx_kl", "grad_norm", "token_entropy"}
@@ -62,7 +66,7 @@ def scripted(tokenizer, group_size, solves=lambda i, group: group > 0 and i % 2 
 @pytest.fixture
 def scripted_rollouts(monkeypatch):
     """train's rollouts come from `scripted` (the model still scores them, trains on them and is diagnosed)."""
-    monkeypatch.setattr(train.rollout, "hf_policy", lambda model, tokenizer, *args, **kwargs: scripted(tokenizer, 4))
+    monkeypatch.setattr(train.sampler, "hf_policy", lambda model, tokenizer, *args, **kwargs: scripted(tokenizer, 4))
 
 
 def load_checkpoint(out):
@@ -144,13 +148,62 @@ def test_policy_logprobs_equal_the_full_logits_and_their_gradient(tmp_path):
     plain_grads = [p.grad.clone() for p in run.policy.parameters()]
     run.policy.zero_grad()
     for chunk in (2 ** 25, 7 * len(run.tokenizer)):  # one chunk, and chunks of 7 positions
-        logp, entropy = ppo.policy_logprobs(run.policy, ids, mask, with_entropy=True, chunk_elements=chunk)
+        logp, entropy = models.policy_logprobs(run.policy, ids, mask, with_entropy=True, chunk_elements=chunk)
         torch.testing.assert_close(logp, plain, atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(entropy, plain_entropy, atol=1e-5, rtol=1e-5)
         (logp.sum() + entropy.sum()).backward()
         for p, g in zip(run.policy.parameters(), plain_grads):
             torch.testing.assert_close(p.grad, g, atol=1e-4, rtol=1e-4)
         run.policy.zero_grad()
+
+
+def test_policy_logprobs_score_the_policy_at_its_sampling_temperature(tmp_path):
+    """Episodes sampled at T = 0.7: models.policy_logprobs at that temperature recomputes the
+    sampler's own log-probs (and the tempered entropy); scoring them at T = 1 -- what the update
+    did before it divided by T -- is another policy, far off."""
+    run = make_run(tmp_path, env="frozenlake")
+    torch.manual_seed(0)
+    policy = sampler.hf_policy(run.policy, run.tokenizer, 8, temperature=0.7)
+    batch = train.rollout_batch(run, rollout.play(policy, run.tokenizer, "frozenlake", [3, 5], 2,
+                                                  max_turns=2, **run.prompt))
+    ids, mask = batch["input_ids"], batch["policy_mask"][:, 1:]
+    sampled = batch["logprobs"][:, 1:]
+    with torch.no_grad():
+        logp, entropy = models.policy_logprobs(run.policy, ids, mask, True, temperature=0.7)
+        at_one, _ = models.policy_logprobs(run.policy, ids, mask)
+        logits = run.policy(input_ids=ids, attention_mask=batch["attention_mask"]).logits[:, :-1]
+    assert ppo.masked_mean((logp - sampled).abs(), mask) < 1e-4
+    assert ppo.masked_mean((at_one - sampled).abs(), mask) > 0.05
+    torch.testing.assert_close(entropy, ppo.entropy_from_logits(logits / 0.7) * mask, atol=1e-5, rtol=1e-5)
+
+
+def test_a_run_at_temperature_07_logs_the_sampler_and_the_update_agreeing(tmp_path):
+    out = str(tmp_path / "run")
+    assert train.main(SMALL + ["--env", "frozenlake", "--filter", "none", "--temperature", "0.7", "--steps", "1",
+                               "--mi-every", "0", "--val-every", "0", "--out", out]) == 0
+    (step,) = records(out)
+    assert 0 <= step["rollout_logprob_diff"] < 1e-4
+
+
+def test_the_update_trains_on_ppo_policy_loss_and_drgrpo_divides_by_the_response_budget(tmp_path, monkeypatch):
+    """The loss the README points to is the one that runs: every micro-batch's loss is
+    ppo.policy_loss. Dr.GRPO's at ratio 1 is -mean_b(A_b n_b) / L, n_b the episode's policy tokens
+    and L = max_turns x max_new_tokens, the most an episode can write (a constant, as Dr.GRPO's)."""
+    calls, original = [], ppo.policy_loss
+
+    def counted(*args, **kw):
+        calls.append(args[4])  # the aggregation
+        return original(*args, **kw)
+
+    monkeypatch.setattr(ppo, "policy_loss", counted)
+    run = make_run(tmp_path, env="sokoban", algo="drgrpo", mini_batch_size=16, micro_batch=3, entropy_coef=0.0)
+    episodes = play_scripted(run, [3, 5], group_size=4)
+    rewards = torch.tensor([e.total_reward for e in episodes]).view(2, 4)
+    stats = train.update_policy(run, episodes, rewards, torch.Generator().manual_seed(0))
+    assert calls == ["seq-mean-token-sum-norm"] * 3  # 8 episodes in micro-batches of 3
+    tokens = torch.tensor([sum(e.policy_mask) for e in episodes])
+    adv = grpo.group_advantages(rewards, normalize_std=False).reshape(-1)
+    assert stats["pg_loss"] == pytest.approx(-(adv * tokens).mean().item() / (2 * 8), abs=1e-6)
 
 
 @pytest.mark.parametrize("algo", ["ppo", "grpo"])
@@ -263,11 +316,33 @@ def test_the_diagnosis_counts_identical_prompts_as_one_target(tmp_path):
     """Two groups of the same layout have the same prompt: as in the official metric, a reasoning is
     retrieved when its best prompt is identical to its own, and chance is count / N (here 1)."""
     run = make_run(tmp_path, env="frozenlake", groups=2, group_size=4, mi_samples=8)
-    same = train.diagnose(run, play_scripted(run, [5, 5]))
+    same = train.diagnose(run, play_scripted(run, [5, 5]), None)
     assert same["retrieval_chance"] == 1.0 and same["retrieval_acc"] == 1.0
     assert abs(same["mi_estimate"]) < 1e-6  # identical prompts: the reasoning cannot tell them apart
-    different = train.diagnose(run, play_scripted(run, [5, 6]))
+    different = train.diagnose(run, play_scripted(run, [5, 6]), None)
     assert different["retrieval_chance"] == 0.5
+
+
+def test_the_diagnosis_samples_every_prompt_alike(tmp_path, monkeypatch):
+    """The estimate's marginal mixes all N prompts of the batch, so each must be as likely to own a
+    sample: with fewer samples than groups they are drawn uniformly over the groups (not the first
+    groups only), one per group; with more, every group gives the same number."""
+    run = make_run(tmp_path, env="frozenlake", groups=4, group_size=2, mi_samples=2)
+    episodes = play_scripted(run, [1, 2, 3, 4], group_size=2)
+    owners = []
+    monkeypatch.setattr(train.mi, "cross_scores", lambda model, tokenizer, prompts, reasonings, **kw: (
+        torch.zeros(len(reasonings), len(prompts)), torch.ones(len(reasonings))))
+    monkeypatch.setattr(train.mi, "collapse_metrics", lambda scores, owner, *args, **kw: (
+        owners.append(owner) or {"mi_estimate": 0.0, "marginal_std": 0.0}))
+    for seed in range(400):
+        train.diagnose(run, episodes, np.random.default_rng(seed))
+    assert all(len(set(o)) == 2 for o in owners)
+    counts = np.bincount(np.concatenate(owners), minlength=4)  # 200 expected each, sd 12
+    assert counts.min() > 150 and counts.max() < 250
+    run.args.mi_samples = 7  # one from every group: three more would make three prompts likelier
+    owners.clear()
+    train.diagnose(run, episodes, None)
+    assert owners == [[0, 1, 2, 3]]
 
 
 # ------------------------------------------------------------------------------------------- Fig. 4
@@ -293,6 +368,21 @@ def test_gradient_decomposition_task_norm_grows_with_real_spread(tmp_path):
     assert len({round(b["entropy_grad_norm"], 6) for b in buckets}) == 1
     # no optimiser step, no gradient left behind
     assert all(p.grad is None for p in run.policy.parameters())
+
+
+def test_fig4_kl_is_measured_against_the_initial_policy_without_a_kl_term(tmp_path):
+    """Without --kl-coef the decomposition still has a reference, the initial policy (for the tiny
+    policy its warm start): once the policy has moved, the KL gradient is not 0 -- with the policy
+    as its own reference it would be 0 by construction."""
+    run = make_run(tmp_path, env="frozenlake", groups=2, group_size=4, grad_decomp_every=1)
+    assert run.reference_model is not None
+    episodes = play_scripted(run, [2, 5], group_size=4)
+    rewards = torch.tensor([e.total_reward for e in episodes]).view(2, 4)
+    assert all(b["kl_grad_norm"] < 1e-6 for b in train.decompose_gradients(run, episodes, rewards))
+    with torch.no_grad():
+        for p in run.policy.parameters():
+            p.add_(0.01 * torch.randn_like(p))
+    assert all(b["kl_grad_norm"] > 1e-4 for b in train.decompose_gradients(run, episodes, rewards))
 
 
 # --------------------------------------------------------------------------------------------- LoRA
@@ -324,3 +414,78 @@ def test_lora_trains_only_adapters_and_its_reference_is_the_base(tmp_path, scrip
     assert critic and any(v.abs().sum() > 0 for v in critic.values())
     assert train.main(["--resume", out, "--steps", "3"]) == 0  # a LoRA run resumes
     assert [r["step"] for r in records(out)] == [0, 1, 2, 3]
+
+
+# ------------------------------------------------------------ controls: optimiser steps, random groups
+
+@pytest.mark.parametrize("n_rows,size,steps", [(128, 32, 0), (64, 32, 0), (70, 32, 0), (64, 32, 4),
+                                               (70, 32, 4), (5, 32, 8), (128, 32, 4)])
+def test_mini_batches_cover_every_row_once_in_near_equal_parts(n_rows, size, steps):
+    parts = train.mini_batches(n_rows, size, steps, torch.Generator().manual_seed(0))
+    assert sorted(torch.cat(parts).tolist()) == list(range(n_rows))  # every row once
+    sizes = [len(p) for p in parts]
+    if steps:  # N parts whatever the batch size (never an empty one), sizes within one row
+        assert len(parts) == min(steps, n_rows) and max(sizes) - min(sizes) <= 1
+    else:  # fixed size: ceil(n / size) steps, as verl's split -- fewer for a filtered batch
+        assert len(parts) == math.ceil(n_rows / size) and sizes[:-1] == [size] * (len(parts) - 1)
+    # the order is the epoch's randperm: the default is the update's former shuffling exactly
+    order = torch.randperm(n_rows, generator=torch.Generator().manual_seed(0))
+    assert torch.equal(torch.cat(parts), order)
+
+
+def test_optimizer_steps_fix_the_number_of_steps_whatever_is_kept(tmp_path):
+    run = make_run(tmp_path, env="sokoban", algo="grpo", mini_batch_size=32, optimizer_steps=3)
+    episodes = play_scripted(run, [3, 5, 8, 13], group_size=4)  # 16 rows: 1 step of 32 by default
+    rewards = torch.tensor([e.total_reward for e in episodes]).view(4, 4)
+    assert train.update_policy(run, episodes, rewards, torch.Generator().manual_seed(0))[
+        "optimizer_steps"] == 3
+    run.args.optimizer_steps, run.args.epochs = 0, 2
+    assert train.update_policy(run, episodes, rewards, torch.Generator().manual_seed(0))[
+        "optimizer_steps"] == 2  # one a pass
+
+
+def test_random_control_keeps_the_filters_count_reproducibly_per_step(tmp_path):
+    a = train.Args(filter="random", control_of="topk", top_k=0.5)
+    rewards = torch.tensor([[0.0, 1.0]] * 6 + [[1.0, 1.0]] * 2)  # 8 groups, 2 without spread
+    picks = [train.select(a, rewards, step)[0] for step in range(1, 30)]
+    assert all(int(p.sum()) == 4 for p in picks)  # Top-K 0.5 of 8
+    assert any(p[6:].any() for p in picks)  # random: zero-spread groups can be drawn
+    assert torch.equal(picks[3], train.select(a, rewards, 4)[0])  # same seed and step, same choice
+    assert len({tuple(p.tolist()) for p in picks}) > 5
+    a.filter, a.top_k = "bottom", 0.375
+    keep = train.select(a, torch.tensor([[0.0, s] for s in (1.0, 4.0, 2.0, 3.0)] + [[1.0, 1.0]] * 4), 1)[0]
+    assert keep.tolist() == [True, False, True, True] + [False] * 4  # int(0.375 * 8) = 3 lowest with spread
+
+
+# ---------------------------------------------------------------------------------- the probe set
+
+def test_the_probe_set_leaves_training_unchanged_and_repeats_itself(tmp_path):
+    flags = SMALL + ["--env", "frozenlake", "--filter", "none", "--steps", "2", "--mi-every", "2"]
+    logs = []
+    for probe_prompts in ("0", "2"):
+        out = str(tmp_path / f"run{probe_prompts}")
+        assert train.main(flags + ["--out", out, "--probe-prompts", probe_prompts, "--probe-samples", "3"]) == 0
+        logs.append(records(out))
+    off, on = logs
+    probes = [r for r in on if "probe_mi_estimate" in r]
+    assert [r["step"] for r in probes] == [1, 2]
+    for r in probes:
+        for key in ("mi_estimate", "retrieval_acc", "reasoning_entropy", "conditional_entropy", "action_mi"):
+            assert math.isfinite(r["probe_" + key]) and "probe_" + key + "_se" in r
+        assert r["probe_action_mi"] <= math.log(3) + 1e-9
+    # the probe samples on a forked stream: everything else is logged exactly as without it
+    for r_off, r_on in zip(off, on):
+        assert {k: v for k, v in r_on.items() if not k.startswith(("probe_", "time_"))} == {
+            k: v for k, v in r_off.items() if not k.startswith("time_")}
+    # the same prompts and the same sampling noise at every diagnosis: an unchanged policy gives
+    # the same numbers
+    run = make_run(tmp_path, env="frozenlake", probe_prompts=2, probe_samples=3)
+    assert train.probe(run) == train.probe(run)
+
+
+def test_split_answer_cuts_after_the_reasoning():
+    e = rollout.Episode(env=None, group=0, seed=0, noise_seed=0, ids=[], policy_mask=[], logprobs=None,
+                        prompt_text="Q", first_prompt="Q<think>", responses=["<think> go </think> <answer> Up </answer>"])
+    assert train.split_answer(e) == ("Q<think> go </think>", " <answer> Up </answer>")
+    e.responses = ["<think> unclosed"]
+    assert train.split_answer(e) == ("Q<think> unclosed", "")

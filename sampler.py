@@ -1,0 +1,199 @@
+"""Sampling many episodes at once: a Hugging Face causal LM as the policy that rollout.play calls,
+one explicit decode loop whose key/value cache is kept across an episode's turns.
+
+A new top-level file because sampling is a concept of its own, apart from the agent-environment
+loop: rollout.play needs only some policy(prompt_ids, envs) -> list[rollout.Generation] (tests and
+demos pass scripted ones), while what is here -- the decode loop, the nucleus, a cache layer that
+subclasses transformers internals -- is what makes the tiny policy's rollouts fast on a CPU and a
+real model's fit on one GPU.
+
+The loop: one forward pass per new token with a key/value cache, then
+log softmax(logits / temperature), a draw from it (or from its top-p nucleus), and the drawn token's
+tempered full-vocabulary log-prob recorded -- what a training forward pass recomputes (tests check
+it). Every turn's prompt is the last turn's prompt plus the tokens sampled plus the new observation,
+so the policy keeps each episode's cache between turns and encodes only the new tokens: turn 5 of a
+700-token Sokoban transcript costs its ~100 new tokens, not 700. With top_p < 1 the log-prob of the
+renormalised nucleus is not what is recorded: training compares against the tempered full policy.
+"""
+import torch
+from transformers import Cache
+from transformers.cache_utils import DynamicLayer
+
+import rollout
+
+
+def as_generations(tokens, logprobs, stop_ids):
+    """Sampled rows [B][N] and their log-probs as Generations, each ending after its first
+    end-of-turn token; a row without one was cut by the token limit. Rows sampled together run to
+    the same length, so what follows a row's stop is dropped here.
+
+    >>> out = as_generations([[5, 9, 0], [5, 6, 7]], [[-1.0, -2.0, 0.0], [-1.0, -1.0, -1.0]], [9])
+    >>> [(g.token_ids, g.logprobs, g.cut) for g in out]
+    [([5, 9], [-1.0, -2.0], False), ([5, 6, 7], [-1.0, -1.0, -1.0], True)]
+    """
+    out = []
+    for row, lp in zip(tokens, logprobs):
+        end = next((i + 1 for i, t in enumerate(row) if t in stop_ids), None)
+        out.append(rollout.Generation(row[:end], lp[:end], cut=end is None))
+    return out
+
+
+def nucleus(probs, top_p):
+    """Top-p filtering: zero every token whose likelier tokens already hold top_p of the mass -> [B,
+    V] (unnormalised; torch.multinomial does not need the sum to be 1). The most likely token always
+    stays.
+
+    >>> nucleus(torch.tensor([[0.1, 0.6, 0.3]]), 0.7)
+    tensor([[0.0000, 0.6000, 0.3000]])
+    """
+    ranked, order = probs.sort(dim=-1, descending=True)                        # [B, V]
+    drop = ranked.cumsum(-1) - ranked >= top_p                                 # [B, V]
+    return torch.zeros_like(probs).scatter(-1, order, ranked.masked_fill(drop, 0.0))
+
+
+class GrowingLayer(DynamicLayer):
+    """One layer's key/value cache that writes new tokens into spare room: Hugging Face's
+    DynamicLayer concatenates, which copies the whole cache at every sampled token (on a CPU a
+    large share of the tiny policy's rollout time). The room grows by SPARE tokens when full, and
+    attention reads a view of its filled part: the same numbers, no copy."""
+
+    SPARE = 256  # tokens; on a GPU at most this many tokens' keys and values a row are unused
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        n = self.get_seq_length()
+        end = n + key_states.shape[-2]
+        if n == 0 or end > self.room[0].shape[-2]:  # (re)allocate and copy the filled part once
+            room = [x.new_empty(*x.shape[:2], end + self.SPARE, x.shape[-1])
+                    for x in (key_states, value_states)]                       # [B, H, W, D]
+            if n:
+                room[0][:, :, :n], room[1][:, :, :n] = self.keys, self.values
+            self.room, self.is_initialized = room, True
+            self.dtype, self.device = key_states.dtype, key_states.device
+        self.room[0][:, :, n:end], self.room[1][:, :, n:end] = key_states, value_states
+        self.keys, self.values = self.room[0][:, :, :end], self.room[1][:, :, :end]
+        return self.keys, self.values
+
+    def batch_select_indices(self, indices):
+        n = self.get_seq_length()
+        if n:
+            self.room = [x[indices] for x in self.room]
+            self.keys, self.values = self.room[0][:, :, :n], self.room[1][:, :, :n]
+
+
+def hf_policy(model, tokenizer, max_new_tokens, temperature=1.0, top_p=1.0):
+    """A Hugging Face causal LM as a policy(prompt_ids, envs) -> list[Generation]: one batched call
+    for all prompts, left-padded, each stopping at an end-of-turn token or after max_new_tokens;
+    temperature 0 means greedy (log-probs then at temperature 1). Sampling settings are explicit, so
+    a checkpoint's generation_config (e.g. Qwen's repetition penalty and top_k) cannot change the
+    distribution. Runs on the model's device in its current mode (sample in eval mode: no dropout).
+
+    The policy remembers the key/value cache of its last call, one row per prompt. A prompt that
+    continues a remembered row (the row's tokens are a prefix of it) reuses the row and encodes only
+    its new tokens; otherwise the whole batch is encoded afresh. The cache holds holes -- padding,
+    and the steps after a row stopped, with attention mask 0 -- and every token gets its true
+    position id, so attention and RoPE see exactly the tokens of its own transcript, as a fresh
+    forward pass does.
+    """
+    if not (isinstance(max_new_tokens, int) and max_new_tokens >= 1):
+        raise ValueError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
+    if temperature < 0 or not 0 < top_p <= 1:
+        raise ValueError(f"need temperature >= 0 and 0 < top_p <= 1, got {temperature}, {top_p}")
+    stop_ids, pad = rollout.end_of_turn_ids(tokenizer), rollout.pad_token_id(tokenizer)
+    # the last call's cache, attention [B, W], positions [B] and {key: (row, tokens)}
+    last = {"rows": {}}
+
+    @torch.no_grad()
+    def policy(prompt_ids, env_list=None):  # the environments are not needed to sample
+        device, B = model.device, len(prompt_ids)
+        keys = [id(env) for env in env_list] if env_list is not None else list(range(B))
+        rows = _continued_rows(last["rows"], prompt_ids, keys)
+        if rows is None:  # start afresh: an empty cache
+            cache = Cache(layer_class_to_replicate=GrowingLayer)
+            attention = torch.zeros(B, 0, dtype=torch.long, device=device)
+            position, known = torch.zeros(B, dtype=torch.long, device=device), [0] * B
+        else:  # keep the rows of the prompts that continue, in the new order
+            index = torch.tensor(rows, device=device)
+            cache, attention, position = (
+                last["cache"],
+                last["attention"][index],
+                last["position"][index],
+            )
+            cache.batch_select_indices(index)
+            known = [len(last["rows"][key][1]) for key in keys]
+
+        # ---- encode what is new in every prompt, left-padded to the longest new piece
+        new = [p[k:] for p, k in zip(prompt_ids, known)]
+        width = max(len(n) for n in new)
+        ids = torch.full((B, width), pad, dtype=torch.long)                    # [B, W]
+        real = torch.zeros((B, width), dtype=torch.long)                       # [B, W]
+        for b, n in enumerate(new):
+            ids[b, width - len(n):] = torch.tensor(n, dtype=torch.long)
+            real[b, width - len(n):] = 1
+        ids, real = ids.to(device), real.to(device)
+        positions = position[:, None] + (real.cumsum(1) - 1).clamp(min=0)      # [B, W]
+        attention = torch.cat([attention, real], dim=1)                        # [B, W_cache + W]
+        logits = model(
+            input_ids=ids,
+            attention_mask=attention,
+            position_ids=positions,
+            past_key_values=cache,
+            use_cache=True,
+            logits_to_keep=1,
+        ).logits[
+            :, -1
+        ]  # [B, V]
+        position = position + real.sum(1)                                      # [B]
+
+        # ---- sample token by token; a row that stopped is fed padding, attention 0, until all rows
+        # stopped
+        tokens, logprobs, fed = [], [], []
+        running = torch.ones(B, dtype=torch.bool, device=device)               # [B]
+        stop = torch.tensor(stop_ids, device=device)
+        for step in range(max_new_tokens):
+            table = torch.log_softmax(logits.float() / (temperature or 1.0), dim=-1)   # [B, V]
+            if temperature == 0:
+                token = table.argmax(-1)                                       # [B]
+            else:
+                probs = table.exp() if top_p == 1.0 else nucleus(table.exp(), top_p)
+                token = torch.multinomial(probs, 1)[:, 0]                      # [B]
+            token = torch.where(running, token, pad)
+            tokens.append(token)
+            logprobs.append(table.gather(1, token[:, None])[:, 0])
+            still = running & ~torch.isin(token, stop)
+            if step == max_new_tokens - 1 or not still.any():
+                break
+            fed.append(running)  # this token enters the cache for the rows that were still running
+            attention = torch.cat([attention, running.long()[:, None]], dim=1)
+            logits = model(
+                input_ids=token[:, None],
+                attention_mask=attention,
+                position_ids=position[:, None],
+                past_key_values=cache,
+                use_cache=True,
+            ).logits[:, -1]
+            position = position + running.long()
+            running = still
+
+        tokens = torch.stack(tokens, 1).cpu().tolist()                         # [B, N]
+        logprobs = torch.stack(logprobs, 1).float().cpu().tolist()             # [B, N]
+        fed = torch.stack(fed, 1).cpu().tolist() if fed else [[] for _ in new]  # [B, N-1]
+        last.update(cache=cache, attention=attention, position=position, rows={
+            key: (b, p + [t for t, f in zip(row, on) if f])
+            for b, (key, p, row, on) in enumerate(zip(keys, prompt_ids, tokens, fed))})
+        return as_generations(tokens, logprobs, stop_ids)
+
+    return policy
+
+
+def _continued_rows(remembered, prompt_ids, keys):
+    """For each prompt the remembered row it continues, or None when some prompt continues none. A
+    row is found by the prompt's key (its environment object; its index when none is given) and must
+    hold a proper prefix of the prompt: _continued_rows({"a": (0, [1, 2]), "b": (1, [3])}, [[3, 4],
+    [1, 2, 5]], ["b", "a"]) == [1, 0]."""
+    rows = []
+    for prompt, key in zip(prompt_ids, keys):
+        row, tokens = remembered.get(key, (None, None))
+        if row is None or len(tokens) >= len(prompt) or prompt[:len(tokens)] != tokens:
+            return None
+        rows.append(row)
+    return rows

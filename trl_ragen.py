@@ -1,0 +1,515 @@
+"""RAGEN-2 inside TRL: the SNR-aware filter and the MI diagnosis in TRL's GRPOTrainer, on whole
+multi-turn episodes of envs.py's worlds, for several processes (GPUs) and vLLM rollouts.
+
+A new top-level file because it holds one concept of its own: the paper's method on a released
+multi-GPU trainer. train.py is the readable one-process loop; this file adds to TRL (pinned at
+1.16.0: the subclass overrides private methods) what its GRPOTrainer lacks -- a group filter and
+a collapse diagnosis -- with the project's own functions, not copies.
+
+    python trl_ragen.py --env sokoban --filter topp --model tiny --steps 2 --out DIR
+    accelerate launch --num_processes 8 trl_ragen.py --model Qwen/Qwen2.5-3B-Instruct --use-vllm ...
+
+One step of TRL's GRPOTrainer, with what this file adds (+):
+  1. rollouts    rollout_func: each process plays its share of the G groups x K episodes with
+                 rollout.play (the project's prompt format); the completion is everything after
+                 the turn-1 prompt, env_mask = 0 on observation tokens, the sampler's log-probs
+  2. rewards     one reward per episode, its total R (env rewards + format penalties), gathered
+                 by TRL from every process: one prompt's K episodes may sit on different ones
+  + filter       snr_filter.group_scores on the raw totals [G, K] -- before any normalisation --
+                 and snr_filter.select_groups: the same gathered numbers give the same choice on
+                 every process
+  + diagnosis    step 1 and every mi_every steps: mi.cross_scores of first-turn reasonings
+                 under every group's prompt, mi.collapse_metrics
+  3. advantages  TRL's A = (R - mean_g R) / (std + 1e-4); with scale_rewards="batch" the std is
+                 taken again over the kept groups only
+  + drop         one process: the dropped rows leave the batch (and its padding) before the loss,
+                 which then never sees them; several processes (or gradient accumulation): every
+                 process keeps its rows, so all stay in step with equal shapes, and the dropped
+                 rows get loss mask 0 with the token count recounted -- exact for the losses
+                 normalised by a token count (TOKEN_NORMALISED, TRL's default "dapo" included)
+  4. loss        TRL's, unchanged
+
+Metrics carry train.py's names (kept_ratio, zero_var_frac, mi_estimate, ...), so that plots.py
+draws both; the command line writes them to DIR/metrics.jsonl, one line per step.
+"""
+import dataclasses
+import json
+import os
+import sys
+import time
+import warnings
+
+import numpy as np
+import torch
+
+import envs
+import mi
+import rollout
+import runs
+import sampler
+import snr_filter
+import train
+
+os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")  # rollout_func is marked experimental
+from trl import GRPOConfig, GRPOTrainer  # noqa: E402
+
+VAL_SEED_BASE = 10_000_000  # training seeds are drawn below it, as train.py draws them
+MAX_SKIPS = 5  # stop after this many steps in a row without reward spread (train.py's rule)
+TOKEN_NORMALISED = ("dapo", "bnpo", "cispo", "vespo")  # TRL losses divided by a token count
+MI_KEYS = ("mi_estimate", "mi_seq_estimate", "mi_zscore", "mi_zscore_seq", "mi_zscore_ema",
+           "retrieval_acc", "retrieval_acc_top2", "conditional_entropy", "reasoning_entropy",
+           "conditional_entropy_seq", "reasoning_entropy_seq", "retrieval_chance",
+           "mi_upper_bound")
+
+
+# ------------------------------------------------------------------------------------- the rollouts
+
+def seed_prompt(seed):
+    """A dataset row's prompt names its layout seed; rollout_func renders the real prompt (TRL
+    asks for the chat template at the backend boundary): seed_prompt(7) == "seed 7"."""
+    return f"seed {seed}"
+
+
+def rollout_function(env_name, env_kwargs=None, max_turns=5, max_actions_per_turn=2,
+                     max_new_tokens=64, temperature=1.0, top_p=1.0, prompt=None,
+                     make_policy=None):
+    """TRL's rollout_func(prompts, trainer) for a world of envs.py: whole episodes by rollout.play.
+
+    `prompts` are this process's rows, K copies of each group's seed_prompt in TRL's global
+    order (process p holds rows p * B .. p * B + B - 1), so the row's global number gives the
+    rollout's number k in its group and the transition noise rollout.play would give it, even
+    when a group is split across processes. `prompt`: rollout.play's system / user pieces (the
+    tiny policy's). make_policy(trainer, max_new_tokens, temperature, top_p) -> a rollout.play
+    policy; default sampler_policy."""
+    make_policy = make_policy or sampler_policy
+
+    def rollout_func(prompts, trainer):
+        training = trainer.model.training
+        K = trainer.num_generations if training else trainer.num_generations_eval
+        first = trainer.accelerator.process_index * len(prompts)  # global number of row 0
+        seeds = [int(p.split()[-1]) for p in prompts]
+        noise = [s * 1000 + (first + i) % K for i, s in enumerate(seeds)]
+        policy = make_policy(trainer, max_new_tokens, temperature, top_p)
+        trainer.model.eval()  # sampling as train.py samples: no dropout
+        try:
+            episodes = rollout.play(policy, trainer.processing_class, env_name, seeds, 1,
+                                    env_kwargs, max_turns, max_actions_per_turn,
+                                    noise_seeds=noise, **(prompt or {}))
+        finally:
+            trainer.model.train(training)
+        return as_completions(episodes)
+
+    return rollout_func
+
+
+def as_completions(episodes):
+    """Episodes as rollout_func's answer: prompt_ids (the turn-1 prompt), completion_ids (the rest
+    of the transcript: every turn's sampled tokens and the observations between them), env_mask
+    (1 on sampled tokens), logprobs (the sampler's, 0 on observations; None without them) and
+    one extra field per episode fact, which TRL hands to the reward function and back to us."""
+    out = {k: [] for k in ("prompt_ids", "completion_ids", "env_mask", "logprobs",
+                           "episode_reward", "success", "turns", "sampled_tokens", "cut",
+                           "first_prompt", "first_reasoning")}
+    for e in episodes:
+        n = e.policy_mask.index(1.0)  # the first sampled token: the turn-1 prompt ends before it
+        out["prompt_ids"].append(e.ids[:n])
+        out["completion_ids"].append(e.ids[n:])
+        out["env_mask"].append([int(m) for m in e.policy_mask[n:]])
+        out["logprobs"].append(None if e.logprobs is None else e.logprobs[n:])
+        out["episode_reward"].append(e.total_reward)
+        out["success"].append(float(e.success))
+        out["turns"].append(float(e.turns))
+        out["sampled_tokens"].append(float(sum(e.response_lengths)))
+        out["cut"].append(float(e.cut))
+        out["first_prompt"].append(e.first_prompt)
+        out["first_reasoning"].append(e.first_reasoning)
+    if any(lp is None for lp in out["logprobs"]):
+        out["logprobs"] = None
+    return out
+
+
+def episode_reward(completions, episode_reward, **kwargs):
+    """TRL reward function: a completion's reward is its episode's total, scored by the whole
+    episode (not turn by turn)."""
+    return list(episode_reward)
+
+
+def sampler_policy(trainer, max_new_tokens, temperature, top_p):
+    """The sampler: TRL's vLLM engine when the trainer has one, else sampler.hf_policy on the
+    trainer's model (CPU, one GPU), which records each sampled token's log-prob."""
+    if trainer.use_vllm:
+        return vllm_policy(trainer)
+    model = trainer.accelerator.unwrap_model(trainer.model)
+    return sampler.hf_policy(model, trainer.processing_class, max_new_tokens, temperature, top_p)
+
+
+def vllm_policy(trainer):
+    """TRL's vLLM engine as a rollout.play policy: one call per turn for this process's running
+    episodes, the sampled tokens' log-probs from vLLM. Written against TRL 1.16's VLLMGeneration;
+    not run here (no GPU). Sampling settings and the per-turn token limit are GRPOConfig's
+    (temperature, top_p, max_completion_length)."""
+    stop_ids = rollout.end_of_turn_ids(trainer.processing_class)
+
+    def policy(prompt_ids, env_list=None):
+        _, completions, logprobs, _ = trainer.vllm_generation.generate(prompt_ids, None, 1)
+        return [rollout.Generation(list(c), [lp[0] for lp in lps],
+                                   cut=not c or c[-1] not in stop_ids)
+                for c, lps in zip(completions, logprobs)]
+
+    return policy
+
+
+# -------------------------------------------------------------------------------------- the trainer
+
+class RagenGRPOTrainer(GRPOTrainer):
+    """TRL's GRPOTrainer with RAGEN-2's SNR-aware filter and MI diagnosis (module docstring).
+
+    filter, top_p, top_k, prob_mode, include_zero: snr_filter.select_groups's settings ("none",
+    "topp", "topk"); mi_every, mi_samples: the diagnosis at step 1 and every mi_every steps (0 =
+    off) on up to mi_samples first-turn reasonings (it needs the first_prompt / first_reasoning
+    fields of rollout_function's episodes). After each step `last_selection` holds the gathered
+    rewards [G][K] and the kept groups."""
+
+    def __init__(self, *args, filter="topp", top_p=0.9, top_k=0.5, prob_mode="linear",
+                 include_zero=False, mi_every=5, mi_samples=64, **kwargs):
+        super().__init__(*args, **kwargs)
+        value = top_p if filter == "topp" else top_k
+        snr_filter.select_groups([1.0], filter, value, include_zero, prob_mode)  # bad -> raises
+        self.ragen = dict(mode=filter, value=value, include_zero=include_zero,
+                          prob_mode=prob_mode)
+        self.mi_every, self.mi_samples = mi_every, mi_samples
+        # one process and one micro-batch per generation: dropped rows can leave the batch
+        self.remove_dropped = (self.accelerator.num_processes == 1
+                               and self.args.steps_per_generation == 1)
+        if filter != "none" and self.multi_objective_aggregation != "sum_then_normalize":
+            raise ValueError("the filter ranks raw episode rewards: use "
+                             "multi_objective_aggregation='sum_then_normalize'")
+        if filter != "none" and not self.remove_dropped and self.loss_type not in TOKEN_NORMALISED:
+            raise ValueError(f"loss_type {self.loss_type!r} averages over sequences, so masked "
+                             f"rows would still count; with several processes or gradient "
+                             f"accumulation use one of {TOKEN_NORMALISED}")
+        self.generation_step, self.skips, self.std_ema = 0, 0, None
+        self.last_selection = None
+
+    def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
+        rewards_per_func = super()._calculate_rewards(inputs, prompts, completions,
+                                                      completion_ids_list)
+        # raw totals of every process's completions, before any normalisation: [P * B]
+        weights = self.reward_weights.to(rewards_per_func.device)
+        self.raw_rewards = (rewards_per_func * weights).nansum(dim=1)
+        return rewards_per_func
+
+    def _generate_and_score_completions(self, inputs):
+        t0 = time.time()
+        out = super()._generate_and_score_completions(inputs)
+        if not self.model.training:  # evaluation: no filter, no diagnosis
+            return out
+        self.generation_step += 1
+        K = self.num_generations
+        rewards = self.raw_rewards.view(-1, K).cpu()                   # [G, K] global order
+        m = {"time_rollout": time.time() - t0, **rollout_stats(self, inputs, rewards)}
+
+        t1 = time.time()
+        if self.mi_every and (self.generation_step == 1
+                              or self.generation_step % self.mi_every == 0):
+            m.update(self.diagnose(inputs))
+        scores = snr_filter.group_scores(rewards)                      # [G]
+        keep = snr_filter.select_groups(scores, self.ragen["mode"], self.ragen["value"],
+                                        self.ragen["include_zero"], self.ragen["prob_mode"])
+        m.update(snr_filter.filter_stats(scores, keep), skipped=not keep.any(),
+                 time_scoring=time.time() - t1)
+        B = out["advantages"].shape[0]
+        first = self.accelerator.process_index * B
+        rows = keep.repeat_interleave(K)[first:first + B]            # [B] this process's rows
+        if not keep.all():
+            out = self.drop_groups(out, rows.to(out["advantages"].device), keep, rewards, first)
+        self.skips = 0 if keep.any() else self.skips + 1
+        if self.skips >= MAX_SKIPS:
+            print(f"stopping: no group had any reward spread for {MAX_SKIPS} steps")
+            self.control.should_training_stop = True
+
+        for k, v in m.items():
+            self._metrics["train"][k].append(float(v))
+        self.last_selection = {"group_rewards": rewards.tolist(),
+                               "kept_groups": keep.nonzero()[:, 0].tolist(),
+                               "kept_rows": rows.nonzero()[:, 0].add(first).tolist()}
+        return out
+
+    def drop_groups(self, out, rows, keep, rewards, first):
+        """The batch without the dropped groups' rows (rows [B]: this process's rows that stay,
+        the first of them row `first` of the gathered batch): removed (one process), or masked
+        out with the token count recounted (several processes; module docstring)."""
+        B = len(rows)
+        if self.scale_rewards == "batch":  # the batch's std over the kept groups only
+            kept = rewards[keep]                                                   # [G', K]
+            adv = (rewards - rewards.mean(1, keepdim=True)) / (kept.std() + 1e-4)  # [G, K]
+            out["advantages"] = adv.reshape(-1)[first:first + B].to(rows.device)
+        if self.remove_dropped and rows.any():
+            out = {k: v[rows] if torch.is_tensor(v) and v.dim() and len(v) == B else v
+                   for k, v in out.items()}
+            out = trim_padding(out)
+        else:
+            mask = out.get("tool_mask", torch.ones_like(out["completion_mask"]))  # [B, C]
+            out["tool_mask"] = mask * rows[:, None]
+            out["advantages"] = out["advantages"] * rows
+        loss_mask = out["completion_mask"] * out.get("tool_mask", 1)
+        out["num_items_in_batch"] = self.accelerator.gather(loss_mask.sum()).sum()
+        return out
+
+    def diagnose(self, inputs):
+        """The MI diagnosis of train.py's step 2 on the gathered episodes: up to mi_samples
+        first-turn reasonings, as many from every group (train.mi_sample), cross-scored under
+        every group's first prompt at the sampling temperature. Every process scores the same matrix (the same forward passes, so sharded
+        weights stay in step) and gets the same numbers."""
+        from accelerate.utils import gather_object
+        rows = gather_object([(x["first_prompt"], x["first_reasoning"]) for x in inputs])
+        K = self.num_generations
+        G = len(rows) // K
+        # the same draw on every process: its generator is seeded by the step
+        picked = train.mi_sample(G, K, self.mi_samples,
+                                 np.random.default_rng([self.args.seed, self.state.global_step]))
+        prompts = [rows[g * K][0] for g in range(G)]
+        model = self.accelerator.unwrap_model(self.model)
+        scores, lengths = mi.cross_scores(model, self.processing_class, prompts,
+                                          [rows[r][1] for r in picked],
+                                          temperature=self.args.temperature)
+        metrics = mi.collapse_metrics(scores, [r // K for r in picked], lengths,
+                                      prompt_keys=prompts)
+        metrics["mi_zscore_ema"], self.std_ema = mi.mi_zscore_ema(metrics, self.std_ema)
+        return {k: metrics[k] for k in MI_KEYS if k in metrics}
+
+
+def rollout_stats(trainer, inputs, rewards):
+    """train.py's rollout metrics over every process's episodes (rewards [G, K] gathered)."""
+    local = torch.tensor([[x["success"], x["turns"], x["sampled_tokens"], x["cut"]]
+                          for x in inputs], device=trainer.accelerator.device)  # [B, 4]
+    success, turns, tokens, cut = trainer.accelerator.gather(local).cpu().T      # [P * B] each
+    return {"train_success": success.mean().item(), "reward_mean": rewards.mean().item(),
+            "reward_std": rewards.std().item() if rewards.numel() > 1 else 0.0,
+            "response_length": (tokens.sum() / turns.sum()).item(), "turns": turns.mean().item(),
+            "cut_frac": cut.mean().item()}
+
+
+def trim_padding(out):
+    """Cut the padding columns no remaining row needs: prompts are left-padded, completions
+    right-padded, so a batch that never held the dropped rows has exactly these widths (TRL
+    passes no position ids: the width of the left padding changes the numbers)."""
+    P = int(out["prompt_mask"].sum(1).max())
+    C = int(out["completion_mask"].sum(1).max())
+    width = out["completion_ids"].shape[1]
+    for k, v in out.items():
+        if k in ("prompt_ids", "prompt_mask"):
+            out[k] = v[:, v.shape[1] - P:]
+        elif torch.is_tensor(v) and v.dim() == 2 and v.shape[1] == width:
+            out[k] = v[:, :C]
+    return out
+
+
+# ------------------------------------------------------------------------------------- command line
+
+def arg(default, help, **kw):
+    return dataclasses.field(default=default, metadata=dict(help=help, **kw))
+
+
+@dataclasses.dataclass
+class Args:
+    # the world (train.py's flags)
+    env: str = arg("sokoban", "environment", choices=tuple(envs.ENVS))
+    room_size: int = arg(6, "sokoban: the room is room_size x room_size")
+    num_boxes: int = arg(1, "sokoban: number of boxes")
+    lake_size: int = arg(4, "frozenlake: the map is lake_size x lake_size")
+    success_rate: float = arg(1.0, "frozenlake: chance a move goes its way")
+    high_prob: float = arg(0.25, "bandit: chance that the risky arm pays")
+    max_turns: int = arg(5, "turns per episode")
+    max_actions_per_turn: int = arg(2, "actions the policy may take per turn")
+    # the filter and the diagnosis (train.py's flags)
+    filter: str = arg("topp", "SNR-aware filter on the groups' reward std",
+                      choices=snr_filter.MODES)
+    top_p: float = arg(0.9, "topp: keep the best groups until this fraction of the summed std")
+    top_k: float = arg(0.5, "topk: keep max(1, int(top_k * groups)) best groups")
+    filter_prob_mode: str = arg("linear", "topp: on the std itself or on its softmax",
+                                choices=snr_filter.PROB_MODES)
+    include_zero: bool = arg(False, "let zero-spread groups be kept (no task gradient)")
+    mi_every: int = arg(5, "cross-scoring diagnosis at step 1 and every N steps (0 = off)")
+    mi_samples: int = arg(64, "samples cross-scored per diagnosis")
+    # the batch and the update (GRPOConfig underneath)
+    groups: int = arg(8, "prompt groups (env seeds) per step")
+    group_size: int = arg(16, "rollouts per group (TRL: num_generations)")
+    steps: int = arg(100, "training steps")
+    lr: float = arg(None, "learning rate, constant (1e-6; tiny: 1e-4)")
+    loss_type: str = arg("dapo", "TRL's loss: dapo = token-mean over the batch, grpo = "
+                         "seq-mean-token-mean", choices=("dapo", "grpo", "bnpo", "dr_grpo"))
+    scale_rewards: str = arg("group", "TRL's advantage std: group (GRPO), batch, none (Dr.GRPO)",
+                             choices=("group", "batch", "none"))
+    clip_low: float = arg(0.2, "PPO ratio clip below 1 (TRL: epsilon)")
+    clip_high: float = arg(0.28, "PPO ratio clip above 1 (TRL: epsilon_high)")
+    kl_coef: float = arg(0.0, "KL penalty to the initial policy (TRL: beta)")
+    entropy_coef: float = arg(0.0, "entropy bonus coefficient")
+    grad_clip: float = arg(1.0, "gradient norm clip")
+    accumulation: int = arg(1, "micro-batches per optimiser step (TRL: gradient_accumulation)")
+    # generation
+    temperature: float = arg(1.0, "sampling temperature of the rollouts")
+    sample_top_p: float = arg(1.0, "nucleus sampling of the rollouts (1 = off)")
+    max_new_tokens: int = arg(None, "token limit per turn (400; tiny: 64)")
+    use_vllm: bool = arg(False, "sample with vLLM (GPU; TRL's vllm_mode below)")
+    vllm_mode: str = arg("colocate", "vLLM beside training or a trl vllm-serve server",
+                         choices=("colocate", "server"))
+    # the model, output
+    model: str = arg(None, "HF id, folder or tiny (GPU: Qwen2.5-0.5B-Instruct, else tiny)")
+    bf16: bool = arg(None, "bfloat16 mixed precision (GPU default)")
+    grad_checkpointing: bool = arg(False, "recompute activations in backward")
+    warm_start: bool = arg(True, "tiny: warm-start on solver demonstrations (off: random)")
+    tiny_cache: str = arg(".cache/tiny", "tiny: folder of warm-started models")
+    seed: int = arg(0, "seed of env seeds and sampling")
+    out: str = arg(None, "run folder (runs/trl-<env>-<filter>-<time>)")
+
+
+def parse_args(argv):
+    """Args from the command line (runs.build_parser: one flag per field); bad input raises
+    runs.UsageError."""
+    parser = runs.build_parser(Args)
+    parser.prog, parser.usage = "trl_ragen.py", "python trl_ragen.py [flags]"
+    parser.description = ("RAGEN-2 in TRL's GRPOTrainer: SNR-aware filtering and the MI diagnosis "
+                          "on multi-turn episodes. Defaults in brackets.")
+    a = Args(**vars(parser.parse_args(argv)))
+
+    def need(ok, message):
+        if not ok:
+            raise runs.UsageError(message)
+
+    need(a.steps >= 1 and a.groups >= 1 and a.group_size >= 2,
+         "need --steps >= 1, --groups >= 1 and --group-size >= 2 (GRPO compares rollouts)")
+    need(0 < a.top_p <= 1 and 0 < a.top_k <= 1, "--top-p and --top-k must be in (0, 1]")
+    need(a.max_turns >= 1 and a.max_actions_per_turn >= 1 and a.accumulation >= 1,
+         "--max-turns, --max-actions-per-turn and --accumulation must be >= 1")
+    need(a.mi_every >= 0 and a.mi_samples >= 1, "--mi-every >= 0 and --mi-samples >= 1")
+    need(a.temperature > 0 and 0 < a.sample_top_p <= 1 and 0 <= a.seed < 2 ** 32,
+         "need --temperature > 0, --sample-top-p in (0, 1], --seed in 0..2**32-1")
+    need(a.max_new_tokens is None or a.max_new_tokens >= 1, "--max-new-tokens must be >= 1")
+    need(a.lr is None or a.lr > 0, "--lr must be > 0")
+    need(a.kl_coef >= 0 and a.entropy_coef >= 0 and a.grad_clip > 0 and 0 < a.clip_low < 1
+         and a.clip_high > 0, "need --kl-coef, --entropy-coef >= 0, --grad-clip > 0, "
+         "0 < --clip-low < 1, --clip-high > 0")
+    try:
+        envs.make_env(a.env, **runs.env_kwargs(a)).reset(seed=0)
+    except ValueError as e:
+        raise runs.UsageError(f"--env {a.env}: {e}") from None
+    return a
+
+
+def load_model(a, cuda):
+    """(model, tokenizer, rollout.play's prompt pieces) for --model."""
+    import models
+    import tiny
+    if a.model == "tiny":
+        model, tokenizer = tiny.load_tiny(a.env, runs.env_kwargs(a), cache_dir=a.tiny_cache,
+                                          warm_start=a.warm_start)
+        return model, tokenizer, tiny.prompts(a.env)
+    try:
+        model, tokenizer = models.load_hf(a.model)
+    except models.ModelError as e:
+        raise runs.UsageError(str(e)) from None
+    return model, tokenizer, {}
+
+
+def build_trainer(a, model, tokenizer, prompt, num_processes=1, make_policy=None, callbacks=()):
+    """The RagenGRPOTrainer of a command line: G x K episodes a step, one optimiser step per
+    generation, the step's env seeds drawn as train.py draws them."""
+    from datasets import Dataset
+    total = a.groups * a.group_size
+    if total % (num_processes * a.accumulation):
+        raise runs.UsageError(f"--groups x --group-size = {total} must divide among "
+                              f"{num_processes} processes x --accumulation {a.accumulation}")
+    seeds = [int(s) for step in range(1, a.steps + 1)
+             for s in np.random.default_rng([a.seed, step]).integers(0, VAL_SEED_BASE, a.groups)]
+    config = GRPOConfig(
+        output_dir=os.path.join(a.out, "trl"), use_cpu=not torch.cuda.is_available(),
+        per_device_train_batch_size=total // num_processes // a.accumulation,
+        gradient_accumulation_steps=a.accumulation, num_generations=a.group_size,
+        max_completion_length=a.max_new_tokens, max_steps=a.steps, learning_rate=a.lr,
+        lr_scheduler_type="constant", weight_decay=0.0, beta=a.kl_coef, loss_type=a.loss_type,
+        scale_rewards=a.scale_rewards, epsilon=a.clip_low, epsilon_high=a.clip_high,
+        entropy_coef=a.entropy_coef, max_grad_norm=a.grad_clip, temperature=a.temperature,
+        top_p=a.sample_top_p, use_vllm=a.use_vllm, vllm_mode=a.vllm_mode, bf16=bool(a.bf16),
+        gradient_checkpointing=a.grad_checkpointing, shuffle_dataset=False, seed=a.seed,
+        report_to="none", save_strategy="no", logging_steps=1, disable_tqdm=True,
+        dataloader_num_workers=0)
+    func = rollout_function(a.env, runs.env_kwargs(a), a.max_turns, a.max_actions_per_turn,
+                            a.max_new_tokens, a.temperature, a.sample_top_p, prompt, make_policy)
+    try:
+        return RagenGRPOTrainer(
+            model=model, reward_funcs=episode_reward, args=config, processing_class=tokenizer,
+            train_dataset=Dataset.from_dict({"prompt": [seed_prompt(s) for s in seeds]}),
+            rollout_func=func, callbacks=list(callbacks), filter=a.filter, top_p=a.top_p,
+            top_k=a.top_k, prob_mode=a.filter_prob_mode, include_zero=a.include_zero,
+            mi_every=a.mi_every, mi_samples=a.mi_samples)
+    except ValueError as e:  # settings TRL or the filter cannot use
+        raise runs.UsageError(str(e).strip().splitlines()[0]) from None
+
+
+def metrics_writer(path, trainer_box):
+    """A TrainerCallback writing one train.py-format line per step to `path` (main process):
+    our metrics by their names, TRL's own beside them, the step's wall time, and the step's
+    gathered rewards and kept groups (so a reader can check the selection)."""
+    from transformers import TrainerCallback
+
+    rename = {"entropy": "token_entropy", "clip_ratio/region_mean": "clip_frac", "kl": "kl_loss"}
+
+    class Writer(TrainerCallback):
+        def on_step_begin(self, args, state, control, **kw):
+            self.start = time.time()
+
+        def on_log(self, args, state, control, logs=None, **kw):
+            if not state.is_world_process_zero or "loss" not in (logs or {}):
+                return
+            line = {"step": state.global_step, **{rename.get(k, k): v for k, v in logs.items()},
+                    "time_step": time.time() - self.start}
+            selection = trainer_box[0].last_selection
+            line.update({k: selection[k] for k in ("group_rewards", "kept_groups")})
+            with open(path, "a") as f:
+                f.write(json.dumps(line) + "\n")
+                f.flush()
+
+    return Writer()
+
+
+def main(argv=None, make_policy=None):
+    """Parse, load, train; bad input is one line on stderr and exit code 2."""
+    from transformers.utils import logging as hf_logging
+    hf_logging.disable_progress_bar()
+    # transformers 5 renames gradient_checkpointing, which GRPOConfig 1.16 still sets
+    warnings.filterwarnings("ignore", "`(is_)?gradient_checkpointing", FutureWarning)
+    try:
+        a = parse_args(sys.argv[1:] if argv is None else argv)
+        cuda = torch.cuda.is_available()
+        a.model = a.model or ("Qwen/Qwen2.5-0.5B-Instruct" if cuda else "tiny")
+        a.lr = a.lr or (1e-4 if a.model == "tiny" else 1e-6)
+        a.max_new_tokens = a.max_new_tokens or (64 if a.model == "tiny" else 400)
+        a.bf16 = cuda if a.bf16 is None else a.bf16
+        a.out = a.out or os.path.join("runs", f"trl-{a.env}-{a.filter}-"
+                                      f"{time.strftime('%Y%m%d-%H%M%S')}")
+        from accelerate import PartialState
+        state = PartialState(cpu=not cuda)  # on a CPU: gloo across the launched processes
+        path = os.path.join(a.out, "metrics.jsonl")
+        if state.is_main_process and os.path.exists(path):
+            raise runs.UsageError(f"--out {a.out} already holds a run; choose another --out")
+        model, tokenizer, prompt = load_model(a, cuda)
+        box = [None]
+        trainer = build_trainer(a, model, tokenizer, prompt, state.num_processes, make_policy,
+                                [metrics_writer(path, box)])
+        box[0] = trainer
+        if state.is_main_process:
+            os.makedirs(a.out, exist_ok=True)
+            runs.atomic_write(os.path.join(a.out, "config.json"),
+                              json.dumps(dataclasses.asdict(a), indent=1))
+        trainer.train()
+        if state.is_main_process:
+            print(f"metrics: {path}")
+        return 0
+    except runs.UsageError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
