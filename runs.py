@@ -15,9 +15,12 @@ RNG states) and the figures. What a run guarantees:
 - The same command gives the same result, whether the tiny warm start was built in this run or
   loaded (models are built before the random streams are seeded). Results do depend on the CPU and
   the thread count.
-- Bad input (flags, a damaged config or checkpoint, an unusable --out) is one line on stderr and
-  exit code 2, and a failed start leaves no folder behind; running out of GPU memory is one line
-  naming the phase, code 3.
+- Every checkpoint holds a copy of metrics.jsonl: a log damaged since is rewritten from it on
+  `--resume`, saying so (restore_metrics); never a log with holes.
+- Bad input (flags, settings that cannot run or fit the model's context, a damaged config or
+  checkpoint, an unusable --out) is one line on stderr and exit code 2. The run folder is made only
+  once the models are loaded, and a failed start leaves no folder behind; running out of GPU memory
+  is one line naming the phase, code 3.
 """
 import argparse
 import contextlib

@@ -5,6 +5,7 @@ import dataclasses
 import errno
 import json
 import os
+import shlex
 import signal
 import subprocess
 import sys
@@ -128,6 +129,31 @@ def test_large_but_real_settings_are_kept(tmp_path):
     runs.check_fits(a, *tiny.load_tiny(a.env, warm_start=False), tiny.prompts(a.env))
     # a group of one is plain PPO without a filter: it learns from the critic
     runs.parse_args(train.Args, ["--group-size", "1", "--filter", "none", "--algo", "ppo"])
+
+
+def test_the_readmes_experiment_block_runs_as_written():
+    """Each line of README's "Running the experiment" block works after the lines above it: valid
+    flags and settings, no globs or placeholders, every folder it reads made by an --out above."""
+    text = open(os.path.join(ROOT, "README.md")).read()
+    block = text.split("## Running the experiment", 1)[1].split("```bash\n", 1)[1].split("```", 1)[0]
+    made = set()
+    for line in block.splitlines():
+        argv = shlex.split(line, comments=True)
+        assert not any(c in arg for arg in argv for c in "*?[]<>"), line
+        if argv[1] == "plots.py":
+            assert set(argv[2:]) <= made, line
+        if argv[1] != "train.py" or "--help" in argv:
+            continue
+        a = train.Args(**vars(runs.build_parser(train.Args).parse_args(argv[2:])))
+        if a.resume:
+            assert a.resume in made, line
+            continue
+        runs.check_args(a)
+        if a.model not in (None, "tiny"):
+            assert os.path.dirname(os.path.normpath(a.model)) in made, line
+        if a.out:
+            made.add(a.out)
+    assert len(made) >= 2  # the runs it compares
 
 
 def test_bad_arguments_from_the_shell_give_no_traceback():
