@@ -1,6 +1,6 @@
 """The main command's seconds a step: this code against an earlier commit of it, side by side.
 
-    python bench/bench_commit.py 1acd888            # Sokoban, the main command's flags, 2 repeats
+    python bench/versus_commit.py 1acd888           # Sokoban, the main command's flags, 2 repeats
 
 Each version runs `train.py --env sokoban --filter topp --steps 5` from its own copy (`git archive` of
 the commit into a temporary folder), warm-started by its own code (the first run of each builds its
@@ -8,7 +8,7 @@ warm start; a build is not a step, so it is not timed), with 2 threads. Runs alt
 new, so a change in the machine's load hits both. A step's time is train.py's own `time_step`; the
 number compared is the mean over steps 2-4 (step 1 and step 5 also cross-score, and step 5
 validates), the median over repeats. It needs git and the repository's history (a clone, not an
-archive).
+archive). Not named bench_*.py, so run_all.py leaves it out: it builds two warm starts (minutes).
 """
 import argparse
 import json
