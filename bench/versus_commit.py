@@ -39,6 +39,9 @@ def seconds_per_step(code, env, out, cache):
                          env={**os.environ, "OMP_NUM_THREADS": "2", "HF_HUB_OFFLINE": "1"})
     if run.returncode:
         sys.exit(f"error: {' '.join(cmd)} in {code} failed:\n{run.stderr[-2000:]}")
+    for line in run.stdout.splitlines():  # the first run of each version builds its warm start
+        if line.startswith("warm start built in"):
+            print(f"  {line} ({os.path.basename(code)})", flush=True)
     with open(os.path.join(out, "metrics.jsonl")) as f:
         times = {m["step"]: m["time_step"] for m in map(json.loads, f) if "time_step" in m}
     return statistics.mean(times[s] for s in STEPS)
