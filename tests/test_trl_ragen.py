@@ -122,9 +122,10 @@ def test_gradient_with_dropped_groups_is_that_of_a_batch_without_them(loss_type,
     loss, grad = loss_and_gradient(trainer, batch)
     clean_loss, clean_grad = loss_and_gradient(never, clean)
     assert clean_grad.abs().max() > 0
-    # TRL's advantages are float32; the batch std is ours (torch.std) against TRL's nanstd: one
-    # float32 rounding apart
-    rel = 1e-6 if scale == "batch" else 1e-12
+    # TRL's advantages are float32; the batch std is ours (torch.std) against TRL's nanstd, and
+    # masked rows stay in TRL's float32 tensors (other shapes, other rounding): one float32
+    # rounding apart
+    rel = 1e-6 if scale == "batch" or not removed else 1e-12
     assert loss == pytest.approx(clean_loss, rel=rel)
     torch.testing.assert_close(grad, clean_grad, rtol=rel * 100, atol=rel)
 
