@@ -69,6 +69,7 @@ def main(out):
     with open(os.path.join(out, f"process-{state.process_index}.json"), "w") as f:
         json.dump({"processes": state.num_processes, "backend": str(state.backend),
                    **trainer.last_selection}, f)
+    state.destroy_process_group()  # as trl_ragen.main does: no gloo thread left at exit
 
 
 if __name__ == "__main__":
