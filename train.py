@@ -373,7 +373,7 @@ def update_policy(run, episodes, rewards, shuffle):
                                                 returns[rows, cols], mask[rows, cols],
                                                 args.value_clip)
                     (token_weight * value_loss).backward()
-                    terms["value_loss"] = value_loss
+                    terms["value_loss"] = value_loss.item()
                 # the policy loss's terms add up with its weight, token means with the tokens'
                 for k, v in terms.items():
                     w = weight if k in ("pg_loss", "entropy_loss", "kl_loss") else token_weight
