@@ -505,9 +505,6 @@ def main(argv=None, make_policy=None):
         trainer.train()
         if state.is_main_process:
             print(f"metrics: {path}")
-        # stop the process group's threads before the interpreter exits; left running, gloo's
-        # can abort the process at exit (SIGABRT) after a successful run
-        state.destroy_process_group()
         return 0
     except runs.UsageError as e:
         print(f"error: {e}", file=sys.stderr)

@@ -69,7 +69,11 @@ def main(out):
     with open(os.path.join(out, f"process-{state.process_index}.json"), "w") as f:
         json.dump({"processes": state.num_processes, "backend": str(state.backend),
                    **trainer.last_selection}, f)
-    state.destroy_process_group()  # as trl_ragen.main does: no gloo thread left at exit
+    # leave without the interpreter's teardown: at exit, gloo's threads sometimes aborted one process
+    # (SIGABRT) or left it waiting for the other, after both had written their results
+    state.wait_for_everyone()
+    sys.stdout.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":
