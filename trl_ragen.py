@@ -307,8 +307,7 @@ def trim_padding(out):
 
 # ------------------------------------------------------------------------------------- command line
 
-def arg(default, help, **kw):
-    return dataclasses.field(default=default, metadata=dict(help=help, **kw))
+arg = train.arg  # the same one-line flag declarations as train.py's
 
 
 @dataclasses.dataclass
