@@ -658,12 +658,13 @@ def figures(name, data, out):
     fig.savefig(os.path.join(out, "curves.png"), dpi=90)
     plt.close(fig)
 
-    per_seed = ["probe_mi_estimate", "probe_reasoning_entropy", "probe_conditional_entropy",
-                "token_entropy"]
-    fig, axes = plt.subplots(len(settings), len(per_seed), figsize=(13, 2.6 * len(settings)),
+    # the MI-versus-entropy phase: per seed, then as a scatter against success
+    phase = ["probe_mi_estimate", "probe_reasoning_entropy", "probe_conditional_entropy",
+             "token_entropy"]
+    fig, axes = plt.subplots(len(settings), len(phase), figsize=(13, 2.6 * len(settings)),
                              squeeze=False)
     for i, setting in enumerate(settings):
-        for j, key in enumerate(per_seed):
+        for j, key in enumerate(phase):
             ax = axes[i][j]
             for (s, seed), records in sorted(data.items()):
                 if s == setting:
@@ -677,12 +678,10 @@ def figures(name, data, out):
     fig.savefig(os.path.join(out, "perseed.png"), dpi=80)
     plt.close(fig)
 
-    scatter_keys = ["probe_mi_estimate", "probe_reasoning_entropy", "probe_conditional_entropy",
-                    "token_entropy"]
-    fig, axes = plt.subplots(1, len(scatter_keys), figsize=(4 * len(scatter_keys), 3.3),
+    fig, axes = plt.subplots(1, len(phase), figsize=(4 * len(phase), 3.3),
                              squeeze=False)
     worlds = sorted({world_of(name, s) for s, _ in data})
-    for ax, key in zip(axes[0], scatter_keys):
+    for ax, key in zip(axes[0], phase):
         for w, world in enumerate(worlds):
             pairs = [(r[key], r["val_success"]) for (s, _), rs in data.items()
                      if world_of(name, s) == world for r in merged(rs)

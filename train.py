@@ -306,14 +306,15 @@ def select(a, rewards, step=0):
     """Step 3: which groups to train on, from the spread (unbiased std) of their total rewards.
     The random control draws from its own stream of (seed, step): the same choice on a resume."""
     scores = snr_filter.group_scores(rewards)                                               # [G]
-    value = a.top_p if a.filter == "topp" else a.top_k
+    named = a.control_of if a.filter in snr_filter.CONTROLS else a.filter  # whose count is kept
+    value = a.top_p if named == "topp" else a.top_k
     if a.filter in snr_filter.CONTROLS:
-        value = a.top_p if a.control_of == "topp" else a.top_k
         draw = int(np.random.default_rng([a.seed, step, CONTROL_STREAM]).integers(2 ** 62))
-        keep = snr_filter.select_control(scores, a.filter, a.control_of, value, a.include_zero,
+        keep = snr_filter.select_control(scores, a.filter, named, value, a.include_zero,
                                          a.filter_prob_mode, torch.Generator().manual_seed(draw))
-        return keep, snr_filter.filter_stats(scores, keep)
-    keep = snr_filter.select_groups(scores, a.filter, value, a.include_zero, a.filter_prob_mode)
+    else:
+        keep = snr_filter.select_groups(scores, a.filter, value, a.include_zero,
+                                        a.filter_prob_mode)
     return keep, snr_filter.filter_stats(scores, keep)
 
 
