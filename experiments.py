@@ -17,8 +17,9 @@ tiny policy, on a GPU machine too.
 The report (results/<grid>/): table.md (means with 95% t intervals at n - 1 degrees of freedom over
 seeds, the decision rules and their verdicts from paired differences over seeds, correlations
 within runs and within worlds, pooled only as a footnote, and a lead-lag check), the same as csv
-files and numbers.json, and curves.png (against environment steps, optimiser steps and
-trajectories trained on), perseed.png (each seed's MI and entropies) and scatter.png.
+files and numbers.json, perseed.csv (each run's success, MI and entropies at the table's steps),
+curves.png (against environment steps, optimiser steps and trajectories trained on),
+perseed.png (each seed's MI and entropies) and scatter.png.
 """
 import argparse
 import csv
@@ -147,6 +148,33 @@ GRIDS = {
             "success (the last validation >= 0.1 below the run's best). If one is found, a 5-seed "
             "none / Top-P / Top-K / random grid in it is the next pre-registration; if none is, "
             "that is the result: no collapse at the official coefficients in 200 steps."))]),
+    # Estimate: 10 runs x 40 steps x 5 s / 2 = 0.3 h (a decomposition every 5 steps included).
+    "gradients": dict(
+        claim="Sec. 3, Fig. 4: the task gradient of a bucket of prompts grows with its reward "
+              "spread and the regulariser's (entropy bonus + KL to the initial policy) does not, "
+              "so where spread is low the regulariser drives the update. FrozenLake, no filter, "
+              "the 8 groups of a step in 6 spread buckets, a decomposition every 5 steps; with the "
+              "collapse grids' entropy bonus of 0.3, and at the official coefficients (entropy "
+              "0.001, KL 0.001). Without a KL term in training the KL gradient is measured at "
+              "0.001.",
+        flags=["--env", "frozenlake", "--filter", "none", "--grad-decomp-every", "5"],
+        world="frozenlake",
+        settings={"entropy0.3": ["--entropy-coef", "0.3"],
+                  "official": ["--entropy-coef", "0.001", "--kl-coef", "0.001"]},
+        seeds=SEEDS, steps=40, table_steps=[0, 20, 40],
+        decide=[
+            dict(kind="gradients", setting=setting, stat="rho_task_minus_reg", sign=1,
+                 text=f"{label}: the task gradient's norm rises with the bucket's reward spread "
+                      f"more than the regulariser's (Spearman over the run's decompositions)")
+            for setting, label in (("entropy0.3", "entropy bonus 0.3"),
+                                   ("official", "official coefficients"))] + [
+            dict(kind="gradients", setting="entropy0.3", stat="reg_share_low", sign=1,
+                 text="entropy bonus 0.3: on the lowest-spread bucket with any spread the "
+                      "regulariser's gradient is larger than the task's (its share of the two "
+                      "norms minus 1/2)"),
+            dict(kind="gradients", setting="official", stat="reg_share_high", sign=-1,
+                 text="official coefficients: on the highest-spread bucket the task gradient is "
+                      "larger than the regulariser's (its share of the two norms minus 1/2)")]),
     # Estimate: 20 runs x 50 steps x 8 s / 2 = 1.1 h.
     "main": dict(
         claim="The main command's world (Sokoban, default settings): Top-P and Top-K against no "
@@ -163,39 +191,13 @@ GRIDS = {
             dict(kind="paired", metric="val_success", a=("topk", "step", 50),
                  b=("none", "step", 50), sign=1, text="Top-K beats no filter at step 50"),
         ]),
-    # The earlier grids (3 seeds, no decision rule, no committed per-run logs): kept so that their
-    # committed tables can be re-run; superseded by the grids above.
-    "pilot": dict(
-        claim="Earlier search (one seed, 60 steps, FrozenLake, no filter) for a collapse regime "
-              "over the entropy coefficient.",
-        flags=["--env", "frozenlake", "--filter", "none"], world="frozenlake",
-        settings={f"ent{c}": ["--entropy-coef", c] for c in ("0.01", "0.03", "0.1", "0.3", "1.0")},
-        seeds=[0], steps=60, table_steps=[0, 20, 40, 60], decide=[]),
-    "collapse": dict(
-        claim="Earlier grid: no filter, Top-P and Top-K on FrozenLake with an entropy bonus of "
-              "0.3, 80 steps.",
-        flags=COLLAPSE + ["--grad-decomp-every", "20"], world="frozenlake",
-        settings=FILTERS, seeds=[0, 1, 2], steps=80, table_steps=[0, 20, 40, 60, 80], decide=[]),
-    "sokoban": dict(
-        claim="Earlier grid: Top-P and Top-K against no filter on Sokoban, default settings.",
-        flags=["--env", "sokoban"], world="sokoban",
-        settings=FILTERS, seeds=[0, 1, 2], steps=50, table_steps=[0, 25, 50], decide=[]),
-    "filters": dict(
-        claim="Earlier grid: Top-P and Top-K against no filter on FrozenLake, entropy 0.001.",
-        flags=["--env", "frozenlake", "--grad-decomp-every", "25"], world="frozenlake",
-        settings=FILTERS, seeds=[0, 1, 2], steps=100, table_steps=[0, 25, 50, 100], decide=[]),
-    "stochasticity": dict(
-        claim="Earlier grid: no filter against Top-P as FrozenLake's moves go their way with "
-              "probability 1, 0.6 and 1/3.",
-        flags=["--env", "frozenlake"], world=None,
-        settings={f"{f}-sr{sr}": ["--filter", f, "--success-rate", sr]
-                  for sr in ("1.0", "0.6", "0.3333") for f in ("none", "topp")},
-        seeds=[0, 1, 2], steps=60, table_steps=[0, 30, 60], decide=[]),
 }
-# Whole programme: 2.5 + 1.1 + 1.0 (+ 0.15 warm starts) + 1.1 = about 5.9 h of the 2-core machine.
+# Whole programme: 2.5 + 1.1 + 1.0 (+ 0.15 warm starts) + 0.3 + 1.1 = about 6.2 h of the 2-core
+# machine (gradients was added after collapse-env had run, before its own runs).
 # Cut to fit: no filter is not rerun at equal optimiser steps; the softmax Top-P variant only at
 # equal environment steps; the regime search has one seed and two KL values; the main world runs
-# 50 of the main command's 100 steps; the earlier grids are not rerun.
+# 50 of the main command's 100 steps. The earlier 3-seed grids (on the tiny policy before its
+# tokenizer changed, with no decision rules and no committed per-run logs) are not kept.
 
 METRICS = ["val_success", "train_success", "probe_mi_estimate", "probe_retrieval_acc",
            "probe_reasoning_entropy", "probe_conditional_entropy", "probe_action_mi",
@@ -208,8 +210,11 @@ COLUMNS = ["step", "skipped", "val_success", "train_success", "reward_mean", "ke
            "zero_var_fail_frac", "optimizer_steps", "token_entropy", "response_length",
            "mi_estimate", "mi_zscore_ema", "retrieval_acc", "reasoning_entropy",
            "conditional_entropy", "time_step"]  # and every probe_* metric
+BUCKET = ["mean_std", "task_grad_norm", "kl_grad_norm", "entropy_grad_norm", "reg_grad_norm"]
 DIAGNOSTICS = ["probe_mi_estimate", "probe_retrieval_acc", "probe_reasoning_entropy",
                "probe_conditional_entropy", "probe_action_mi", "mi_estimate", "token_entropy"]
+PHASE = ["probe_mi_estimate", "probe_reasoning_entropy", "probe_conditional_entropy",
+         "token_entropy"]  # the MI-versus-entropy phase, run by run
 MOVES = {"probe_mi_estimate": (-1, 0.1), "val_success": (-1, 0.2),  # direction, least change
          "probe_conditional_entropy": (1, 0.1), "token_entropy": (1, 0.1)}
 
@@ -295,16 +300,20 @@ def run(name, jobs):
 
 
 def archive(folder, name, results=RESULTS):
-    """A run's metrics.jsonl, trimmed to COLUMNS and every probe_* metric, floats to 6 significant
-    digits, gzipped without a time stamp (the same log gives the same bytes) to
-    results/<grid>/runs/<run>.jsonl.gz, written atomically. No log: nothing."""
+    """A run's metrics.jsonl, trimmed to COLUMNS, every probe_* metric and the gradient
+    decomposition's BUCKET numbers, floats to 6 significant digits, gzipped without a time stamp
+    (the same log gives the same bytes) to results/<grid>/runs/<run>.jsonl.gz, written atomically.
+    No log: nothing."""
     path = os.path.join(folder, "metrics.jsonl")
     if not os.path.isfile(path):
         return None
     lines = []
     for r in read_jsonl(open(path)):
-        kept = {k: (float(f"{v:.6g}") if isinstance(v, float) else v) for k, v in r.items()
+        kept = {k: short(v) for k, v in r.items()
                 if (k in COLUMNS or k.startswith("probe_")) and not isinstance(v, list)}
+        if "grad_decomposition" in r:
+            kept["grad_decomposition"] = [{k: short(b[k]) for k in BUCKET}
+                                          for b in r["grad_decomposition"]]
         lines.append(json.dumps(kept) + "\n")
     out = os.path.join(results, name, "runs", os.path.basename(folder) + ".jsonl.gz")
     os.makedirs(os.path.dirname(out), exist_ok=True)
@@ -315,6 +324,10 @@ def archive(folder, name, results=RESULTS):
         f.write(buffer.getvalue())
     os.replace(out + ".tmp", out)
     return out
+
+
+def short(v):
+    return float(f"{v:.6g}") if isinstance(v, float) else v
 
 
 def load(name, results=RESULTS):
@@ -404,7 +417,10 @@ def decide(name, data, rule, results=RESULTS):
     """One rule's row: what it compares, the estimate with its 95% interval, n, the verdict."""
     if rule["kind"] == "search":
         return search(name, data, rule)
-    if rule["kind"] == "leadlag":
+    if rule["kind"] == "gradients":
+        diffs = [gradient_stat(records, rule["stat"])
+                 for (setting, _), records in sorted(data.items()) if setting == rule["setting"]]
+    elif rule["kind"] == "leadlag":
         lags = []
         for (setting, _), records in sorted(data.items()):
             if setting == rule["setting"]:
@@ -432,6 +448,46 @@ def decide(name, data, rule, results=RESULTS):
         verdict = "undecided"
     return {"rule": rule["text"], "estimate": m, "low": None if m is None else m - half,
             "high": None if m is None else m + half, "n": n, "verdict": verdict}
+
+
+def gradient_stat(records, stat):
+    """One run's Fig. 4 statistic over its gradient decompositions (None without any):
+    rho_task_minus_reg: Spearman(bucket spread, task norm) - Spearman(spread, regulariser norm),
+    every bucket of every decomposition a point (a constant ranks nothing: 0);
+    reg_share_low / reg_share_high: on the lowest / highest-spread bucket that has any spread (a
+    bucket without has no task gradient at all: there the regulariser is all there is), the mean
+    over decompositions of reg / (reg + task) - 1/2, > 0 where the regulariser's gradient is
+    larger."""
+    decompositions = [r["grad_decomposition"] for r in records if r.get("grad_decomposition")]
+    if not decompositions:
+        return None
+    if stat == "rho_task_minus_reg":
+        points = [b for d in decompositions for b in d]
+        spread = [b["mean_std"] for b in points]
+        task, reg = ([b[k] for b in points] for k in ("task_grad_norm", "reg_grad_norm"))
+        return (spearman(spread, task) or 0.0) - (spearman(spread, reg) or 0.0)
+    with_spread = [[b for b in d if b["mean_std"] > 0] for d in decompositions]
+    picked = [d[0 if stat == "reg_share_low" else -1] for d in with_spread if d]
+    pairs = [(b["reg_grad_norm"], b["task_grad_norm"]) for b in picked]
+    shares = [reg / (reg + task) - 0.5 for reg, task in pairs if reg + task > 0]
+    return sum(shares) / len(shares) if shares else None
+
+
+def gradient_table(name, data):
+    """Fig. 4 in numbers: per setting and spread bucket, each BUCKET number's mean over a run's
+    decompositions, then over runs with its 95% t interval."""
+    rows = []
+    for setting in GRIDS[name]["settings"]:
+        runs = [[r["grad_decomposition"] for r in records if r.get("grad_decomposition")]
+                for (s, _), records in sorted(data.items()) if s == setting]
+        runs = [d for d in runs if d]
+        for bucket in range(max((len(d[0]) for d in runs), default=0)):
+            row = {"setting": setting, "bucket": bucket + 1, "runs": len(runs)}
+            for key in BUCKET:
+                m, half, _ = interval([sum(x[bucket][key] for x in d) / len(d) for d in runs])
+                row[key], row[key + "_ci95"] = m, half
+            rows.append(row)
+    return rows
 
 
 def search(name, data, rule):
@@ -478,15 +534,24 @@ def report(name, results=RESULTS):
     decisions = [decide(name, data, rule, results) for rule in g["decide"]]
     within, world_rows = correlations(name, data)
     leads = leadlag(data)
+    gradients = gradient_table(name, data)
     write_csv(os.path.join(out, "table.csv"), rows)
     write_csv(os.path.join(out, "decisions.csv"), decisions)
     write_csv(os.path.join(out, "correlations.csv"), within + world_rows)
     write_csv(os.path.join(out, "leadlag.csv"), leads)
+    write_csv(os.path.join(out, "perseed.csv"), [
+        {"setting": setting, "seed": seed, "step": step,
+         **{k: value_at(records, k, step) for k in ["val_success"] + PHASE}}
+        for setting in g["settings"] for (s, seed), records in sorted(data.items())
+        if s == setting for step in g["table_steps"]])
     numbers = {"decisions": decisions, "correlations": within + world_rows, "leadlag": leads}
+    if gradients:
+        write_csv(os.path.join(out, "gradients.csv"), gradients)
+        numbers["gradients"] = gradients
     with open(os.path.join(out, "numbers.json"), "w") as f:
         json.dump(rounded(numbers), f, indent=1, sort_keys=True)
         f.write("\n")
-    write_markdown(name, out, rows, decisions, within, world_rows, leads)
+    write_markdown(name, out, rows, decisions, within, world_rows, leads, gradients)
     figures(name, data, out)
     print(f"wrote {out}/table.md, csv files, numbers.json and figures ({len(data)} runs)")
     return rows
@@ -579,7 +644,7 @@ def fmt(m, half=None):
     return f"{m:.3f} ± {half:.3f}"
 
 
-def write_markdown(name, out, rows, decisions, within, world_rows, leads):
+def write_markdown(name, out, rows, decisions, within, world_rows, leads, gradients):
     g = GRIDS[name]
     shown = ["val_success", "probe_mi_estimate", "probe_reasoning_entropy",
              "probe_conditional_entropy", "probe_action_mi", "token_entropy", "kept_ratio",
@@ -617,6 +682,15 @@ def write_markdown(name, out, rows, decisions, within, world_rows, leads):
     for r in leads:
         lines.append(f"| {r['setting']} | {r['seed']} | " + " | ".join(
             "-" if r[k] is None else str(r[k]) for k in MOVES) + " |")
+    if gradients:
+        lines += ["", "## Gradient norms by reward-spread bucket (Fig. 4)", "",
+                  "Buckets from the lowest spread (1) to the highest; each run's mean over its "
+                  "decompositions, then the mean over runs ± the 95% t interval.", "",
+                  "| setting | bucket | runs | " + " | ".join(BUCKET) + " |",
+                  "|---|---|---|" + "---|" * len(BUCKET)]
+        for g in gradients:
+            cells = " | ".join(fmt(g[k], g[k + "_ci95"]) for k in BUCKET)
+            lines.append(f"| {g['setting']} | {g['bucket']} | {g['runs']} | {cells} |")
     with open(os.path.join(out, "table.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
 
@@ -659,12 +733,10 @@ def figures(name, data, out):
     plt.close(fig)
 
     # the MI-versus-entropy phase: per seed, then as a scatter against success
-    phase = ["probe_mi_estimate", "probe_reasoning_entropy", "probe_conditional_entropy",
-             "token_entropy"]
-    fig, axes = plt.subplots(len(settings), len(phase), figsize=(13, 2.6 * len(settings)),
+    fig, axes = plt.subplots(len(settings), len(PHASE), figsize=(13, 2.6 * len(settings)),
                              squeeze=False)
     for i, setting in enumerate(settings):
-        for j, key in enumerate(phase):
+        for j, key in enumerate(PHASE):
             ax = axes[i][j]
             for (s, seed), records in sorted(data.items()):
                 if s == setting:
@@ -678,10 +750,10 @@ def figures(name, data, out):
     fig.savefig(os.path.join(out, "perseed.png"), dpi=80)
     plt.close(fig)
 
-    fig, axes = plt.subplots(1, len(phase), figsize=(4 * len(phase), 3.3),
+    fig, axes = plt.subplots(1, len(PHASE), figsize=(4 * len(PHASE), 3.3),
                              squeeze=False)
     worlds = sorted({world_of(name, s) for s, _ in data})
-    for ax, key in zip(axes[0], phase):
+    for ax, key in zip(axes[0], PHASE):
         for w, world in enumerate(worlds):
             pairs = [(r[key], r["val_success"]) for (s, _), rs in data.items()
                      if world_of(name, s) == world for r in merged(rs)

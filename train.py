@@ -378,7 +378,8 @@ def update_policy(run, episodes, rewards, shuffle):
                 # the policy loss's terms add up with its weight, token means with the tokens'
                 for k, v in terms.items():
                     w = weight if k in ("pg_loss", "entropy_loss", "kl_loss") else token_weight
-                    stats[k] = stats.get(k, 0.0) + w * float(v)
+                    v = v.item() if torch.is_tensor(v) else v  # terms in the graph: no grad
+                    stats[k] = stats.get(k, 0.0) + w * v
             stats["grad_norm"] = float(torch.nn.utils.clip_grad_norm_(run.policy_params,
                                                                       args.grad_clip))
             if run.critic is not None:

@@ -23,7 +23,12 @@ def fake_run(folder, steps, success, mi, val=None, kept=4, opt=2):
             if s:
                 r.update(train_success=success, kept_ratio=0.5, num_kept=kept, num_zero_var=2,
                          zero_var_fail_frac=0.25, optimizer_steps=opt, time_step=1.0,
-                         token_entropy=0.1 + 0.01 * s, grad_decomposition=[{"bucket": 0}])
+                         token_entropy=0.1 + 0.01 * s)
+            if s % 10 == 0 and s:  # Fig. 4: the task norm = 2 x spread, the regulariser's 1
+                r["grad_decomposition"] = [
+                    {"bucket": b, "groups": [b], "mean_std": 0.1 * b, "mean_var": 0.01 * b * b,
+                     "task_grad_norm": 0.2 * b, "kl_grad_norm": 0.0, "entropy_grad_norm": 1.0,
+                     "reg_grad_norm": 1.0} for b in range(6)]
             if s % 5 == 0 and s:
                 r.update(mi_estimate=mi(s), probe_mi_estimate=mi(s), probe_mi_estimate_se=0.01,
                          probe_reasoning_entropy=1.0, probe_conditional_entropy=1.0 - mi(s))
@@ -100,6 +105,9 @@ def test_the_archive_is_trimmed_gzipped_and_reproducible(grid):
     records = [json.loads(line) for line in gzip.open(path, "rt")]
     assert [r["step"] for r in records] == list(range(21))
     assert "grad_decomposition" not in records[5] and "probe_mi_estimate_se" in records[5]
+    assert records[10]["grad_decomposition"][1] == {  # trimmed to the numbers Fig. 4 needs
+        "mean_std": 0.1, "task_grad_norm": 0.2, "kl_grad_norm": 0.0, "entropy_grad_norm": 1.0,
+        "reg_grad_norm": 1.0}
     assert records[5]["probe_mi_estimate"] == float(f"{0.5 / 3:.6g}")
     assert experiments.archive(os.path.join("runs", "nowhere"), grid) is None
 
@@ -148,6 +156,26 @@ def test_lead_lag_finds_which_series_moves_first(grid):
     assert d["estimate"] == 20 and d["n"] == 3
 
 
+def test_fig4_statistics_from_the_gradient_decompositions(grid):
+    toy_runs(grid)
+    data = experiments.load(grid)
+    records = data[("a", 0)]
+    # the task norm rises with spread exactly (rho 1), the regulariser's is constant (0)
+    assert experiments.gradient_stat(records, "rho_task_minus_reg") == pytest.approx(1.0)
+    # the lowest bucket with spread: task 0.2, regulariser 1 -> share 1 / 1.2; the highest: 1.0
+    # against 1 -> share 1/2 (the bucket without spread, task 0, is not the one compared)
+    assert experiments.gradient_stat(records, "reg_share_low") == pytest.approx(1 / 1.2 - 0.5)
+    assert experiments.gradient_stat(records, "reg_share_high") == pytest.approx(0.0)
+    assert experiments.gradient_stat([{"step": 1}], "reg_share_low") is None
+    rule = dict(kind="gradients", setting="b", stat="reg_share_low", sign=1, text="reg wins")
+    d = experiments.decide(grid, data, rule)
+    assert (d["n"], d["estimate"], d["verdict"]) == (3, pytest.approx(1 / 1.2 - 0.5), "holds")
+    rows = experiments.gradient_table(grid, data)
+    assert [(r["setting"], r["bucket"]) for r in rows][:2] == [("a", 1), ("a", 2)]
+    assert rows[5]["task_grad_norm"] == pytest.approx(1.0) and rows[5]["runs"] == 3
+    assert rows[5]["task_grad_norm_ci95"] == pytest.approx(0.0)
+
+
 def test_correlations_within_runs_within_worlds_and_pooled(grid):
     # MI rises with success inside every run; across runs the offsets are unrelated
     for i, (_, _, folder, _) in enumerate(experiments.runs_of(grid)):
@@ -181,10 +209,11 @@ def test_committed_tables_equal_the_regenerated_ones(tmp_path):
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     committed = [name for name in experiments.GRIDS
                  if os.path.isdir(os.path.join(root, "results", name, "runs"))]
-    for name in committed:  # none until the pre-registered grids have run
+    for name in committed:  # every grid first: a rule may compare with another grid's runs
         shutil.copytree(os.path.join(root, "results", name), tmp_path / name)
+    for name in committed:
         experiments.report(name, results=str(tmp_path))
-        for file in ("table.md", "table.csv", "decisions.csv", "numbers.json"):
+        for file in ("table.md", "table.csv", "decisions.csv", "numbers.json", "perseed.csv"):
             assert filecmp.cmp(os.path.join(root, "results", name, file), tmp_path / name / file,
                                shallow=False), (name, file)
 
