@@ -404,11 +404,15 @@ def event_step(records, key):
 
 
 def spearman(xs, ys):
-    from scipy.stats import spearmanr
+    """Spearman's rho: the Pearson correlation of the (tie-averaged) ranks. Written out rather than
+    scipy.stats.spearmanr because the bootstrap calls it thousands of times and that one's input
+    checks cost more than the arithmetic."""
+    import numpy as np
+    from scipy.stats import rankdata
 
     if len(xs) < 3 or len(set(xs)) < 2 or len(set(ys)) < 2:
         return None  # a constant ranks nothing
-    return float(spearmanr(xs, ys).statistic)
+    return float(np.corrcoef(rankdata(xs), rankdata(ys))[0, 1])
 
 
 # ----------------------------------------------------------------------------------------- decisions
@@ -513,7 +517,7 @@ def search(name, data, rule):
 
 # ----------------------------------------------------------------------------------------- the report
 
-def report(name, results=RESULTS):
+def report(name, results=RESULTS, with_figures=True):
     """Every table, figure and number of the grid from results/<grid>/runs/ alone."""
     g = GRIDS[name]
     data = load(name, results)
@@ -552,7 +556,8 @@ def report(name, results=RESULTS):
         json.dump(rounded(numbers), f, indent=1, sort_keys=True)
         f.write("\n")
     write_markdown(name, out, rows, decisions, within, world_rows, leads, gradients)
-    figures(name, data, out)
+    if with_figures:
+        figures(name, data, out)
     print(f"wrote {out}/table.md, csv files, numbers.json and figures ({len(data)} runs)")
     return rows
 
@@ -570,8 +575,8 @@ def world_of(name, setting):
 def correlations(name, data, resamples=1000, seed=0):
     """Spearman correlation of each diagnostic with validation success, at the steps with both:
     within each run (mean over runs with a 95% t interval), within each world (all its runs'
-    points, 95% interval from resampling whole runs), and pooled over worlds (a footnote: worlds
-    differ in both)."""
+    points, 95% interval from resampling whole runs), and, in a grid of several worlds, pooled
+    over them (a footnote: worlds differ in both)."""
     points = {}  # (setting, seed) -> [record with val_success]
     for key, records in data.items():
         by_step = {}
@@ -594,7 +599,8 @@ def correlations(name, data, resamples=1000, seed=0):
         within.append({"scope": "within runs", "world": "each", "diagnostic": diagnostic,
                        "rho": m, "low": None if m is None else m - half,
                        "high": None if m is None else m + half, "n": n})
-        for world, keys in sorted(worlds.items()) + [("pooled (footnote)", sorted(points))]:
+        pooled = [("pooled (footnote)", sorted(points))] if len(worlds) > 1 else []
+        for world, keys in sorted(worlds.items()) + pooled:
             boot = sorted(r for r in (rho([rng.choice(keys) for _ in keys])
                                       for _ in range(resamples)) if r is not None)
             low, high = (boot[int(0.025 * len(boot))], boot[int(0.975 * len(boot)) - 1]) if (
@@ -676,9 +682,10 @@ def write_markdown(name, out, rows, decisions, within, world_rows, leads, gradie
                      f"{span} | {c['n']} |")
     pooled = ", ".join(f"{c['diagnostic']} {fmt(c['rho'])}" for c in world_rows
                        if c["scope"] == "pooled")
-    lines += ["", f"Footnote, pooled over worlds (worlds differ in both, so this mixes them): "
-                  f"{pooled}.", "", "## Lead-lag: the step at which each series moves half-way",
-              "", "| setting | seed | " + " | ".join(MOVES) + " |", "|---|---|" + "---|" * len(MOVES)]
+    if pooled:  # only a grid of several worlds
+        lines += ["", f"Footnote, pooled over worlds (worlds differ in both, so this mixes them): "
+                      f"{pooled}."]
+    lines += ["", "## Lead-lag: the step at which each series moves half-way", "", "| setting | seed | " + " | ".join(MOVES) + " |", "|---|---|" + "---|" * len(MOVES)]
     for r in leads:
         lines.append(f"| {r['setting']} | {r['seed']} | " + " | ".join(
             "-" if r[k] is None else str(r[k]) for k in MOVES) + " |")
