@@ -695,8 +695,8 @@ def write_markdown(name, out, rows, decisions, within, world_rows, leads, gradie
                   "decompositions, then the mean over runs ± the 95% t interval.", "",
                   "| setting | bucket | runs | " + " | ".join(BUCKET) + " |",
                   "|---|---|---|" + "---|" * len(BUCKET)]
-        for g in gradients:
-            cells = " | ".join(fmt(g[k], g[k + "_ci95"]) for k in BUCKET)
+        for g in gradients:  # norms span four decades: significant digits, not decimals
+            cells = " | ".join(f"{g[k]:.3g} ± {g[k + '_ci95']:.2g}" for k in BUCKET)
             lines.append(f"| {g['setting']} | {g['bucket']} | {g['runs']} | {cells} |")
     with open(os.path.join(out, "table.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
