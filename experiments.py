@@ -309,10 +309,10 @@ def archive(folder, name, results=RESULTS):
         return None
     lines = []
     for r in read_jsonl(open(path)):
-        kept = {k: short(v) for k, v in r.items()
+        kept = {k: six_digits(v) for k, v in r.items()
                 if (k in COLUMNS or k.startswith("probe_")) and not isinstance(v, list)}
         if "grad_decomposition" in r:
-            kept["grad_decomposition"] = [{k: short(b[k]) for k in BUCKET}
+            kept["grad_decomposition"] = [{k: six_digits(b[k]) for k in BUCKET}
                                           for b in r["grad_decomposition"]]
         lines.append(json.dumps(kept) + "\n")
     out = os.path.join(results, name, "runs", os.path.basename(folder) + ".jsonl.gz")
@@ -326,7 +326,7 @@ def archive(folder, name, results=RESULTS):
     return out
 
 
-def short(v):
+def six_digits(v):
     return float(f"{v:.6g}") if isinstance(v, float) else v
 
 
@@ -545,9 +545,9 @@ def report(name, results=RESULTS, with_figures=True):
     write_csv(os.path.join(out, "leadlag.csv"), leads)
     write_csv(os.path.join(out, "perseed.csv"), [
         {"setting": setting, "seed": seed, "step": step,
-         **{k: value_at(records, k, step) for k in ["val_success"] + PHASE}}
-        for setting in g["settings"] for (s, seed), records in sorted(data.items())
-        if s == setting for step in g["table_steps"]])
+         **{k: value_at(data[setting, seed], k, step) for k in ["val_success"] + PHASE}}
+        for setting in g["settings"] for seed in g["seeds"] if (setting, seed) in data
+        for step in g["table_steps"]])
     numbers = {"decisions": decisions, "correlations": within + world_rows, "leadlag": leads}
     if gradients:
         write_csv(os.path.join(out, "gradients.csv"), gradients)
@@ -685,7 +685,8 @@ def write_markdown(name, out, rows, decisions, within, world_rows, leads, gradie
     if pooled:  # only a grid of several worlds
         lines += ["", f"Footnote, pooled over worlds (worlds differ in both, so this mixes them): "
                       f"{pooled}."]
-    lines += ["", "## Lead-lag: the step at which each series moves half-way", "", "| setting | seed | " + " | ".join(MOVES) + " |", "|---|---|" + "---|" * len(MOVES)]
+    lines += ["", "## Lead-lag: the step at which each series moves half-way", "",
+              "| setting | seed | " + " | ".join(MOVES) + " |", "|---|---|" + "---|" * len(MOVES)]
     for r in leads:
         lines.append(f"| {r['setting']} | {r['seed']} | " + " | ".join(
             "-" if r[k] is None else str(r[k]) for k in MOVES) + " |")
