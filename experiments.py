@@ -45,9 +45,10 @@ CONTROLS = {"random": ["--filter", "random", "--control-of", "topk"],
             "bottom": ["--filter", "bottom", "--control-of", "topk"]}
 SEEDS = [0, 1, 2, 3, 4]  # 5 seeds for every claim
 # Wall-time model: seconds a training step of one run takes (one thread, two runs side by side on
-# the 2-core machine; validation and diagnoses included), by world. From the 2-core Sokoban step
-# (about 5 s on 2 threads) and the earlier grids; the first runs' time_step corrects it.
-SECONDS_PER_STEP = {"frozenlake": 5.0, "sokoban": 8.0, "sokoban-large": 10.0}
+# the 2-core machine; validation and diagnoses included), by world. Measured: collapse-env, 30 x
+# 120 FrozenLake steps in 84 minutes (2.8 s); the main grid's first Sokoban runs, about 6 s. The
+# larger Sokoban room is a guess.
+SECONDS_PER_STEP = {"frozenlake": 3.0, "sokoban": 6.0, "sokoban-large": 8.0}
 
 # ---------------------------------------------------------------------------------------- the grids
 # Pre-registered: settings, seeds, steps and decision rules are fixed before the runs. A rule
