@@ -33,6 +33,8 @@ import subprocess
 import sys
 import time
 
+from plots import read_jsonl
+
 ROOT = os.path.dirname(os.path.abspath(__file__))
 RUNS = os.path.join("runs", "experiments")
 RESULTS = "results"
@@ -241,17 +243,6 @@ def estimate_hours(name, jobs=2):
         world = argv[argv.index("--env") + 1] if "--env" in argv else "sokoban"
         total += g["steps"] * g.get("seconds", {}).get(setting, SECONDS_PER_STEP[world])
     return total / jobs / 3600
-
-
-def read_jsonl(lines):
-    """Metric records from JSON lines; a damaged line (a killed writer's last) is skipped."""
-    out = []
-    for line in lines:
-        try:
-            out.append(json.loads(line))
-        except json.JSONDecodeError:
-            continue
-    return out
 
 
 def finished(folder, steps):

@@ -71,15 +71,20 @@ MARKERS = ["o", "s", "^", "D", "v", "P"]
 
 
 def read_metrics(run_dir):
-    """The list of per-step records of a run; a half-written last line (a killed run) is skipped,
-    not fatal."""
-    records = []
+    """The list of per-step records of a run (read_jsonl of its metrics.jsonl)."""
     with open(os.path.join(run_dir, "metrics.jsonl")) as f:
-        for line in f:
-            try:
-                records.append(json.loads(line))
-            except json.JSONDecodeError:
-                continue
+        return read_jsonl(f)
+
+
+def read_jsonl(lines):
+    """Records from JSON lines; a half-written line (a killed writer's last) is skipped, not
+    fatal. experiments.py reads its gzipped archives with it too."""
+    records = []
+    for line in lines:
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
     return records
 
 

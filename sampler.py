@@ -139,9 +139,7 @@ def hf_policy(model, tokenizer, max_new_tokens, temperature=1.0, top_p=1.0):
             past_key_values=cache,
             use_cache=True,
             logits_to_keep=1,
-        ).logits[
-            :, -1
-        ]  # [B, V]
+        ).logits[:, -1]                                                        # [B, V]
         position = position + real.sum(1)                                      # [B]
 
         # ---- sample token by token; a row that stopped is fed padding, attention 0, until all rows
