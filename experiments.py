@@ -285,7 +285,8 @@ def run(name, jobs):
             running.remove(item)
             archive(folder, name)
             minutes = (time.time() - started) / 60
-            print(f"  {folder}: exit {process.returncode} ({minutes:.1f} min)", flush=True)
+            print(f"  {folder}: exit {process.returncode} ({minutes:.1f} min into this call)",
+                  flush=True)
     for _, _, folder, _ in runs_of(name):  # runs finished by an earlier call, archived again
         archive(folder, name)
     report(name)
