@@ -551,7 +551,8 @@ def report(name, results=RESULTS, with_figures=True):
     write_markdown(name, out, rows, decisions, within, world_rows, leads, gradients)
     if with_figures:
         figures(name, data, out)
-    print(f"wrote {out}/table.md, csv files, numbers.json and figures ({len(data)} runs)")
+    print(f"wrote {out}/table.md, csv files, numbers.json{' and figures' if with_figures else ''} "
+          f"({len(data)} runs)")
     return rows
 
 
