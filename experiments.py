@@ -679,7 +679,9 @@ def write_markdown(name, out, rows, decisions, within, world_rows, leads, gradie
     if pooled:  # only a grid of several worlds
         lines += ["", f"Footnote, pooled over worlds (worlds differ in both, so this mixes them): "
                       f"{pooled}."]
+    least = ", ".join(f"{k} {v[1]}" for k, v in MOVES.items())
     lines += ["", "## Lead-lag: the step at which each series moves half-way", "",
+              f"(-: the series moved less than its least change: {least}.)", "",
               "| setting | seed | " + " | ".join(MOVES) + " |", "|---|---|" + "---|" * len(MOVES)]
     for r in leads:
         lines.append(f"| {r['setting']} | {r['seed']} | " + " | ".join(
