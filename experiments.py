@@ -18,6 +18,7 @@ The report (results/<grid>/): table.md (means with 95% t intervals at n - 1 degr
 seeds, the decision rules and their verdicts from paired differences over seeds, correlations
 within runs and within worlds, pooled only as a footnote, and a lead-lag check), the same as csv
 files and numbers.json, perseed.csv (each run's success, MI and entropies at the table's steps),
+search.csv for the regime search (each run's numbers for its three criteria),
 curves.png (against environment steps, optimiser steps and trajectories trained on),
 perseed.png (each seed's MI and entropies) and scatter.png.
 """
@@ -489,23 +490,36 @@ def gradient_table(name, data):
 
 def search(name, data, rule):
     """The regime search's rule, run by run: which settings showed a collapse regime."""
-    found, checked = [], 0
-    for (setting, seed), records in sorted(data.items()):
-        probes = [r["probe_mi_estimate"] for r in sorted(records, key=lambda r: r["step"])
-                  if "probe_mi_estimate" in r]
-        vals = [r["val_success"] for r in sorted(records, key=lambda r: r["step"])
-                if "val_success" in r]
-        fails = [r["zero_var_fail_frac"] for r in records if "zero_var_fail_frac" in r]
-        if len(probes) < 3 or not vals or not fails:
-            continue
-        checked += 1
-        if (sum(fails) / len(fails) >= 0.5 and sum(probes[-2:]) / 2 <= probes[0] / 2
-                and vals[-1] <= max(vals) - 0.1):
-            found.append(f"{setting}-s{seed}")
-    verdict = ("not run" if not checked else
+    runs = search_criteria(data)
+    found = [f"{r['setting']}-s{r['seed']}" for r in runs if r["regime"]]
+    verdict = ("not run" if not runs else
                f"regime found: {', '.join(found)}" if found else "no regime found")
     return {"rule": rule["text"], "estimate": len(found), "low": None, "high": None,
-            "n": checked, "verdict": verdict}
+            "n": len(runs), "verdict": verdict}
+
+
+def search_criteria(data):
+    """Each run's numbers for the regime search's three criteria, and the mean train success (how
+    often its rollouts failed, whatever their rewards' spread) -> rows. A zero-spread group is
+    all-fail only if its failing rollouts got equal rewards."""
+    rows = []
+    for (setting, seed), records in sorted(data.items()):
+        records = sorted(records, key=lambda r: r["step"])
+        probes = [r["probe_mi_estimate"] for r in records if "probe_mi_estimate" in r]
+        vals = [r["val_success"] for r in records if "val_success" in r]
+        fails = [r["zero_var_fail_frac"] for r in records if "zero_var_fail_frac" in r]
+        train = [r["train_success"] for r in records if "train_success" in r]
+        if len(probes) < 3 or not vals or not fails:
+            continue
+        row = {"setting": setting, "seed": seed, "zero_var_fail_frac": sum(fails) / len(fails),
+               "probe_mi_first": probes[0], "probe_mi_last_two": sum(probes[-2:]) / 2,
+               "val_best": max(vals), "val_last": vals[-1],
+               "train_success": sum(train) / len(train)}
+        row["regime"] = (row["zero_var_fail_frac"] >= 0.5
+                         and row["probe_mi_last_two"] <= row["probe_mi_first"] / 2
+                         and row["val_last"] <= row["val_best"] - 0.1)
+        rows.append(row)
+    return rows
 
 
 # ----------------------------------------------------------------------------------------- the report
@@ -532,6 +546,7 @@ def report(name, results=RESULTS, with_figures=True):
     within, world_rows = correlations(name, data)
     leads = leadlag(data)
     gradients = gradient_table(name, data)
+    searched = search_criteria(data) if any(r["kind"] == "search" for r in g["decide"]) else []
     write_csv(os.path.join(out, "table.csv"), rows)
     write_csv(os.path.join(out, "decisions.csv"), decisions)
     write_csv(os.path.join(out, "correlations.csv"), within + world_rows)
@@ -545,10 +560,14 @@ def report(name, results=RESULTS, with_figures=True):
     if gradients:
         write_csv(os.path.join(out, "gradients.csv"), gradients)
         numbers["gradients"] = gradients
+    if searched:
+        write_csv(os.path.join(out, "search.csv"), searched)
+        numbers["search"] = searched
     with open(os.path.join(out, "numbers.json"), "w") as f:
         json.dump(rounded(numbers), f, indent=1, sort_keys=True)
         f.write("\n")
-    write_markdown(name, out, rows, decisions, within, world_rows, leads, gradients)
+    write_markdown(name, out, rows, decisions, within, world_rows, leads, gradients,
+                   searched)
     if with_figures:
         figures(name, data, out)
     print(f"wrote {out}/table.md, csv files, numbers.json{' and figures' if with_figures else ''} "
@@ -644,7 +663,8 @@ def fmt(m, half=None):
     return f"{m:.3f} ± {half:.3f}"
 
 
-def write_markdown(name, out, rows, decisions, within, world_rows, leads, gradients):
+def write_markdown(name, out, rows, decisions, within, world_rows, leads, gradients,
+                   searched=()):
     g = GRIDS[name]
     shown = ["val_success", "probe_mi_estimate", "probe_reasoning_entropy",
              "probe_conditional_entropy", "probe_action_mi", "token_entropy", "kept_ratio",
@@ -667,6 +687,16 @@ def write_markdown(name, out, rows, decisions, within, world_rows, leads, gradie
             d["low"]) else "-"
         lines.append(f"| {d['rule']} | {fmt(d['estimate'])} | {span} | {d['n']} | "
                      f"{d['verdict']} |")
+    if searched:
+        keys = ["zero_var_fail_frac", "probe_mi_first", "probe_mi_last_two", "val_best",
+                "val_last", "train_success"]
+        lines += ["", "The search's criteria, run by run (train_success: the run's mean, for how "
+                      "often rollouts failed whatever their rewards' spread):", "",
+                  "| setting | seed | " + " | ".join(keys) + " | regime |",
+                  "|---|---|" + "---|" * (len(keys) + 1)]
+        for r in searched:
+            lines.append(f"| {r['setting']} | {r['seed']} | "
+                         + " | ".join(fmt(r[k]) for k in keys) + f" | {r['regime']} |")
     lines += ["", "## Spearman correlation with validation success", "",
               "| scope | world | diagnostic | rho | 95% interval | n |", "|---|---|---|---|---|---|"]
     for c in within + [c for c in world_rows if c["scope"] != "pooled"]:

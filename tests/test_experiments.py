@@ -221,7 +221,10 @@ def test_committed_tables_equal_the_regenerated_ones(tmp_path):
         shutil.copytree(os.path.join(root, "results", name), tmp_path / name)
     for name in committed:  # the figures are not compared
         experiments.report(name, results=str(tmp_path), with_figures=False)
-        for file in ("table.md", "table.csv", "decisions.csv", "numbers.json", "perseed.csv"):
+        for file in ("table.md", "table.csv", "decisions.csv", "numbers.json", "perseed.csv",
+                     "search.csv"):
+            if file == "search.csv" and not os.path.isfile(tmp_path / name / file):
+                continue  # only the regime search writes one
             assert filecmp.cmp(os.path.join(root, "results", name, file), tmp_path / name / file,
                                shallow=False), (name, file)
 
@@ -236,3 +239,30 @@ def test_command_line_help_list_and_errors(capsys):
     assert out.startswith("main:") and "collapse-env" not in out and "rule: Top-P beats" in out
     assert experiments.main(["list", "nope"]) == 2
     assert "unknown grid 'nope'" in capsys.readouterr().err
+
+
+def test_the_regime_search_needs_all_three_criteria_and_shows_them_run_by_run():
+    """A run is a regime only with zero-spread all-fail groups >= 0.5 on average, the last two probe
+    MIs at most half the first, and the last validation 0.1 below the best; each run's numbers are
+    the report's search table."""
+    def records(fail, mi_last, val_last):
+        out = [{"step": 0, "val_success": 0.8}]
+        for s in range(1, 21):
+            r = {"step": s, "zero_var_fail_frac": fail, "train_success": 0.1}
+            if s % 5 == 0 or s == 1:
+                r["probe_mi_estimate"] = 1.0 if s < 15 else mi_last
+            if s % 10 == 0:
+                r["val_success"] = 0.8 if s < 20 else val_last
+            out.append(r)
+        return out
+    data = {("regime", 0): records(0.6, 0.5, 0.7), ("easy", 0): records(0.4, 0.5, 0.7),
+            ("kept-mi", 0): records(0.6, 0.51, 0.7), ("kept-success", 0): records(0.6, 0.5, 0.71)}
+    rows = {r["setting"]: r for r in experiments.search_criteria(data)}
+    assert [s for s, r in rows.items() if r["regime"]] == ["regime"]
+    assert rows["regime"]["probe_mi_first"] == 1.0 and rows["regime"]["probe_mi_last_two"] == 0.5
+    assert rows["easy"]["zero_var_fail_frac"] == pytest.approx(0.4)
+    assert rows["kept-success"]["val_best"] == 0.8 and rows["kept-success"]["val_last"] == 0.71
+    assert rows["regime"]["train_success"] == pytest.approx(0.1)
+    decision = experiments.search("toy", data, {"text": "rule"})
+    assert decision["verdict"] == "regime found: regime-s0" and decision["n"] == 4
+    assert experiments.search("toy", {}, {"text": "rule"})["verdict"] == "not run"
