@@ -6,7 +6,7 @@ A new top-level file because it is a concept of its own: each grid below is one 
 (or a search for a regime, said to be one), with its exact train.py flags, seeds, steps and the
 comparisons that decide it. Run folders go to runs/experiments/<grid>/<setting>-s<seed> (not
 committed); a finished run is never run again, an interrupted one is resumed (train.py --resume).
-When a run's process ends, its metrics are copied, trimmed to COLUMNS and gzipped, to
+When a run's process ends, its scalar metrics are copied, gzipped, to
 results/<grid>/runs/<setting>-s<seed>.jsonl.gz; `report` reads nothing else. Every grid runs the
 tiny policy, on a GPU machine too.
 
@@ -209,11 +209,6 @@ METRICS = ["val_success", "train_success", "probe_mi_estimate", "probe_retrieval
            "zero_var_fail_frac", "optimizer_steps_total", "trajectories_total"]
 AT_THE_STEP = ("val_success", "mi_estimate", "retrieval_acc", "reasoning_entropy",
                "conditional_entropy", "probe_", "optimizer_steps_total", "trajectories_total")
-COLUMNS = ["step", "skipped", "val_success", "train_success", "reward_mean", "kept_ratio",
-           "num_kept", "num_zero_var", "zero_var_frac", "zero_var_success_frac",
-           "zero_var_fail_frac", "optimizer_steps", "token_entropy", "response_length",
-           "mi_estimate", "mi_zscore_ema", "retrieval_acc", "reasoning_entropy",
-           "conditional_entropy", "time_step"]  # and every probe_* metric
 BUCKET = ["mean_std", "task_grad_norm", "kl_grad_norm", "entropy_grad_norm", "reg_grad_norm"]
 DIAGNOSTICS = ["probe_mi_estimate", "probe_retrieval_acc", "probe_reasoning_entropy",
                "probe_conditional_entropy", "probe_action_mi", "mi_estimate", "token_entropy"]
@@ -294,8 +289,8 @@ def run(name, jobs):
 
 
 def archive(folder, name, results=RESULTS):
-    """A run's metrics.jsonl, trimmed to COLUMNS, every probe_* metric and the gradient
-    decomposition's BUCKET numbers, floats to 6 significant digits, gzipped without a time stamp
+    """A run's metrics.jsonl, every scalar metric and the gradient decomposition's BUCKET numbers,
+    floats to 6 significant digits, gzipped without a time stamp
     (the same log gives the same bytes) to results/<grid>/runs/<run>.jsonl.gz, written atomically.
     No log: nothing."""
     path = os.path.join(folder, "metrics.jsonl")
@@ -303,8 +298,7 @@ def archive(folder, name, results=RESULTS):
         return None
     lines = []
     for r in read_jsonl(open(path)):
-        kept = {k: six_digits(v) for k, v in r.items()
-                if (k in COLUMNS or k.startswith("probe_")) and not isinstance(v, list)}
+        kept = {k: six_digits(v) for k, v in r.items() if not isinstance(v, (list, dict))}
         if "grad_decomposition" in r:
             kept["grad_decomposition"] = [{k: six_digits(b[k]) for k in BUCKET}
                                           for b in r["grad_decomposition"]]

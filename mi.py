@@ -368,25 +368,36 @@ def mi_zscore_ema(metrics, std_ema=None, decay=0.9, seq=False):
 # Cross-scoring a causal language model: L[m, j] = log p(z_m | x_j) for every (reasoning, prompt)
 
 
-def _encode(tokenizer, texts, what):
+def _as_id_lists(ids, what):
+    if not isinstance(ids, (list, tuple)) or not all(
+            isinstance(row, (list, tuple)) and all(isinstance(t, int) for t in row) for row in ids):
+        raise ValueError(f"{what} must be a list of token-id lists")
+    return [list(row) for row in ids]
+
+
+def tokenize(tokenizer, texts):
+    """Texts -> token-id lists, without added special tokens (a prompt already carries what the chat
+    template put there). Scoring re-tokenised text is the official code's way; it is not what was
+    sampled: at temperature 2.5 about half of the tiny policy's sampled reasonings tokenise back
+    differently (bench/bench_cross_scores.py measures what that does to the scores)."""
     if not isinstance(texts, (list, tuple)) or not all(isinstance(t, str) for t in texts):
-        raise ValueError(f"{what} must be a list of strings")
+        raise ValueError("texts must be a list of strings")
     if not texts:
         return []
     return [list(ids) for ids in tokenizer(list(texts), add_special_tokens=False)["input_ids"]]
 
 
 @torch.inference_mode()
-def cross_scores(model, tokenizer, prompts, reasonings, batch_size=8, temperature=1.0):
+def cross_scores(model, prompt_ids, reasoning_ids, batch_size=8, temperature=1.0, pad_id=0):
     """Score every reasoning under every prompt: returns (scores_sum [M, N] float32, lengths [M]
     int64), on the CPU.
 
     scores_sum[m, j] = sum_t log p(z_m,t | x_j, z_m,<t) under `model` at the sampling temperature
     (p = softmax(logits / temperature), the policy that wrote z; teacher forcing, no gradients),
-    lengths[m] = number of tokens of z_m. Each text is tokenized once without added
-    special tokens (the prompt already carries what the chat template put there) and the
-    reasoning's tokens are appended to the prompt's, so the token boundary is the same for every
-    pair. An empty reasoning scores 0 with length 0.
+    lengths[m] = number of tokens of z_m. Prompts and reasonings are token-id lists, the ids that
+    were sampled (rollout.Episode.first_prompt_ids, first_reasoning_ids): the reasoning's tokens are
+    appended to each prompt's, so a sample's score under its own prompt is its sampling log-prob.
+    An empty reasoning scores 0 with length 0; `pad_id` fills padding that attention never sees.
 
     Cost: each prompt is encoded once; its key/value cache is then repeated over a batch of at most
     `batch_size` reasonings (right-padded, attention-masked), so the work grows with
@@ -399,8 +410,8 @@ def cross_scores(model, tokenizer, prompts, reasonings, batch_size=8, temperatur
         raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
     if not temperature > 0:
         raise ValueError(f"temperature must be > 0, got {temperature!r}")
-    prompt_ids = _encode(tokenizer, prompts, "prompts")
-    reasoning_ids = _encode(tokenizer, reasonings, "reasonings")
+    prompt_ids = _as_id_lists(prompt_ids, "prompt_ids")
+    reasoning_ids = _as_id_lists(reasoning_ids, "reasoning_ids")
     if any(len(ids) == 0 for ids in prompt_ids):
         raise ValueError("every prompt must have at least one token (its last position predicts "
                          "the reasoning)")
@@ -411,7 +422,6 @@ def cross_scores(model, tokenizer, prompts, reasonings, batch_size=8, temperatur
     # keep score 0.
     order = sorted((m for m in range(len(reasoning_ids)) if reasoning_ids[m]),
                    key=lambda m: len(reasoning_ids[m]))
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0   # masked out
     batches = []
     for start in range(0, len(order), batch_size):
         batch = order[start:start + batch_size]

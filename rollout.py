@@ -33,6 +33,7 @@ The policy is any function policy(prompt_ids, envs) -> list[Generation]; sampler
 Face causal LM into one.
 """
 
+import bisect
 from dataclasses import dataclass, field
 
 import torch
@@ -155,6 +156,15 @@ class Episode:
     first_prompt: str = ""
     # turn-1 text between <think> and </think>; the rest of the reply if unclosed (Z)
     first_reasoning: str = ""
+    # the same split of the tokens as sampled (the diagnosis scores these, never re-tokenised text):
+    # X's ids (the prompt's, through the token that ends "<think>"), Z's sampled ids, the rest of
+    # turn 1 (closing tag, answer, end-of-turn token), and the sampling log-probs summed over Z and
+    # over the rest (None when the policy gave none)
+    first_prompt_ids: list = field(default_factory=list)
+    first_reasoning_ids: list = field(default_factory=list)
+    first_answer_ids: list = field(default_factory=list)
+    first_reasoning_logprob: float = None
+    first_answer_logprob: float = None
     responses: list = field(default_factory=list)  # decoded replies (prefill included), per turn
     response_lengths: list = field(default_factory=list)  # sampled tokens per turn
     turn_rewards: list = field(default_factory=list)  # env rewards + penalty, per turn
@@ -197,6 +207,33 @@ def _split_reasoning(prompt_text, response_text):
     if stop < 0:
         return full[:start], full[start:]
     return full[:start], full[start:stop - (full[start:stop].endswith(" "))]
+
+
+def _split_reasoning_ids(tokenizer, prompt_ids, prefill, tokens, logprobs, ended):
+    """_split_reasoning on the sampled tokens themselves -> (X ids, Z ids, rest ids, Z log-prob,
+    rest log-prob). Z is the run of sampled tokens that starts where the reply's "<think>" has been
+    written and stops before the token in which "</think>" begins (a tokenizer that writes the
+    space into the tag's token, " </think>", leaves that space out of Z, as the text split does);
+    what precedes Z joins the prompt. Character offsets come from decoding prefixes of the sampled
+    tokens (bisected: a prefix's text only grows). `ended`: the last token ends the turn (it goes
+    with the rest, never with Z)."""
+    content = len(tokens) - ended
+    text = prefill + tokenizer.decode(tokens[:content], skip_special_tokens=False)
+
+    def offset(k):  # characters of the reply written by the first k sampled tokens
+        return len(prefill) + len(tokenizer.decode(tokens[:k], skip_special_tokens=False))
+
+    think = text.find("<think>")
+    if think < 0:  # no reasoning block: all of the reply is Z, as in the text split
+        start, stop = 0, content
+    else:
+        start = bisect.bisect_left(range(content + 1), think + len("<think>"), key=offset)
+        close = text.find("</think>", think + len("<think>"))
+        stop = content if close < 0 else max(
+            start, bisect.bisect_right(range(content + 1), close, key=offset) - 1)
+    lp = (lambda a, b: float(sum(logprobs[a:b]))) if logprobs is not None else (lambda a, b: None)
+    return (list(prompt_ids) + tokens[:start], tokens[start:stop], tokens[stop:], lp(start, stop),
+            lp(stop, len(tokens)))
 
 
 def play(
@@ -279,6 +316,10 @@ def play(
             e.responses.append(text)
             if turn == 1:
                 e.first_prompt, e.first_reasoning = _split_reasoning(e.prompt_text, text)
+                (e.first_prompt_ids, e.first_reasoning_ids, e.first_answer_ids,
+                 e.first_reasoning_logprob, e.first_answer_logprob) = _split_reasoning_ids(
+                    tokenizer, e.ids[:len(e.ids) - len(tokens)], prefill, tokens, gen.logprobs,
+                    ended)
 
             # ---- parse and act: the valid actions among the first max_actions_per_turn pieces are
             # stepped

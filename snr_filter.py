@@ -247,7 +247,8 @@ def gradient_decomposition(model, input_ids, attention_mask, policy_mask, reward
                            old_logp=None, ref_model=None, ref_logp=None, n_buckets=6,
                            normalize_std=False, eps=1e-6, kl_kind="k3", kl_coef=1.0,
                            entropy_coef=1.0, clip_low=0.2, clip_high=0.28, clip_c=3.0,
-                           agg="token-mean", temperature=1.0):
+                           agg="token-mean", temperature=1.0, advantages=None,
+                           norm_length=None):
     """Norms of the task, KL and entropy gradients per reward-spread bucket -- the data of Fig. 4.
 
     Inputs: a Hugging Face causal LM; input_ids, attention_mask, policy_mask [B, T] (policy_mask
@@ -263,6 +264,9 @@ def gradient_decomposition(model, input_ids, attention_mask, policy_mask, reward
                (grpo.group_advantages) on every policy token of the trajectory. No std division by
                default, so the sqrt(RV) scaling shows; normalize_std=True gives GRPO's
                A = (r - mean) / (std + eps), which removes that scaling for every group with spread.
+               `advantages` [B, T - 1] replaces A by the token advantages an update trains on
+               (train.py passes PPO's whitened GAE advantages, or GRPO's): the norms of the
+               gradient the update takes, whose bound the critic's baseline may not obey.
       kl       kl_coef * aggregate(kl_estimate(logp, ref_logp, kl_kind)). The reference is
                `ref_logp`, else `ref_model`, else the policy itself at this moment -- then the KL
                term sits at its minimum and its gradient is exactly 0 (as at step 1 of training,
@@ -290,7 +294,12 @@ def gradient_decomposition(model, input_ids, attention_mask, policy_mask, reward
                          f"{tuple(policy_mask.shape)}")
     std = group_scores(r, "std")                                           # [G]
     adv = group_advantages(r, normalize_std=normalize_std, eps=eps)       # [G, K] r - mean_g (r)
-    adv = adv.reshape(B).float().to(input_ids.device)                      # [B] one per sequence
+    adv = adv.reshape(B, 1).float().to(input_ids.device).expand(B, T - 1)  # [B, T-1] per sequence
+    if advantages is not None:
+        if advantages.shape != (B, T - 1):
+            raise ValueError(f"advantages must be [B, T - 1] = [{B}, {T - 1}]; got "
+                             f"{tuple(advantages.shape)}")
+        adv = advantages.float().to(input_ids.device)                      # [B, T-1] the update's
     trained = policy_mask[:, 1:].bool() & attention_mask[:, 1:].bool()     # [B, T-1]
     mask = trained.float()                                                 # [B, T-1]
     params = [p for p in model.parameters() if p.requires_grad]
@@ -315,10 +324,10 @@ def gradient_decomposition(model, input_ids, attention_mask, policy_mask, reward
             ref = logp.detach()                                            # [b, T-1]
 
         # the training loss, its three terms taken apart (each coefficient 1 there, applied here)
-        _, terms = policy_loss(logp, old, adv[rows][:, None].expand_as(logp), m, agg,
+        _, terms = policy_loss(logp, old, adv[rows], m, agg,
                                entropy=entropy_from_logits(logits), entropy_coef=1.0,
                                ref_logp=ref, kl_coef=1.0, kl_kind=kl_kind, clip_low=clip_low,
-                               clip_high=clip_high, clip_c=clip_c)
+                               clip_high=clip_high, clip_c=clip_c, norm_length=norm_length)
         task_loss = terms["pg_loss"]
         kl_loss = kl_coef * terms["kl_loss"]
         entropy_loss = -entropy_coef * terms["entropy_loss"]

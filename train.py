@@ -109,6 +109,8 @@ class Args:
     # diagnosis, validation, output
     mi_every: int = arg(5, "cross-scoring diagnosis at step 1 and every N steps (0 = off)")
     mi_samples: int = arg(64, "samples cross-scored per diagnosis")
+    retokenize: bool = arg(False, "diagnosis: score the decoded texts tokenised again (the "
+                           "official code's way) instead of the sampled ids")
     probe_prompts: int = arg(8, "fixed held-out prompts diagnosed at every diagnosis (0 = off)")
     probe_samples: int = arg(8, "first-turn reasonings sampled per probe prompt")
     grad_decomp_every: int = arg(0, "task / KL-to-start / entropy gradient norms per spread bucket, "
@@ -207,21 +209,49 @@ def rollout_stats(episodes, rewards):
 
 def diagnose(run, episodes, rng):
     """Step 2: cross-score up to mi_samples first-turn reasonings under every group's first prompt
-    (Sec. 2.3). Identical prompts (Bandit repeats its 4 layouts; rooms can repeat) count as one."""
+    (Sec. 2.3). Identical prompts (Bandit repeats its 4 layouts; rooms can repeat) count as one.
+    diagnosis_logprob_diff: the largest |a sample's score under its own prompt - its sampling
+    log-prob|, 0 up to float rounding when the sampled ids are scored."""
     a = run.args
     picked = [episodes[i] for i in mi_sample(a.groups, a.group_size, a.mi_samples, rng)]
-    prompts = [next(e.first_prompt for e in episodes if e.group == g) for g in range(a.groups)]
-    with run.ctx:
-        reasonings = [e.first_reasoning for e in picked]
-        scores, lengths = mi.cross_scores(run.policy, run.tokenizer, prompts, reasonings,
-                                          batch_size=a.micro_batch, temperature=a.temperature)
+    firsts = [next(e for e in episodes if e.group == g) for g in range(a.groups)]
+    scores, lengths = cross_score(run, firsts, picked)
+    prompts = [e.first_prompt for e in firsts]
     metrics = mi.collapse_metrics(scores, [e.group for e in picked], lengths, prompt_keys=prompts)
     metrics["mi_zscore_ema"], run.state["std_ema"] = mi.mi_zscore_ema(metrics, run.state["std_ema"])
     keep = ("mi_estimate", "mi_seq_estimate", "mi_zscore", "mi_zscore_seq", "mi_zscore_ema",
             "retrieval_acc", "retrieval_acc_top2", "conditional_entropy", "reasoning_entropy",
             "conditional_entropy_seq", "reasoning_entropy_seq", "retrieval_chance",
             "mi_upper_bound")
-    return {k: metrics[k] for k in keep if k in metrics}
+    out = {k: metrics[k] for k in keep if k in metrics}
+    out["diagnosis_logprob_diff"] = logprob_diff(scores, [e.group for e in picked],
+                                                 [e.first_reasoning_logprob for e in picked])
+    return out
+
+
+def cross_score(run, prompt_episodes, episodes):
+    """mi.cross_scores of the episodes' first reasonings under the first prompts of
+    `prompt_episodes`: the ids as sampled, or with --retokenize the decoded texts tokenised again
+    (the official code's way)."""
+    a = run.args
+    if a.retokenize:
+        prompts = mi.tokenize(run.tokenizer, [e.first_prompt for e in prompt_episodes])
+        reasonings = mi.tokenize(run.tokenizer, [e.first_reasoning for e in episodes])
+    else:
+        prompts = [e.first_prompt_ids for e in prompt_episodes]
+        reasonings = [e.first_reasoning_ids for e in episodes]
+    with run.ctx:
+        return mi.cross_scores(run.policy, prompts, reasonings, batch_size=a.micro_batch,
+                               temperature=a.temperature, pad_id=run.pad_id)
+
+
+def logprob_diff(scores, owner, sampled):
+    """max_m |scores[m, owner[m]] - sampled[m]|: how far the diagnosis' own-prompt scores are from
+    the log-probs the samples were drawn with (None when the policy gave none)."""
+    if any(lp is None for lp in sampled):
+        return None
+    own = scores[torch.arange(len(owner)), torch.tensor(owner)].double()               # [M]
+    return (own - torch.tensor(sampled, dtype=torch.float64)).abs().max().item()
 
 
 def mi_sample(groups, group_size, num_samples, rng):
@@ -245,7 +275,8 @@ def probe(run):
     seeded alike every time: the training stream is unchanged and the curve moves only when the
     policy does). Logged as probe_<metric> with probe_<metric>_se over the prompts, and, on the
     same samples, the answer's dependence on the reasoning, probe_action_mi (mi.action_dependence:
-    each answer a_k scored after every reasoning z_j of its prompt)."""
+    each answer a_k -- the rest of the first reply after the reasoning -- scored after every
+    reasoning z_j of its prompt); probe_diagnosis_logprob_diff over both scorings."""
     a = run.args
     if not a.probe_prompts:
         return {}
@@ -259,25 +290,35 @@ def probe(run):
         with run.ctx:
             episodes = rollout.play(policy, run.tokenizer, a.env, seeds, K, runs.env_kwargs(a), 1,
                                     a.max_actions_per_turn, **run.prompt)
-    prompts = [episodes[g * K].first_prompt for g in range(a.probe_prompts)]
-    with run.ctx:
-        scores, lengths = mi.cross_scores(run.policy, run.tokenizer, prompts,
-                                          [e.first_reasoning for e in episodes],
-                                          batch_size=a.micro_batch, temperature=a.temperature)
-        actions = []  # [P, K, K]: L[k, j] = log p(a_k | x, z_j), within each prompt
-        for g in range(a.probe_prompts):
-            turns = [split_answer(e) for e in episodes[g * K:(g + 1) * K]]
-            actions.append(mi.cross_scores(run.policy, run.tokenizer, [c for c, _ in turns],
-                                           [t for _, t in turns], batch_size=a.micro_batch,
-                                           temperature=a.temperature)[0])
-    out = mi.metrics_with_se(scores, [e.group for e in episodes], lengths, prompt_keys=prompts)
+    firsts = episodes[::K]
+    owner = [e.group for e in episodes]
+    scores, lengths = cross_score(run, firsts, episodes)
+    diff = logprob_diff(scores, owner, [e.first_reasoning_logprob for e in episodes])
+    actions = []  # [P, K, K]: L[k, j] = log p(a_k | x, z_j), within each prompt
+    for g in range(a.probe_prompts):
+        group = episodes[g * K:(g + 1) * K]
+        if a.retokenize:
+            turns = [split_answer(e) for e in group]
+            contexts, answers = (mi.tokenize(run.tokenizer, list(t)) for t in zip(*turns))
+        else:
+            contexts = [e.first_prompt_ids + e.first_reasoning_ids for e in group]
+            answers = [e.first_answer_ids for e in group]
+        with run.ctx:
+            L = mi.cross_scores(run.policy, contexts, answers, batch_size=a.micro_batch,
+                                temperature=a.temperature, pad_id=run.pad_id)[0]      # [K, K]
+        actions.append(L)
+        step = logprob_diff(L, list(range(K)), [e.first_answer_logprob for e in group])
+        diff = None if diff is None or step is None else max(diff, step)
+    out = mi.metrics_with_se(scores, owner, lengths, prompt_keys=[e.first_prompt for e in firsts])
     out.update(mi.action_dependence(torch.stack(actions)))
+    out["diagnosis_logprob_diff"] = diff
     return {"probe_" + k: v for k, v in out.items() if not k.endswith("upper_bound")}
 
 
 def split_answer(episode):
-    """(X + Z + "</think>", the answer after it) of an episode's first reply; an unclosed think
-    gives an empty answer (it scores 0 under every reasoning: no dependence)."""
+    """(X + Z + "</think>", the answer after it) of an episode's first reply as text, for
+    --retokenize; an unclosed think gives an empty answer (it scores 0 under every reasoning: no
+    dependence)."""
     full = episode.prompt_text + episode.responses[0]
     cut = full.find("</think>", len(episode.first_prompt))
     if cut < 0:
@@ -288,16 +329,21 @@ def split_answer(episode):
 
 def decompose_gradients(run, episodes, rewards):
     """Fig. 4 on this batch: task / KL / entropy gradient norms per reward-spread bucket, no
-    optimiser step. The KL is measured against the initial policy (the warm start; with LoRA the
-    base), the run's --kl-kind at its --kl-coef or, without one, at the analysis runs' 0.001."""
+    optimiser step. The task term trains on the advantages an update of the whole batch would
+    (compute_advantages: PPO's whitened GAE, GRPO's group-relative ones), aggregated as the update
+    aggregates. The KL is measured against the initial policy (the warm start; with LoRA the base),
+    the run's --kl-kind at its --kl-coef or, without one, at the analysis runs' 0.001."""
     a = run.args
     batch = rollout_batch(run, episodes)
     ref = over_batch(run, batch, reference_pass)                                        # [B, T-1]
+    values = over_batch(run, batch, critic_pass) if run.critic is not None else None
+    advantages, _ = compute_advantages(run, batch, rewards, values)                     # [B, T-1]
     with run.ctx:
         buckets = snr_filter.gradient_decomposition(
             run.policy, batch["input_ids"], batch["attention_mask"], batch["policy_mask"], rewards,
             ref_logp=ref, kl_coef=a.kl_coef or ANALYSIS_KL_COEF, kl_kind=a.kl_kind,
-            entropy_coef=a.entropy_coef, temperature=a.temperature)
+            entropy_coef=a.entropy_coef, temperature=a.temperature, advantages=advantages,
+            agg=AGGREGATION[a.algo], norm_length=response_budget(a))
     run.policy.zero_grad(set_to_none=True)
     return [{k: v for k, v in b.items() if k != "groups"} for b in buckets]
 
@@ -333,12 +379,7 @@ def update_policy(run, episodes, rewards, shuffle):
     old_values = over_batch(run, batch, critic_pass) if run.critic is not None else None
 
     # 5. advantages
-    if run.critic is not None:
-        advantages, returns = ppo.gae(batch["token_rewards"][:, 1:], old_values, mask, args.gamma,
-                                      args.lam)                                         # [B, T-1]
-    else:
-        per_episode = grpo.group_advantages(rewards, normalize_std=args.algo == "grpo").reshape(-1)
-        advantages = grpo.episode_advantages_to_tokens(per_episode.to(mask.device), mask)
+    advantages, returns = compute_advantages(run, batch, rewards, old_values)           # [B, T-1]
 
     # 6. the update: each mini-batch one optimiser step, its gradient summed over micro-batches
     # weighted so that they add up to the mini-batch's loss; every logged number is the
@@ -397,6 +438,18 @@ def update_policy(run, episodes, rewards, shuffle):
         sampled = batch["logprobs"][:, 1:]                                              # [B, T-1]
         out["rollout_logprob_diff"] = ppo.masked_mean((sampled - old_logp).abs(), mask).item()
     return out
+
+
+def compute_advantages(run, batch, rewards, values):
+    """Step 5 -> (advantages, returns) [B, T-1] over the policy tokens: PPO's GAE on the critic's
+    `values`, whitened over the batch (returns: the critic's targets); GRPO / Dr.GRPO's group-relative
+    advantage of each episode on all its tokens (returns None)."""
+    a = run.args
+    mask = batch["policy_mask"][:, 1:]                                                  # [B, T-1]
+    if run.critic is not None:
+        return ppo.gae(batch["token_rewards"][:, 1:], values, mask, a.gamma, a.lam)
+    per_episode = grpo.group_advantages(rewards, normalize_std=a.algo == "grpo").reshape(-1)
+    return grpo.episode_advantages_to_tokens(per_episode.to(mask.device), mask), None
 
 
 def validate(run):

@@ -270,9 +270,11 @@ class RagenGRPOTrainer(GRPOTrainer):
                                  np.random.default_rng([self.args.seed, self.state.global_step]))
         prompts = [rows[g * K][0] for g in range(G)]
         model = self.accelerator.unwrap_model(self.model)
-        scores, lengths = mi.cross_scores(model, self.processing_class, prompts,
-                                          [rows[r][1] for r in picked],
-                                          temperature=self.args.temperature)
+        tokenizer = self.processing_class
+        scores, lengths = mi.cross_scores(model, mi.tokenize(tokenizer, prompts),
+                                          mi.tokenize(tokenizer, [rows[r][1] for r in picked]),
+                                          temperature=self.args.temperature,
+                                          pad_id=tokenizer.pad_token_id or 0)
         metrics = mi.collapse_metrics(scores, [r // K for r in picked], lengths,
                                       prompt_keys=prompts)
         metrics["mi_zscore_ema"], self.std_ema = mi.mi_zscore_ema(metrics, self.std_ema)

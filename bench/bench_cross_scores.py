@@ -135,11 +135,12 @@ def main():
     owner = [m % args.prompts for m in range(args.samples)]
 
     # warm-up, then the timed runs
-    mi.cross_scores(model, tokenizer, prompts[:1], reasonings[:2], batch_size=2)
+    prompt_ids, reasoning_ids = mi.tokenize(tokenizer, prompts), mi.tokenize(tokenizer, reasonings)
+    mi.cross_scores(model, prompt_ids[:1], reasoning_ids[:2], batch_size=2)
     (t_cache, t_naive, t_forward), (cached, naive, _) = median_seconds(
         [
             lambda: mi.cross_scores(
-                model, tokenizer, prompts, reasonings, batch_size=args.batch_size
+                model, prompt_ids, reasoning_ids, batch_size=args.batch_size
             )[0],
             lambda: naive_scores(model, tokenizer, prompts, reasonings, args.batch_size),
             lambda: policy_forward(model, tokenizer, prompts, reasonings, owner),

@@ -291,10 +291,16 @@ def _plain_loop(model, tokenizer, prompts, reasonings, temperature=1.0):
     return scores
 
 
+def _scores(model, tokenizer, prompts, reasonings, **kw):
+    """cross_scores of texts, tokenised as the plain loop does."""
+    return mi.cross_scores(model, mi.tokenize(tokenizer, prompts), mi.tokenize(tokenizer, reasonings),
+                           pad_id=tokenizer.pad_token_id or 0, **kw)
+
+
 def test_cross_scores_equal_plain_loop_and_ignore_padding(tiny_lm):
     model, tokenizer = tiny_lm
     model.train()  # cross_scores must switch dropout off itself and restore the mode
-    scores, lengths = mi.cross_scores(model, tokenizer, PROMPTS, REASONINGS, batch_size=4)
+    scores, lengths = _scores(model, tokenizer, PROMPTS, REASONINGS, batch_size=4)
     model.eval()
     assert scores.shape == (6, 3) and scores.dtype == torch.float32
     assert lengths.tolist() == [len(z) for z in REASONINGS]  # one character = one token
@@ -302,8 +308,8 @@ def test_cross_scores_equal_plain_loop_and_ignore_padding(tiny_lm):
     assert torch.allclose(scores.double(), want, atol=1e-4)
     assert (scores[2] == 0).all()  # empty reasoning
     assert (scores[[0, 1, 3, 4, 5]] < 0).all()
-    one_at_a_time, _ = mi.cross_scores(model, tokenizer, PROMPTS, REASONINGS, batch_size=1)
-    all_at_once, _ = mi.cross_scores(model, tokenizer, PROMPTS, REASONINGS, batch_size=64)
+    one_at_a_time, _ = _scores(model, tokenizer, PROMPTS, REASONINGS, batch_size=1)
+    all_at_once, _ = _scores(model, tokenizer, PROMPTS, REASONINGS, batch_size=64)
     assert torch.allclose(one_at_a_time, scores, atol=1e-5)
     assert torch.allclose(all_at_once, scores, atol=1e-5)
 
@@ -312,7 +318,7 @@ def test_cross_scores_score_under_the_sampling_temperature(tiny_lm):
     """Reasonings sampled at temperature T were written by softmax(logits / T): that is the p(z | x)
     the estimate needs, not the T = 1 softmax."""
     model, tokenizer = tiny_lm
-    scores, _ = mi.cross_scores(model, tokenizer, PROMPTS, REASONINGS, batch_size=4, temperature=0.5)
+    scores, _ = _scores(model, tokenizer, PROMPTS, REASONINGS, batch_size=4, temperature=0.5)
     want = _plain_loop(model, tokenizer, PROMPTS, REASONINGS, temperature=0.5)
     assert torch.allclose(scores.double(), want, atol=1e-4)
     assert not torch.allclose(want, _plain_loop(model, tokenizer, PROMPTS, REASONINGS), atol=1e-2)
@@ -322,7 +328,7 @@ def test_cross_scores_restores_training_mode(tiny_lm):
     model, tokenizer = tiny_lm
     for mode in (True, False):
         model.train(mode)
-        mi.cross_scores(model, tokenizer, PROMPTS[:1], REASONINGS[:1])
+        _scores(model, tokenizer, PROMPTS[:1], REASONINGS[:1])
         assert model.training is mode
     model.eval()
 
@@ -330,7 +336,7 @@ def test_cross_scores_restores_training_mode(tiny_lm):
 def test_identical_prompts_give_zero_mi_and_chance_retrieval(tiny_lm):
     model, tokenizer = tiny_lm
     prompts = ["same board <think>"] * 4
-    scores, lengths = mi.cross_scores(model, tokenizer, prompts, REASONINGS[:4] * 2, batch_size=3)
+    scores, lengths = _scores(model, tokenizer, prompts, REASONINGS[:4] * 2, batch_size=3)
     out = mi.collapse_metrics(scores, np.arange(8) % 4, lengths)
     assert abs(out["mi_estimate"]) < 1e-6 and abs(out["mi_seq_estimate"]) < 1e-6
     assert out["retrieval_acc"] == pytest.approx(0.25, abs=1e-12)  # each ties all 4 prompts
@@ -343,11 +349,15 @@ def test_identical_prompts_give_zero_mi_and_chance_retrieval(tiny_lm):
 def test_cross_scores_rejects_bad_input(tiny_lm):
     model, tokenizer = tiny_lm
     with pytest.raises(ValueError, match="batch_size"):
-        mi.cross_scores(model, tokenizer, PROMPTS, REASONINGS, batch_size=0)
+        _scores(model, tokenizer, PROMPTS, REASONINGS, batch_size=0)
     with pytest.raises(ValueError, match="at least one token"):
-        mi.cross_scores(model, tokenizer, ["", "a"], REASONINGS)
+        _scores(model, tokenizer, ["", "a"], REASONINGS)
     with pytest.raises(ValueError, match="list of strings"):
-        mi.cross_scores(model, tokenizer, "a <think>", REASONINGS)
+        mi.tokenize(tokenizer, "a <think>")
+    with pytest.raises(ValueError, match="token-id lists"):
+        mi.cross_scores(model, "a <think>", [[1, 2]])
+    with pytest.raises(ValueError, match="token-id lists"):
+        mi.cross_scores(model, [[1, 2]], [[1, "2"]])
 
 
 # ----------------------------------------------------------------- the probe set: standard errors

@@ -9,6 +9,7 @@ from transformers import PreTrainedTokenizerFast
 
 import envs
 import rollout
+import tiny
 from conftest import tiny_qwen2
 from rollout import Generation
 
@@ -144,6 +145,43 @@ def test_group_mates_go_on_after_one_succeeds_on_turn_two(tokenizer):
         assert e.first_prompt.endswith("<|im_start|>assistant\n<think>") and SYSTEM in e.first_prompt
         assert e.logprobs is None
     assert win.first_reasoning == " go right" and garbage.first_reasoning == "I refuse to use the format."
+
+
+def test_the_reasoning_is_split_on_the_sampled_tokens(tokenizer):
+    """X, Z and the rest of turn 1 as the ids that were sampled: they add up to the transcript's first
+    reply, Z stops where "</think>" begins, the end-of-turn token goes with the rest, and the log-prob
+    sums are those of the sampled tokens. A policy that wrote no think block: all of it is Z."""
+    enc = lambda s: tokenizer.encode(s, add_special_tokens=False)  # noqa: E731
+    end = tokenizer.eos_token_id
+    replies = [enc(" go right </think> <answer> Right </answer>") + [end],
+               enc(" never closed"),                       # cut at the limit: no end token
+               enc("</think> <answer> Up </answer>") + [end],
+               [end]]
+    logprobs = [[-0.5 * (i + 1)] * len(r) for i, r in enumerate(replies)]
+
+    def policy(prompt_ids, env_list):
+        return [Generation(r, lp, end not in r) for r, lp in zip(replies, logprobs)]
+
+    eps = rollout.play(policy, tokenizer, "frozenlake", [3], 4, env_kwargs=LAKE, system=SYSTEM, max_turns=1)
+    for e, reply, lp in zip(eps, replies, logprobs):
+        n = len(e.first_prompt_ids)
+        assert e.ids[:n] == e.first_prompt_ids and tokenizer.decode(e.first_prompt_ids) == e.first_prompt
+        assert e.first_prompt_ids + e.first_reasoning_ids + e.first_answer_ids == e.ids[:n + len(reply)]
+        assert e.first_reasoning_logprob == pytest.approx(sum(lp[:len(e.first_reasoning_ids)]))
+        assert e.first_answer_logprob == pytest.approx(sum(lp[len(e.first_reasoning_ids):]))
+    assert tokenizer.decode(eps[0].first_reasoning_ids) == " go right "  # the space is a token of its own
+    assert tokenizer.decode(eps[0].first_answer_ids) == "</think> <answer> Right </answer><|im_end|>"
+    assert tokenizer.decode(eps[1].first_reasoning_ids) == " never closed" and eps[1].first_answer_ids == []
+    assert eps[2].first_reasoning_ids == [] and eps[3].first_reasoning_ids == [] and eps[3].first_answer_ids == [end]
+    # a tokenizer that writes the space into the tag's token leaves it out of Z, as the text split does
+    tok = tiny.build_tokenizer()
+    ids = tok.encode(" go right </think> <answer> Right </answer>", add_special_tokens=False)
+    x, z, rest, _, _ = rollout._split_reasoning_ids(tok, [1], "<think>", ids, None, False)
+    assert tok.decode(z) == " go right" and tok.decode(rest).startswith(" </think>") and x == [1]
+    # without a prefill, the sampled "<think>" joins the prompt
+    ids = tok.encode("<think> up </think>", add_special_tokens=False)
+    x, z, _, _, _ = rollout._split_reasoning_ids(tok, [1], "", ids, None, False)
+    assert tok.decode(x[1:]) == "<think>" and tok.decode(z) == " up"
 
 
 def test_a_group_shares_its_layout_but_not_its_noise(tokenizer):

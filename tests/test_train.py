@@ -18,6 +18,7 @@ import ppo
 import rollout
 import runs
 import sampler
+import snr_filter
 import tiny
 import train
 
@@ -312,6 +313,23 @@ def test_update_on_kept_groups_equals_an_update_on_a_batch_without_the_dropped_o
         assert any(not torch.equal(w1[k], initial[k]) for k in w1)  # it learned
 
 
+def test_the_diagnosis_scores_the_sampled_ids_at_any_temperature(tmp_path):
+    """At temperature 2.5 the random tiny policy writes token sequences that its tokenizer does not
+    give back from their text; scored as sampled, each sample's score under its own prompt is its
+    sampling log-prob (in the batch, on the probe set, and the answers of I(Z; A | X)); scored as
+    re-tokenised text (--retokenize, the official way) it is not."""
+    run = make_run(tmp_path, env="frozenlake", groups=3, group_size=4, mi_samples=12, temperature=2.5,
+                   probe_prompts=2, probe_samples=3)
+    episodes = train.collect_rollouts(run, [3, 4, 5], 4, 2.5, 1.0)
+    text = [rollout._encode(run.tokenizer, e.first_reasoning) for e in episodes]
+    assert sum(t != e.first_reasoning_ids for t, e in zip(text, episodes)) >= 3  # they do not come back
+    assert train.diagnose(run, episodes, None)["diagnosis_logprob_diff"] < 1e-4
+    assert train.probe(run)["probe_diagnosis_logprob_diff"] < 1e-4
+    run.args.retokenize = True
+    assert train.diagnose(run, episodes, None)["diagnosis_logprob_diff"] > 1e-2
+    assert train.probe(run)["probe_diagnosis_logprob_diff"] > 1e-2
+
+
 def test_the_diagnosis_counts_identical_prompts_as_one_target(tmp_path):
     """Two groups of the same layout have the same prompt: as in the official metric, a reasoning is
     retrieved when its best prompt is identical to its own, and chance is count / N (here 1)."""
@@ -330,7 +348,7 @@ def test_the_diagnosis_samples_every_prompt_alike(tmp_path, monkeypatch):
     run = make_run(tmp_path, env="frozenlake", groups=4, group_size=2, mi_samples=2)
     episodes = play_scripted(run, [1, 2, 3, 4], group_size=2)
     owners = []
-    monkeypatch.setattr(train.mi, "cross_scores", lambda model, tokenizer, prompts, reasonings, **kw: (
+    monkeypatch.setattr(train.mi, "cross_scores", lambda model, prompts, reasonings, **kw: (
         torch.zeros(len(reasonings), len(prompts)), torch.ones(len(reasonings))))
     monkeypatch.setattr(train.mi, "collapse_metrics", lambda scores, owner, *args, **kw: (
         owners.append(owner) or {"mi_estimate": 0.0, "marginal_std": 0.0}))
@@ -348,10 +366,10 @@ def test_the_diagnosis_samples_every_prompt_alike(tmp_path, monkeypatch):
 # ------------------------------------------------------------------------------------------- Fig. 4
 
 def test_gradient_decomposition_task_norm_grows_with_real_spread(tmp_path):
-    """Three groups with identical transcripts and rewards scaled 0, 1, 3: the task gradient norm is
-    0, then positive and proportional to the spread; the entropy gradient does not depend on the
-    rewards."""
-    run = make_run(tmp_path, env="frozenlake", groups=3, group_size=4, grad_decomp_every=1)
+    """Three groups with identical transcripts and rewards scaled 0, 1, 3: with Dr.GRPO's advantages
+    (r - group mean, what its update trains on) the task gradient norm is 0, then positive and
+    proportional to the spread; the entropy gradient does not depend on the rewards."""
+    run = make_run(tmp_path, env="frozenlake", groups=3, group_size=4, grad_decomp_every=1, algo="drgrpo")
     played = play_scripted(run, [2, 5], group_size=4)[4:]  # group 1: half solve, half write garbage
     base = torch.tensor([e.total_reward for e in played])
     assert base.std() > 0
@@ -368,6 +386,34 @@ def test_gradient_decomposition_task_norm_grows_with_real_spread(tmp_path):
     assert len({round(b["entropy_grad_norm"], 6) for b in buckets}) == 1
     # no optimiser step, no gradient left behind
     assert all(p.grad is None for p in run.policy.parameters())
+
+
+def test_the_decomposition_trains_on_the_advantages_of_the_update(tmp_path):
+    """PPO's task term is the gradient of the update's clipped loss on its whitened GAE advantages
+    (the critic's baseline, not the group mean): computed here by hand for one group, and unlike the
+    group-mean version, which a zero-spread group would give 0."""
+    run = make_run(tmp_path, env="frozenlake", groups=1, group_size=4, grad_decomp_every=1, temperature=0.7)
+    episodes = play_scripted(run, [2, 5], group_size=4)[4:]  # half solve, half write garbage
+    for e in episodes:
+        e.group = 0
+    rewards = torch.tensor([e.total_reward for e in episodes]).view(1, 4)
+    with torch.no_grad():  # a critic whose values are not 0
+        for p in run.critic.parameters():
+            p.add_(0.1 * torch.randn_like(p))
+    (bucket,) = train.decompose_gradients(run, episodes, rewards)
+    batch = train.rollout_batch(run, episodes)
+    mask = batch["policy_mask"][:, 1:]
+    values = train.over_batch(run, batch, train.critic_pass)
+    advantages, _ = train.compute_advantages(run, batch, rewards, values)
+    logp = models.policy_logprobs(run.policy, batch["input_ids"], mask, temperature=0.7)[0]
+    _, terms = ppo.policy_loss(logp, logp.detach(), advantages, mask, "token-mean")
+    grads = torch.autograd.grad(terms["pg_loss"], [p for p in run.policy.parameters() if p.requires_grad])
+    by_hand = torch.sqrt(sum(g.double().pow(2).sum() for g in grads)).item()
+    assert bucket["task_grad_norm"] == pytest.approx(by_hand, rel=1e-4)
+    group_mean = snr_filter.gradient_decomposition(
+        run.policy, batch["input_ids"], batch["attention_mask"], batch["policy_mask"], rewards, n_buckets=1,
+        temperature=0.7)[0]["task_grad_norm"]
+    assert abs(group_mean - by_hand) > 1e-3 * by_hand
 
 
 def test_fig4_kl_is_measured_against_the_initial_policy_without_a_kl_term(tmp_path):
