@@ -1,49 +1,62 @@
-"""experiments.py: the grids' command lines, resuming, the archives, the report's intervals, decision
-rules, correlations and lead-lag -- on small synthetic runs (no training here); and the committed
-tables equal the ones regenerated from the committed per-run logs."""
+"""experiments.py, grids.py, stats.py, report.py: the grids' command lines, resuming, the archives, the
+statistics (intervals over seeds, values at a count of optimiser steps, onsets, correlations by
+seed), the report's refusals -- on small synthetic runs (no training here); and the committed tables
+equal the ones regenerated from the committed per-run archives."""
 import filecmp
 import gzip
 import json
 import math
 import os
+import re
 import shutil
+import subprocess
 
 import pytest
 from scipy.stats import t
 
 import experiments
+import grids
+import report
+import stats
 import train
 
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+OUTPUTS = ("table.md", "table.csv", "decisions.csv", "correlations.csv", "leadlag.csv", "numbers.json",
+           "perseed.csv", "search.csv", "gradients.csv", "replication.csv")
 
-def fake_run(folder, steps, success, mi, val=None, kept=4, opt=2):
+
+def fake_run(folder, steps, success, mi, val=None, kept=4, opt=2, decomposition=True):
+    """A metrics.jsonl whose metrics change over the steps: train success and token entropy drift,
+    validation (every 10 steps) and the diagnoses (step 1, every 5) follow `val` and `mi`."""
     os.makedirs(folder)
+    val = val or (lambda s: success)
     with open(os.path.join(folder, "metrics.jsonl"), "w") as f:
         for s in range(0, steps + 1):
             r = {"step": s}
             if s:
-                r.update(train_success=success, kept_ratio=0.5, num_kept=kept, num_zero_var=2,
+                r.update(train_success=success + 0.01 * s, kept_ratio=0.5, num_kept=kept, num_zero_var=2,
                          zero_var_fail_frac=0.25, optimizer_steps=opt, time_step=1.0,
                          token_entropy=0.1 + 0.01 * s)
-            if s % 10 == 0 and s:  # Fig. 4: the task norm = 2 x spread, the regulariser's 1
+            if s % 10 == 0 and s and decomposition:  # Fig. 4: the task norm = 2 x spread, the regulariser's 1
                 r["grad_decomposition"] = [
                     {"bucket": b, "groups": [b], "mean_std": 0.1 * b, "mean_var": 0.01 * b * b,
                      "task_grad_norm": 0.2 * b, "kl_grad_norm": 0.0, "entropy_grad_norm": 1.0,
                      "reg_grad_norm": 1.0} for b in range(6)]
-            if s % 5 == 0 and s:
+            if s % 5 == 0 and s or s == 1:
                 r.update(mi_estimate=mi(s), probe_mi_estimate=mi(s), probe_mi_estimate_se=0.01,
                          probe_reasoning_entropy=1.0, probe_conditional_entropy=1.0 - mi(s))
             if s % 10 == 0:
-                r["val_success"] = val(s) if val else success
+                r["val_success"] = val(s)
             f.write(json.dumps(r) + "\n")
 
 
 @pytest.fixture
 def grid(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    monkeypatch.setitem(experiments.GRIDS, "toy", dict(
+    monkeypatch.setitem(grids.GRIDS, "toy", dict(
         claim="a toy grid", flags=["--env", "bandit"], world="bandit",
         settings={"a": ["--filter", "none"], "b": ["--filter", "topp"]},
-        seeds=[0, 1, 2], steps=20, table_steps=[10, 20],
+        seeds=[0, 1, 2, 3, 4], steps=20, table_steps=[10, 20],
         decide=[dict(kind="paired", metric="val_success", a=("b", "step", 20), b=("a", "step", 20),
                      sign=1, text="b beats a"),
                 dict(kind="paired", metric="val_success", a=("b", "optimizer_steps", 20),
@@ -53,16 +66,23 @@ def grid(tmp_path, monkeypatch):
     return "toy"
 
 
-def toy_runs(grid, successes=(0.2, 0.6, 0.4, 0.5, 0.9, 0.7)):
-    for (setting, seed, folder, _), success in zip(experiments.runs_of(grid), successes):
-        fake_run(folder, 20, success, lambda s: 0.1 * s, opt=4 if setting == "a" else 2)
+SUCCESS = (0.2, 0.6, 0.4, 0.5, 0.3, 0.5, 0.9, 0.7, 0.8, 0.6)  # a's five seeds, then b's: b - a = 0.3
+
+
+def toy_runs(grid, steps=20):
+    for (setting, seed, folder, _), success in zip(grids.runs_of(grid), SUCCESS):
+        # validation rises by 0.01 a step from the run's level: at 20 steps it is level + 0.2
+        fake_run(folder, steps, success, lambda s: 1.0 - 0.02 * s, val=lambda s, v=success: v + 0.01 * s,
+                 opt=4 if setting == "a" else 2)
         experiments.archive(folder, grid)
 
 
+# ------------------------------------------------------------------------------------------- grids
+
 def test_every_setting_and_seed_has_its_command_line(grid):
-    runs = experiments.runs_of(grid)
-    assert [(s, seed) for s, seed, _, _ in runs][:4] == [("a", 0), ("a", 1), ("a", 2), ("b", 0)]
-    setting, seed, folder, argv = runs[4]
+    runs = grids.runs_of(grid)
+    assert [(s, seed) for s, seed, _, _ in runs][:6] == [("a", 0), ("a", 1), ("a", 2), ("a", 3), ("a", 4), ("b", 0)]
+    setting, seed, folder, argv = runs[6]
     assert folder == os.path.join("runs", "experiments", "toy", "b-s1")
     assert argv[:4] == ["--env", "bandit", "--filter", "topp"] and argv[-6:] == [
         "--seed", "1", "--steps", "20", "--out", folder]
@@ -70,8 +90,9 @@ def test_every_setting_and_seed_has_its_command_line(grid):
 
 
 def test_every_grid_parses_as_train_flags_and_claims_get_five_seeds():
-    for name, g in experiments.GRIDS.items():
-        for _, _, _, argv in experiments.runs_of(name)[:len(g["settings"]) * len(g["seeds"])]:
+    assert grids.GRIDS
+    for name, g in grids.GRIDS.items():
+        for _, _, _, argv in grids.runs_of(name):
             args = train.runs.parse_args(train.Args, argv)  # every flag is a real train.py flag
             assert args.model == "tiny"
         if g["decide"] and g["decide"][0]["kind"] != "search":
@@ -79,15 +100,15 @@ def test_every_grid_parses_as_train_flags_and_claims_get_five_seeds():
         for rule in g["decide"]:
             for side in ("a", "b"):
                 if rule["kind"] == "paired":
-                    grid, _, setting = rule[side][0].rpartition("/")
-                    assert setting in experiments.GRIDS[grid or name]["settings"]
-        assert experiments.estimate_hours(name) > 0
-    assert experiments.GROUP_SIZE == train.Args().group_size
-    assert experiments.MAX_SKIPS == train.MAX_SKIPS
+                    other, _, setting = rule[side][0].rpartition("/")
+                    assert setting in grids.GRIDS[other or name]["settings"]
+        assert grids.estimate_hours(name) > 0
+    assert grids.GROUP_SIZE == train.Args().group_size
+    assert grids.MAX_SKIPS == train.MAX_SKIPS
 
 
 def test_a_finished_run_is_not_run_again(grid):
-    _, _, folder, _ = experiments.runs_of(grid)[0]
+    _, _, folder, _ = grids.runs_of(grid)[0]
     fake_run(folder, 20, 0.5, lambda s: 0.3)
     assert experiments.finished(folder, 20) and not experiments.finished(folder, 30)
     with open(os.path.join(folder, "metrics.jsonl"), "a") as f:  # then train.py stopped it: no spread
@@ -96,8 +117,8 @@ def test_a_finished_run_is_not_run_again(grid):
     assert experiments.finished(folder, 30)
 
 
-def test_the_archive_is_trimmed_gzipped_and_reproducible(grid):
-    _, _, folder, _ = experiments.runs_of(grid)[0]
+def test_the_archive_keeps_every_scalar_gzipped_and_reproducible(grid):
+    _, _, folder, _ = grids.runs_of(grid)[0]
     fake_run(folder, 20, 0.5, lambda s: 0.1 * s / 3)
     path = experiments.archive(folder, grid)
     first = open(path, "rb").read()
@@ -108,137 +129,140 @@ def test_the_archive_is_trimmed_gzipped_and_reproducible(grid):
     assert records[10]["grad_decomposition"][1] == {  # trimmed to the numbers Fig. 4 needs
         "mean_std": 0.1, "task_grad_norm": 0.2, "kl_grad_norm": 0.0, "entropy_grad_norm": 1.0,
         "reg_grad_norm": 1.0}
-    assert records[5]["probe_mi_estimate"] == float(f"{0.5 / 3:.6g}")
+    assert records[5]["probe_mi_estimate"] == float(f"{0.5 / 3:.6g}") and records[5]["time_step"] == 1.0
     assert experiments.archive(os.path.join("runs", "nowhere"), grid) is None
 
 
-def test_the_table_is_a_t_interval_over_seeds(grid):
-    toy_runs(grid)
-    rows = {(r["setting"], r["step"]): r for r in experiments.report(grid)}
-    a = rows[("a", 20)]
-    assert a["train_success"] == pytest.approx(0.4) and a["runs"] == 3 and a["finished"] == 3
-    # sd of (0.2, 0.6, 0.4) = 0.2; half-width t(0.975, 2) * 0.2 / sqrt(3) = 4.303 * 0.1155
-    assert a["train_success_ci95"] == pytest.approx(t.ppf(0.975, 2) * 0.2 / math.sqrt(3))
-    assert a["probe_mi_estimate"] == pytest.approx(2.0)  # the diagnosis at the step itself
-    assert a["optimizer_steps_total"] == 80 and rows[("b", 20)]["optimizer_steps_total"] == 40
-    assert a["trajectories_total"] == 20 * 4 * experiments.GROUP_SIZE
-    text = open(os.path.join("results", "toy", "table.md")).read()
-    assert "| a | 20 | 3 (3) | 0.400 ± 0.497 |" in text
-    for name in ("curves", "perseed", "scatter"):
-        assert os.path.isfile(os.path.join("results", "toy", f"{name}.png"))
+# --------------------------------------------------------------------------------------- statistics
+
+def test_no_interval_from_fewer_than_five_runs():
+    m, half, n = stats.interval([0.1, 0.5, 0.3, 0.2, 0.4, None])
+    sd = math.sqrt(sum((x - 0.3) ** 2 for x in (0.1, 0.5, 0.3, 0.2, 0.4)) / 4)
+    assert (m, n) == (pytest.approx(0.3), 5) and half == pytest.approx(t.ppf(0.975, 4) * sd / math.sqrt(5))
+    assert stats.interval([0.1, 0.5, 0.3, 0.2]) == (pytest.approx(0.275), None, 4)
+    assert stats.interval([None]) == (None, None, 0)
+    # runs that share a seed count once: the seed's mean
+    assert stats.by_seed({("a", 0): 1.0, ("b", 0): 3.0, ("a", 1): 5.0, ("b", 1): None}) == [2.0, 5.0]
 
 
-def test_decision_rules_are_paired_differences_over_seeds(grid):
-    toy_runs(grid)
-    data = experiments.load(grid)
-    rules = experiments.GRIDS[grid]["decide"]
-    d = experiments.decide(grid, data, rules[0])
-    # b - a per seed: 0.5 - 0.2, 0.9 - 0.6, 0.7 - 0.4 = 0.3 each: zero spread, the interval is 0 wide
-    assert d["estimate"] == pytest.approx(0.3) and d["n"] == 3 and d["verdict"] == "holds"
-    # at 20 optimiser steps: a (4 a step) is at step 5 -- no validation there -- its nearest
-    # validation is step 10 (40 steps); b (2 a step) at step 10 (20 steps)
-    assert experiments.value_on(data[("a", 0)], "val_success", "optimizer_steps", 20) == 0.2
-    assert experiments.decide(grid, data, rules[1])["estimate"] == pytest.approx(0.3)
-    flipped = dict(rules[0], sign=-1)
-    assert experiments.decide(grid, data, flipped)["verdict"] == "contradicted"
-    assert experiments.decide(grid, {}, rules[0])["verdict"] == "not run"
+def test_a_value_at_a_count_of_optimiser_steps_is_interpolated_within_a_limit():
+    # validation every 10 steps of 3 optimiser steps, success changing at each one
+    records = [{"step": s, "optimizer_steps_total": 3 * s, "val_success": 0.1 * s / 10} for s in (0, 10, 20, 30)]
+    assert stats.value_on(records, "val_success", "optimizer_steps", 30) == pytest.approx(0.1)  # exactly at one
+    assert stats.value_on(records, "val_success", "optimizer_steps", 45) == pytest.approx(0.15)  # half-way
+    assert stats.value_on(records, "val_success", "optimizer_steps", 40) == pytest.approx(0.1 + 0.1 / 3)
+    assert stats.value_on(records, "val_success", "optimizer_steps", 91) is None  # past the run
+    assert stats.value_on(records, "val_success", "optimizer_steps", 45, gap=20) is None  # 30 apart
+    # two validations at the same count (skipped steps take no optimiser step): their mean, not the earlier
+    tied = records + [{"step": 40, "optimizer_steps_total": 90, "val_success": 0.5}]
+    assert stats.value_on(tied, "val_success", "optimizer_steps", 90) == pytest.approx(0.4)
+    # at an environment step: validation at the step itself, a per-step metric averaged over the window
+    steps = [{"step": s, "token_entropy": float(s)} for s in range(1, 21)]
+    assert stats.value_on(steps, "token_entropy", "step", 20) == pytest.approx(15.5)  # mean of 11..20
 
 
-def test_lead_lag_finds_which_series_moves_first(grid):
-    records = [{"step": s, "probe_mi_estimate": 0.8 if s < 20 else 0.2,
-                "val_success": 0.9 if s < 40 else 0.1} for s in range(0, 61, 10)]
-    assert experiments.event_step(records, "probe_mi_estimate") == 20
-    assert experiments.event_step(records, "val_success") == 40
-    flat = [{"step": s, "val_success": 0.5 + 0.01 * (s % 20 == 0)} for s in range(0, 61, 10)]
-    assert experiments.event_step(flat, "val_success") is None  # moved less than 0.2: no event
-    data = {("a", seed): records for seed in range(3)}
-    d = experiments.decide(grid, data, experiments.GRIDS[grid]["decide"][2])
-    assert d["estimate"] == 20 and d["n"] == 3
-
-
-def test_fig4_statistics_from_the_gradient_decompositions(grid):
-    toy_runs(grid)
-    data = experiments.load(grid)
-    records = data[("a", 0)]
-    # the task norm rises with spread exactly (rho 1), the regulariser's is constant (0)
-    assert experiments.gradient_stat(records, "rho_task_minus_reg") == pytest.approx(1.0)
-    # the lowest bucket with spread: task 0.2, regulariser 1 -> share 1 / 1.2; the highest: 1.0
-    # against 1 -> share 1/2 (the bucket without spread, task 0, is not the one compared)
-    assert experiments.gradient_stat(records, "reg_share_low") == pytest.approx(1 / 1.2 - 0.5)
-    assert experiments.gradient_stat(records, "reg_share_high") == pytest.approx(0.0)
-    assert experiments.gradient_stat([{"step": 1}], "reg_share_low") is None
-    rule = dict(kind="gradients", setting="b", stat="reg_share_low", sign=1, text="reg wins")
-    d = experiments.decide(grid, data, rule)
-    assert (d["n"], d["estimate"], d["verdict"]) == (3, pytest.approx(1 / 1.2 - 0.5), "holds")
-    rows = experiments.gradient_table(grid, data)
-    assert [(r["setting"], r["bucket"]) for r in rows][:2] == [("a", 1), ("a", 2)]
-    assert rows[5]["task_grad_norm"] == pytest.approx(1.0) and rows[5]["runs"] == 3
-    assert rows[5]["task_grad_norm_ci95"] == pytest.approx(0.0)
+def test_the_onset_is_a_sustained_move_in_the_series_own_noise_units():
+    def run(mi, val):
+        return [{"step": s, "val_success": val[s // 10]} for s in range(0, 71, 10)] + [
+            {"step": s, "probe_mi_estimate": mi[i], "probe_mi_estimate_se": 0.05}
+            for i, s in enumerate([1, 10, 20, 30, 40, 50, 60, 70])]
+    mi = [0.80, 0.78, 0.82, 0.79, 0.60, 0.50, 0.40, 0.40]  # moves at 40 (4+ units of its se 0.05)
+    val = [0.80, 0.90, 0.70, 0.80, 0.80, 0.30, 0.20, 0.20]  # noisy start (sd 0.1): moves at 50
+    records = run(mi, val)
+    assert stats.onset(records, "probe_mi_estimate") == 40
+    assert stats.onset(records, "val_success") == 50
+    blip = run([0.80, 0.78, 0.82, 0.79, 0.60, 0.79, 0.80, 0.40], val)  # one point alone is no onset
+    assert stats.onset(blip, "probe_mi_estimate") is None
+    # the diagnosis every 5 steps is read at the validation cadence only
+    assert [p[0] for p in stats.cadence(records + [{"step": 45, "probe_mi_estimate": 0.0}],
+                                        "probe_mi_estimate")] == [1, 10, 20, 30, 40, 50, 60, 70]
 
 
 def test_spearman_is_scipys_with_ties():
     from scipy.stats import spearmanr
 
     xs, ys = [1, 2, 2, 3, 5, 5, 5, 0], [0.3, 0.1, 0.1, 0.9, 0.4, 0.8, 0.8, 0.2]
-    assert experiments.spearman(xs, ys) == pytest.approx(spearmanr(xs, ys).statistic, abs=1e-12)
-    assert experiments.spearman([1, 1, 1], [1, 2, 3]) is None
+    assert stats.spearman(xs, ys) == pytest.approx(spearmanr(xs, ys).statistic, abs=1e-12)
+    assert stats.spearman([1, 1, 1], [1, 2, 3]) is None
 
 
-def test_correlations_within_runs_within_worlds(grid):
-    # MI rises with success inside every run; across runs the offsets are unrelated
-    for i, (_, _, folder, _) in enumerate(experiments.runs_of(grid)):
+# ---------------------------------------------------------------------------------------- decisions
+
+def test_decision_rules_are_paired_differences_over_seeds(grid):
+    toy_runs(grid)
+    data = report.load(grid)
+    rules = grids.GRIDS[grid]["decide"]
+    d = report.decide(grid, data, rules[0])
+    # b - a per seed at step 20: 0.3 each: zero spread, the interval is 0 wide
+    assert d["estimate"] == pytest.approx(0.3) and d["n"] == 5 and d["verdict"] == "holds"
+    assert d["values"] == "0.300 0.300 0.300 0.300 0.300"
+    # at 20 optimiser steps: a (4 a step) is half-way between its validations at steps 0 and 10
+    # (0 and 40 optimiser steps): level + 0.05; b (2 a step) at its step 10: level + 0.1
+    assert stats.value_on(data[("a", 0)], "val_success", "optimizer_steps", 20) == pytest.approx(0.25)
+    assert report.decide(grid, data, rules[1])["estimate"] == pytest.approx(0.3 + 0.05)
+    assert report.decide(grid, data, dict(rules[0], sign=-1))["verdict"] == "contradicted"
+    assert report.decide(grid, {}, rules[0])["verdict"] == "not run"
+    few = {k: v for k, v in data.items() if k[1] < 3}  # three seeds: the estimate, no verdict
+    d = report.decide(grid, few, rules[0])
+    assert d["n"] == 3 and d["low"] is None and d["verdict"] == "3 runs: no interval"
+
+
+def test_lead_lag_compares_the_onsets_run_by_run(grid):
+    def records(mi_drop, val_drop):
+        return [{"step": s, "val_success": 0.9 if s < val_drop else 0.1} for s in range(0, 101, 10)] + [
+            {"step": s, "probe_mi_estimate": 0.8 if s < mi_drop else 0.2} for s in [1] + list(range(10, 101, 10))]
+    data = {("a", seed): records(40, 40 + 10 * seed) for seed in range(5)}
+    d = report.decide(grid, data, grids.GRIDS[grid]["decide"][2])
+    assert d["values"] == "0.000 10.000 20.000 30.000 40.000" and d["estimate"] == pytest.approx(20)
+    assert d["verdict"] == "holds"
+    data[("a", 4)] = records(40, 200)  # success never moves: no lag for that run
+    assert report.decide(grid, data, grids.GRIDS[grid]["decide"][2])["n"] == 4
+
+
+def test_fig4_statistics_from_the_gradient_decompositions(grid):
+    toy_runs(grid)
+    data = report.load(grid)
+    records = data[("a", 0)]
+    # the task norm rises with spread exactly (rho 1), the regulariser's is constant (0)
+    assert stats.gradient_stat(records, "rho_task_minus_reg") == pytest.approx(1.0)
+    # the lowest bucket with spread: task 0.2, regulariser 1 -> share 1 / 1.2; the highest: 1.0
+    # against 1 -> share 1/2 (the bucket without spread, task 0, is not the one compared)
+    assert stats.gradient_stat(records, "reg_share_low") == pytest.approx(1 / 1.2 - 0.5)
+    assert stats.gradient_stat(records, "reg_share_high") == pytest.approx(0.0)
+    assert stats.gradient_stat([{"step": 1}], "reg_share_low") is None
+    rule = dict(kind="gradients", setting="b", stat="reg_share_low", sign=1, text="reg wins")
+    d = report.decide(grid, data, rule)
+    assert (d["n"], d["estimate"], d["verdict"]) == (5, pytest.approx(1 / 1.2 - 0.5), "holds")
+    rows = report.gradient_table(grid, data)
+    assert [(r["setting"], r["bucket"]) for r in rows][:2] == [("a", 1), ("a", 2)]
+    assert rows[5]["task_grad_norm"] == pytest.approx(1.0) and rows[5]["runs"] == 5
+    assert rows[5]["task_grad_norm_ci95"] == pytest.approx(0.0)
+
+
+def test_correlations_by_seed_within_worlds_and_pooled(grid, monkeypatch):
+    """MI rises with success inside every run; between runs the offsets are unrelated. A second world
+    (setting b) brings the within-world rows and the pooled footnote."""
+    monkeypatch.setitem(grids.GRIDS[grid], "world", None)
+    monkeypatch.setitem(grids.GRIDS[grid]["settings"], "b", ["--env", "frozenlake", "--filter", "topp"])
+    for i, (_, _, folder, _) in enumerate(grids.runs_of(grid)):
         fake_run(folder, 40, 0.5, lambda s, i=i: 0.01 * s + 0.1 * (i % 2),
                  val=lambda s, i=i: 0.02 * s + 0.2 * ((i + 1) % 3))
         experiments.archive(folder, grid)
-    within, worlds = experiments.correlations(grid, experiments.load(grid), resamples=50)
+    within, worlds = report.correlations(grid, report.load(grid), resamples=50)
     run_mi = next(c for c in within if c["diagnostic"] == "probe_mi_estimate")
-    assert run_mi["rho"] == pytest.approx(1.0) and run_mi["n"] == 6
+    assert run_mi["rho"] == pytest.approx(1.0) and run_mi["n"] == 5  # five seeds, not ten runs
+    assert run_mi["low"] == pytest.approx(1.0) and run_mi["high"] == pytest.approx(1.0)
     cond = next(c for c in within if c["diagnostic"] == "probe_conditional_entropy")
     assert cond["rho"] == pytest.approx(-1.0)
-    scopes = {(c["scope"], c["world"]) for c in worlds}
-    assert scopes == {("within world", "bandit")}  # one world: nothing to pool
     const = next(c for c in within if c["diagnostic"] == "probe_reasoning_entropy")
     assert const["rho"] is None  # a constant ranks nothing
-
-
-def test_report_regenerates_the_same_tables_from_the_archives_alone(grid, tmp_path):
-    toy_runs(grid)
-    experiments.report(grid)
-    shutil.rmtree("runs")  # the run folders are not committed: the report needs only the archives
-    shutil.copytree(os.path.join("results", grid), tmp_path / "again" / grid)
-    experiments.report(grid, results=str(tmp_path / "again"))
-    for name in ("table.md", "table.csv", "decisions.csv", "correlations.csv", "leadlag.csv",
-                 "numbers.json"):
-        assert filecmp.cmp(os.path.join("results", grid, name), tmp_path / "again" / grid / name,
-                           shallow=False), name
-
-
-def test_committed_tables_equal_the_regenerated_ones(tmp_path):
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    committed = [name for name in experiments.GRIDS
-                 if os.path.isdir(os.path.join(root, "results", name, "runs"))]
-    for name in committed:  # every grid first: a rule may compare with another grid's runs
-        shutil.copytree(os.path.join(root, "results", name), tmp_path / name)
-    for name in committed:  # the figures are not compared
-        experiments.report(name, results=str(tmp_path), with_figures=False)
-        for file in ("table.md", "table.csv", "decisions.csv", "numbers.json", "perseed.csv",
-                     "search.csv"):
-            if file == "search.csv" and not os.path.isfile(tmp_path / name / file):
-                continue  # only the regime search writes one
-            assert filecmp.cmp(os.path.join(root, "results", name, file), tmp_path / name / file,
-                               shallow=False), (name, file)
-
-
-def test_command_line_help_list_and_errors(capsys):
-    with pytest.raises(SystemExit):
-        experiments.main(["--help"])
-    text = " ".join(capsys.readouterr().out.split())
-    assert "reported from compact per-run logs committed under results/<grid>/runs/." in text
-    assert experiments.main(["list", "main"]) == 0
-    out = capsys.readouterr().out
-    assert out.startswith("main:") and "collapse-env" not in out and "rule: Top-P beats" in out
-    assert experiments.main(["list", "nope"]) == 2
-    assert "unknown grid 'nope'" in capsys.readouterr().err
+    rows = {(c["scope"], c["world"]): c for c in worlds if c["diagnostic"] == "probe_mi_estimate"}
+    assert set(rows) == {("within world", "--env bandit"), ("within world", "--env frozenlake"),
+                         ("pooled", "pooled (footnote)")}
+    # within a world the runs' offsets mix in: their points together, not rho 1
+    for key in (("within world", "--env bandit"), ("pooled", "pooled (footnote)")):
+        assert 0.3 < rows[key]["rho"] < 1.0 and rows[key]["low"] <= rows[key]["rho"] <= rows[key]["high"]
+    assert rows[("within world", "--env bandit")]["n"] == 5
 
 
 def test_the_regime_search_needs_all_three_criteria_and_shows_them_run_by_run():
@@ -257,12 +281,181 @@ def test_the_regime_search_needs_all_three_criteria_and_shows_them_run_by_run():
         return out
     data = {("regime", 0): records(0.6, 0.5, 0.7), ("easy", 0): records(0.4, 0.5, 0.7),
             ("kept-mi", 0): records(0.6, 0.51, 0.7), ("kept-success", 0): records(0.6, 0.5, 0.71)}
-    rows = {r["setting"]: r for r in experiments.search_criteria(data)}
+    rows = {r["setting"]: r for r in stats.search_criteria(data)}
     assert [s for s, r in rows.items() if r["regime"]] == ["regime"]
     assert rows["regime"]["probe_mi_first"] == 1.0 and rows["regime"]["probe_mi_last_two"] == 0.5
     assert rows["easy"]["zero_var_fail_frac"] == pytest.approx(0.4)
     assert rows["kept-success"]["val_best"] == 0.8 and rows["kept-success"]["val_last"] == 0.71
     assert rows["regime"]["train_success"] == pytest.approx(0.1)
-    decision = experiments.search("toy", data, {"text": "rule"})
+    decision = report.search(data, {"text": "rule"})
     assert decision["verdict"] == "regime found: regime-s0" and decision["n"] == 4
-    assert experiments.search("toy", {}, {"text": "rule"})["verdict"] == "not run"
+    assert report.search({}, {"text": "rule"})["verdict"] == "not run"
+
+
+# ------------------------------------------------------------------------------------------ the report
+
+def test_the_table_is_a_t_interval_over_seeds(grid):
+    toy_runs(grid)
+    rows = {(r["setting"], r["step"]): r for r in report.report(grid)}
+    a = rows[("a", 20)]
+    # train success: the run's level + 0.01 a step, averaged over steps 11..20: level + 0.155
+    levels = SUCCESS[:5]
+    assert a["train_success"] == pytest.approx(sum(levels) / 5 + 0.155) and a["runs"] == a["finished"] == 5
+    sd = math.sqrt(sum((x - sum(levels) / 5) ** 2 for x in levels) / 4)
+    assert a["train_success_ci95"] == pytest.approx(t.ppf(0.975, 4) * sd / math.sqrt(5))
+    assert a["val_success"] == pytest.approx(sum(levels) / 5 + 0.2)  # at the step itself
+    assert a["probe_mi_estimate"] == pytest.approx(0.6)
+    assert a["optimizer_steps_total"] == 80 and rows[("b", 20)]["optimizer_steps_total"] == 40
+    assert a["trajectories_total"] == 20 * 4 * grids.GROUP_SIZE
+    text = open(os.path.join("results", "toy", "table.md")).read()
+    assert f"| a | 20 | 5 (5) | {a['val_success']:.3f} ± {a['val_success_ci95']:.3f} |" in text
+    for name in ("curves", "perseed", "scatter"):
+        assert os.path.isfile(os.path.join("results", "toy", f"{name}.png"))
+
+
+def test_report_regenerates_the_same_tables_from_the_archives_alone(grid, tmp_path):
+    toy_runs(grid)
+    report.report(grid, with_figures=False)
+    shutil.rmtree("runs")  # the run folders are not committed: the report needs only the archives
+    again = tmp_path / "again"
+    shutil.copytree(os.path.join("results", grid, "runs"), again / grid / "runs")  # the archives only
+    report.report(grid, results=str(again), with_figures=False)
+    written = sorted(f for f in os.listdir(again / grid) if f != "runs")
+    assert {"table.md", "numbers.json", "decisions.csv", "table.csv"} <= set(written)
+    for name in written:
+        assert filecmp.cmp(os.path.join("results", grid, name), again / grid / name, shallow=False), name
+
+
+def test_the_report_never_overwrites_a_report_with_less(grid, capsys):
+    toy_runs(grid)
+    report.report(grid, with_figures=False)
+    out = os.path.join("results", grid)
+    before = {f: open(os.path.join(out, f), "rb").read() for f in os.listdir(out) if f != "runs"}
+    archives = sorted(os.listdir(os.path.join(out, "runs")))
+    first = os.path.join(out, "runs", archives[0])
+    kept = open(first, "rb").read()
+
+    def refused(message):
+        assert experiments.main(["report", grid]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and message in err and "Traceback" not in err
+        assert {f: open(os.path.join(out, f), "rb").read() for f in before} == before
+
+    open(first, "wb").close()  # an empty archive
+    refused("unreadable archive")
+    with open(first, "wb") as f:  # random bytes
+        f.write(os.urandom(300))
+    refused("unreadable archive")
+    with gzip.open(first, "wt") as f:  # a valid but shorter log
+        f.write("".join(json.dumps({"step": s}) + "\n" for s in range(3)))
+    refused("a-s0 is shorter")
+    os.remove(first)
+    refused("a-s0 is missing")
+    assert experiments.main(["report", grid, "--force"]) == 0  # asked explicitly: what is there
+    assert json.load(open(os.path.join(out, "numbers.json")))["archives"].keys() == {
+        a[:-len(".jsonl.gz")] for a in archives[1:]}
+    with open(first, "wb") as f:
+        f.write(kept)
+    open(os.path.join("results", f".{grid}.new"), "w").close()  # the scratch folder cannot be made
+    assert experiments.main(["report", grid]) == 2
+    assert "cannot write the report" in capsys.readouterr().err
+
+
+def test_committed_tables_equal_the_regenerated_ones(tmp_path):
+    """Every registered grid that has a committed report has its archives, all that the report was
+    made from (a missing or shorter one fails), and regenerating from them alone gives every file
+    byte for byte."""
+    reported = [name for name in grids.GRIDS if os.path.isfile(os.path.join(ROOT, "results", name, "table.md"))]
+    for name in reported:  # every grid first: a rule may compare with another grid's runs
+        shutil.copytree(os.path.join(ROOT, "results", name, "runs"), tmp_path / name / "runs")
+        shutil.copy(os.path.join(ROOT, "results", name, "numbers.json"), tmp_path / name)
+    shutil.copytree(os.path.join(ROOT, "results", report.FIRST_REPORT), tmp_path / report.FIRST_REPORT)
+    for name in reported:
+        manifest = json.load(open(tmp_path / name / "numbers.json"))["archives"]
+        assert manifest and len(os.listdir(tmp_path / name / "runs")) == len(manifest), name
+        report.report(name, results=str(tmp_path), with_figures=False)  # refuses a missing archive
+        for file in OUTPUTS:
+            if os.path.isfile(os.path.join(ROOT, "results", name, file)):
+                assert filecmp.cmp(os.path.join(ROOT, "results", name, file), tmp_path / name / file,
+                                   shallow=False), (name, file)
+
+
+def test_every_committed_archive_is_tracked_by_git():
+    """An ignore rule once kept every archive out of git while the disk had them all."""
+    tracked = subprocess.run(["git", "ls-files", "results"], cwd=ROOT, capture_output=True, text=True)
+    if tracked.returncode:
+        pytest.skip("not a git checkout")
+    listed = set(tracked.stdout.split())
+    on_disk = [os.path.relpath(os.path.join(d, f), ROOT) for d, _, files in os.walk(os.path.join(ROOT, "results"))
+               for f in files if f.endswith(".jsonl.gz")]
+    assert all(path in listed for path in on_disk), sorted(set(on_disk) - listed)[:3]
+    ignored = subprocess.run(["git", "check-ignore", "-q", "--no-index", "results/main/runs/none-s0.jsonl.gz"],
+                             cwd=ROOT)
+    assert ignored.returncode == 1  # not ignored
+
+
+def test_every_number_results_md_quotes_is_in_a_generated_file():
+    """RESULTS.md quotes results with three or more decimals; each such number must appear in a file
+    the report wrote (results/**: tables, csv, numbers.json), so none is typed by hand."""
+    text = open(os.path.join(ROOT, "RESULTS.md")).read()
+    quoted = set(re.findall(r"(?<![\w.])[-+]?\d+\.\d{3,}(?![\d])", text))
+    assert quoted
+    generated = []
+    for folder, _, files in os.walk(os.path.join(ROOT, "results")):
+        generated += [open(os.path.join(folder, f)).read() for f in files if f.endswith((".md", ".csv", ".json"))]
+    values = {float(x) for x in re.findall(r"[-+]?\d+\.\d+(?:e[-+]?\d+)?", "\n".join(generated))}
+    missing = [q for q in sorted(quoted) if float(q) not in values]  # 0.300 is 0.3, 0.812 is not 0.8124
+    assert not missing, missing[:10]
+
+
+# ----------------------------------------------------------------------------------- command line
+
+def test_command_line_help_list_and_errors(grid, capsys):
+    with pytest.raises(SystemExit):
+        experiments.main(["--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "archive each finished run's metrics under results/<grid>/runs/" in text
+    assert experiments.main(["list", "main"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("main:") and "collapse-env" not in out and "rule: Top-P beats" in out
+    assert experiments.main(["list", "nope"]) == 2
+    assert "unknown grid 'nope'" in capsys.readouterr().err
+    assert experiments.main(["run"]) == 2  # hours of work: only when named
+    assert "name the grids to run" in capsys.readouterr().err
+    assert experiments.main(["report"]) == 0  # every grid; none has run here
+    assert "toy: not run yet" in capsys.readouterr().out
+    assert experiments.main(["report", "toy"]) == 2
+    assert "nothing to report" in capsys.readouterr().err
+
+
+def test_ctrl_c_stops_the_runs_and_archives_only_what_finished(grid, monkeypatch, capsys):
+    toy_runs(grid)
+    runs = grids.runs_of(grid)
+    shutil.rmtree(os.path.join("results", grid))
+    with open(os.path.join(runs[1][2], "metrics.jsonl"), "w") as f:  # a-s1 stopped half-way
+        f.write("".join(json.dumps({"step": s}) + "\n" for s in range(8)))
+    open(os.path.join(runs[1][2], "config.json"), "w").close()
+    killed = []
+
+    class Process:  # train.py stand-in: never ends by itself
+        returncode = None
+
+        def __init__(self, argv, **kw):
+            self.folder = argv[argv.index("--resume") + 1]
+
+        def poll(self):
+            return None
+
+        def terminate(self):
+            killed.append(self.folder)
+
+        def wait(self):
+            self.returncode = -15
+
+    monkeypatch.setattr(experiments.subprocess, "Popen", Process)
+    monkeypatch.setattr(experiments.time, "sleep", lambda s: (_ for _ in ()).throw(KeyboardInterrupt))
+    assert experiments.main(["run", grid]) == 130
+    out, err = capsys.readouterr()
+    assert killed == [runs[1][2]] and "not finished: not archived" in out
+    assert "interrupted" in err and "Traceback" not in err
+    assert not os.path.exists(os.path.join("results", grid, "runs", "a-s1.jsonl.gz"))

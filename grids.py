@@ -1,0 +1,246 @@
+"""The paper's claims in miniature, written down before they run: each grid below is one claim of
+RAGEN-2 (or a search for a regime, said to be one) as train.py runs -- its exact flags, settings,
+seeds and steps -- with the comparisons that decide it.
+
+A new top-level file because a pre-registration is a thing of its own: experiments.py runs what is
+written here, stats.py holds the statistics the rules use, report.py turns the archived runs into
+tables and verdicts. A registered grid is not changed once it has run: a re-run is a replication,
+and a changed grid gets a new name.
+
+A rule ("paired") compares a - b, paired over the seeds both have, at an environment step or at a
+number of cumulative optimiser steps; it holds when the 95% interval over at least 5 seeds lies on
+the predicted side of 0, is contradicted on the other side, else undecided. "leadlag": the step at
+which `a` starts to move (stats.onset) comes before the step at which `b` does. "gradients": a Fig. 4
+statistic per run (stats.gradient_stat) on the predicted side of 0. "search": the regime search's
+criteria, run by run.
+"""
+import os
+
+RUNS = os.path.join("runs", "experiments")
+RESULTS = "results"
+MAX_SKIPS = 5  # train.MAX_SKIPS (not imported: the grids and the report need no torch)
+GROUP_SIZE = 16  # train.Args.group_size: trajectories a kept group contributes
+WINDOW = 10  # per-step metrics in a table are the mean of the WINDOW steps ending at the table step
+COMMON = ["--model", "tiny", "--mi-every", "5", "--val-every", "10", "--threads", "1", "--no-plot"]
+FILTERS = {"none": ["--filter", "none"], "topp": ["--filter", "topp"], "topk": ["--filter", "topk"]}
+CONTROLS = {"random": ["--filter", "random", "--control-of", "topk"],
+            "bottom": ["--filter", "bottom", "--control-of", "topk"]}
+SEEDS = [0, 1, 2, 3, 4]  # 5 seeds for every claim
+# Wall-time model: seconds a training step of one run takes (one thread, two runs side by side on
+# the 2-core machine; validation and diagnoses included), by world. Measured: collapse-env, 30 x
+# 120 FrozenLake steps in 84 minutes (2.8 s); the main grid's first Sokoban runs, about 6 s. The
+# larger Sokoban room is a guess.
+SECONDS_PER_STEP = {"frozenlake": 3.0, "sokoban": 6.0, "sokoban-large": 8.0}
+
+# ---------------------------------------------------------------------------------------- the grids
+COLLAPSE = ["--env", "frozenlake", "--entropy-coef", "0.3"]
+GRIDS = {
+    # Estimate: 30 runs x 120 steps x 5 s / 2 at a time = 2.5 h (less: runs that lose all spread
+    # stop early).
+    "collapse-env": dict(
+        claim="Sec. 2-3: with a regulariser that does not shrink with reward spread driving the "
+              "update (an entropy bonus of 0.3 on FrozenLake: no filter lost its success by step "
+              "60 before), Top-K / Top-P hold collapse off -- and not only because a filtered "
+              "update takes fewer optimiser steps (2 for Top-K 0.5 against 4, at 32 trajectories "
+              "a mini-batch): equal environment steps here, 120 steps so that Top-K reaches the "
+              "240 optimiser steps no filter took to collapse; random and bottom keep Top-K's "
+              "count.",
+        flags=COLLAPSE, world="frozenlake",
+        settings={**FILTERS, "topp-softmax-zero": ["--filter", "topp", "--filter-prob-mode",
+                                                   "softmax", "--include-zero"], **CONTROLS},
+        seeds=SEEDS, steps=120, table_steps=[0, 20, 40, 60, 80, 100, 120],
+        decide=[
+            dict(kind="paired", metric="val_success", a=("topk", "step", 60),
+                 b=("none", "step", 60), sign=1,
+                 text="Top-K beats no filter at step 60 (equal environment steps)"),
+            dict(kind="paired", metric="val_success", a=("topk", "step", 60),
+                 b=("random", "step", 60), sign=1,
+                 text="Top-K beats a random subset of the same size at step 60: the choice of "
+                      "groups matters, not only their number"),
+            dict(kind="paired", metric="val_success", a=("topk", "optimizer_steps", 240),
+                 b=("none", "optimizer_steps", 240), sign=1,
+                 text="Top-K beats no filter at 240 optimiser steps (no filter's step 60)"),
+            dict(kind="paired", metric="val_success", a=("bottom", "optimizer_steps", 240),
+                 b=("none", "optimizer_steps", 240), sign=-1,
+                 text="the lowest-spread groups do worse than no filter at equal optimiser "
+                      "steps (the mechanism's prediction)"),
+            dict(kind="paired", metric="val_success", a=("topp", "step", 60),
+                 b=("none", "step", 60), sign=1, text="Top-P (linear) beats no filter at step 60"),
+            dict(kind="paired", metric="probe_mi_estimate", a=("none", "step", 60),
+                 b=("none", "step", 1), sign=-1,
+                 text="without a filter the probe-set MI falls from step 1 to step 60"),
+            dict(kind="leadlag", setting="none", a="probe_mi_estimate", b="val_success", sign=1,
+                 text="the probe-set MI falls before success does (no filter)"),
+            dict(kind="leadlag", setting="none", a="probe_mi_estimate",
+                 b="probe_conditional_entropy", sign=1,
+                 text="the probe-set MI falls before H(Z|X) rises (no filter)"),
+        ]),
+    # Estimate: 20 runs x 80 steps x 5 s / 2 = 1.1 h. No filter is not rerun: with 128 kept rows
+    # --optimizer-steps 4 is exactly the default split (tests/test_train.py), so its runs are
+    # collapse-env's.
+    "collapse-opt": dict(
+        claim="The collapse grid at equal optimiser steps: every update takes 4 optimiser steps "
+              "(--optimizer-steps 4, no filter's count) whatever it keeps.",
+        flags=COLLAPSE + ["--optimizer-steps", "4"], world="frozenlake",
+        settings={"topk": FILTERS["topk"], "topp": FILTERS["topp"], **CONTROLS},
+        seeds=SEEDS, steps=80, table_steps=[0, 20, 40, 60, 80],
+        decide=[
+            dict(kind="paired", metric="val_success", a=("topk", "step", 60),
+                 b=("collapse-env/none", "step", 60), sign=1,
+                 text="Top-K beats no filter at equal optimiser steps (step 60: 240 each)"),
+            dict(kind="paired", metric="val_success", a=("topk", "step", 60),
+                 b=("random", "step", 60), sign=1,
+                 text="Top-K beats a random subset of the same size at equal optimiser steps"),
+            dict(kind="paired", metric="val_success", a=("bottom", "step", 60),
+                 b=("collapse-env/none", "step", 60), sign=-1,
+                 text="the lowest-spread groups do worse than no filter"),
+            dict(kind="paired", metric="val_success", a=("topp", "step", 60),
+                 b=("collapse-env/none", "step", 60), sign=1,
+                 text="Top-P beats no filter at equal optimiser steps"),
+        ]),
+    # Estimate: 2 x 200 x 8 s + 200 x 10 s + 2 x 200 x 5 s = 2.0 run-hours, 1.0 h at 2 at a time,
+    # plus a warm start for each of the 3 new worlds (about 3 minutes each).
+    "regime": dict(
+        claim="A search, not a claim: is there a collapse regime at the official coefficients "
+              "(entropy 0.001, a KL term k3 at the analysis runs' 0.001 and at 0.01) in worlds "
+              "with many all-fail groups (two boxes, an 8x8 room; FrozenLake slipping 2/3 of "
+              "moves), 200 steps, no filter, one seed each?",
+        flags=["--entropy-coef", "0.001", "--filter", "none"], world=None,
+        settings={
+            "sokoban-2box-kl0.001": ["--env", "sokoban", "--num-boxes", "2", "--kl-coef", "0.001"],
+            "sokoban-2box-kl0.01": ["--env", "sokoban", "--num-boxes", "2", "--kl-coef", "0.01"],
+            "sokoban-8x8-kl0.001": ["--env", "sokoban", "--room-size", "8", "--kl-coef", "0.001"],
+            "frozenlake-sr0.33-kl0.001": ["--env", "frozenlake", "--success-rate", "0.3333",
+                                          "--kl-coef", "0.001"],
+            "frozenlake-sr0.33-kl0.01": ["--env", "frozenlake", "--success-rate", "0.3333",
+                                         "--kl-coef", "0.01"]},
+        seeds=[0], steps=200, table_steps=[0, 50, 100, 150, 200],
+        seconds={"sokoban-2box-kl0.001": 8.0, "sokoban-2box-kl0.01": 8.0,
+                 "sokoban-8x8-kl0.001": SECONDS_PER_STEP["sokoban-large"]},
+        decide=[dict(kind="search", text=(
+            "a setting is a collapse regime when its run (1) had many all-fail groups "
+            "(zero_var_fail_frac averaged over the run >= 0.5), (2) lost input dependence (the "
+            "mean probe-set MI of the last two diagnoses <= half its step-1 value) and (3) lost "
+            "success (the last validation >= 0.1 below the run's best). If one is found, a 5-seed "
+            "none / Top-P / Top-K / random grid in it is the next pre-registration; if none is, "
+            "that is the result: no collapse at the official coefficients in 200 steps."))]),
+    # Estimate: 10 runs x 40 steps x 5 s / 2 = 0.3 h (a decomposition every 5 steps included).
+    "gradients": dict(
+        claim="Sec. 3, Fig. 4: the task gradient of a bucket of prompts grows with its reward "
+              "spread and the regulariser's (entropy bonus + KL to the initial policy) does not, "
+              "so where spread is low the regulariser drives the update. FrozenLake, no filter, "
+              "the 8 groups of a step in 6 spread buckets, a decomposition every 5 steps; with the "
+              "collapse grids' entropy bonus of 0.3, and at the official coefficients (entropy "
+              "0.001, KL 0.001). Without a KL term in training the KL gradient is measured at "
+              "0.001.",
+        flags=["--env", "frozenlake", "--filter", "none", "--grad-decomp-every", "5"],
+        world="frozenlake",
+        settings={"entropy0.3": ["--entropy-coef", "0.3"],
+                  "official": ["--entropy-coef", "0.001", "--kl-coef", "0.001"]},
+        seeds=SEEDS, steps=40, table_steps=[0, 20, 40],
+        decide=[
+            dict(kind="gradients", setting=setting, stat="rho_task_minus_reg", sign=1,
+                 text=f"{label}: the task gradient's norm rises with the bucket's reward spread "
+                      f"more than the regulariser's (Spearman over the run's decompositions)")
+            for setting, label in (("entropy0.3", "entropy bonus 0.3"),
+                                   ("official", "official coefficients"))] + [
+            dict(kind="gradients", setting="entropy0.3", stat="reg_share_low", sign=1,
+                 text="entropy bonus 0.3: on the lowest-spread bucket with any spread the "
+                      "regulariser's gradient is larger than the task's (its share of the two "
+                      "norms minus 1/2)"),
+            dict(kind="gradients", setting="official", stat="reg_share_high", sign=-1,
+                 text="official coefficients: on the highest-spread bucket the task gradient is "
+                      "larger than the regulariser's (its share of the two norms minus 1/2)")]),
+    # Estimate: 20 runs x 50 steps x 8 s / 2 = 1.1 h.
+    "main": dict(
+        claim="The main command's world (Sokoban, default settings): Top-P and Top-K against no "
+              "filter and a random subset of Top-P's size, 50 steps.",
+        flags=["--env", "sokoban"], world="sokoban",
+        settings={**FILTERS, "random": ["--filter", "random", "--control-of", "topp"]},
+        seeds=SEEDS, steps=50, table_steps=[0, 10, 20, 30, 40, 50],
+        decide=[
+            dict(kind="paired", metric="val_success", a=("topp", "step", 50),
+                 b=("none", "step", 50), sign=1, text="Top-P beats no filter at step 50"),
+            dict(kind="paired", metric="val_success", a=("topp", "step", 50),
+                 b=("random", "step", 50), sign=1,
+                 text="Top-P beats a random subset of its size at step 50"),
+            dict(kind="paired", metric="val_success", a=("topk", "step", 50),
+                 b=("none", "step", 50), sign=1, text="Top-K beats no filter at step 50"),
+        ]),
+}
+# Whole programme: 2.5 + 1.1 + 1.0 (+ 0.15 warm starts) + 0.3 + 1.1 = about 6.2 h of the 2-core
+# machine (gradients was added after collapse-env had run, before its own runs).
+# Cut to fit: no filter is not rerun at equal optimiser steps; the softmax Top-P variant only at
+# equal environment steps; the regime search has one seed and two KL values; the main world runs
+# 50 of the main command's 100 steps. The earlier 3-seed grids (on the tiny policy before its
+# tokenizer changed, with no decision rules and no committed per-run logs) are not kept.
+
+METRICS = ["val_success", "train_success", "probe_mi_estimate", "probe_retrieval_acc",
+           "probe_reasoning_entropy", "probe_conditional_entropy", "probe_action_mi",
+           "mi_estimate", "token_entropy", "kept_ratio", "zero_var_success_frac",
+           "zero_var_fail_frac", "optimizer_steps_total", "trajectories_total"]
+AT_THE_STEP = ("val_success", "mi_estimate", "retrieval_acc", "reasoning_entropy",
+               "conditional_entropy", "probe_", "optimizer_steps_total", "trajectories_total")
+BUCKET = ["mean_std", "task_grad_norm", "kl_grad_norm", "entropy_grad_norm", "reg_grad_norm"]
+DIAGNOSTICS = ["probe_mi_estimate", "probe_retrieval_acc", "probe_reasoning_entropy",
+               "probe_conditional_entropy", "probe_action_mi", "mi_estimate", "token_entropy"]
+PHASE = ["probe_mi_estimate", "probe_reasoning_entropy", "probe_conditional_entropy",
+         "token_entropy"]  # the MI-versus-entropy phase, run by run
+# The onset rule's series: the direction of a collapse, and the smallest noise unit (the early
+# spread of a series can be 0 by chance): validation success's binomial standard error at p = 1/2
+# over the 64 validation seeds; for the probe metrics their own logged standard error takes its place
+ONSET = {"probe_mi_estimate": (-1, 0.01), "val_success": (-1, 0.0625),
+         "probe_conditional_entropy": (1, 0.01), "token_entropy": (1, 0.005)}
+
+
+def runs_of(name):
+    """[(setting, seed, folder, argv)] of a grid: every setting x seed, with its train.py flags."""
+    g = GRIDS[name]
+    out = []
+    for setting, flags in g["settings"].items():
+        for seed in g["seeds"]:
+            folder = os.path.join(RUNS, name, f"{setting}-s{seed}")
+            argv = g["flags"] + flags + COMMON + ["--seed", str(seed), "--steps", str(g["steps"]),
+                                                 "--out", folder]
+            out.append((setting, seed, folder, argv))
+    return out
+
+
+def estimate_hours(name, jobs=2):
+    """The grid's wall-time estimate: steps x SECONDS_PER_STEP of its world, `jobs` at a time."""
+    g = GRIDS[name]
+    total = 0.0
+    for setting, _, _, argv in runs_of(name):
+        world = argv[argv.index("--env") + 1] if "--env" in argv else "sokoban"
+        total += g["steps"] * g.get("seconds", {}).get(setting, SECONDS_PER_STEP[world])
+    return total / jobs / 3600
+
+
+def done(records, steps):
+    """A run's records reach its last step, or train.py stopped it: MAX_SKIPS steps in a row
+    without reward spread."""
+    records = [r for r in records if r.get("step")]
+    stopped = len(records) >= MAX_SKIPS and all(r.get("skipped") for r in records[-MAX_SKIPS:])
+    return stopped or any(r["step"] == steps for r in records)
+
+
+def world_of(name, setting):
+    """The world a setting runs in: its env flags (a grid's `world`, else from the flags)."""
+    if GRIDS[name].get("world"):
+        return GRIDS[name]["world"]
+    flags = GRIDS[name]["flags"] + GRIDS[name]["settings"][setting]
+    names = ("--env", "--num-boxes", "--room-size", "--success-rate", "--lake-size")
+    given = {}  # a setting's flag overrides the grid's, as on train.py's command line
+    for flag, value in zip(flags, flags[1:]):
+        if flag in names:
+            given[flag] = value
+    return " ".join(f"{flag} {value}" for flag, value in given.items())
+
+
+def describe(name):
+    """The grid's size, wall-time estimate, claim and rules, for `experiments.py list`."""
+    g = GRIDS[name]
+    lines = [f"{name}: {len(g['settings']) * len(g['seeds'])} runs x {g['steps']} steps, "
+             f"about {estimate_hours(name):.1f} h on 2 cores (2 at a time). {g['claim']}"]
+    lines += [f"  rule: {rule['text']}" for rule in g["decide"]]
+    return "\n".join(lines)

@@ -1,0 +1,494 @@
+"""Every table, figure and number of a grid, from its committed per-run archives alone
+(results/<grid>/runs/<setting>-s<seed>.jsonl.gz).
+
+A new top-level file because the report is a concept of its own: what a stranger runs to check every
+number of RESULTS.md. It reads the archives and nothing else, and writes results/<grid>/:
+table.md (means over seeds with 95% t intervals, the decision rules and their verdicts, onsets,
+correlations, and beside each verdict the first report's, replication.csv), the same as csv files,
+numbers.json (every number, and the manifest of the archives it was made from), perseed.csv,
+gradients.csv (Fig. 4), search.csv (the regime search), curves.png, perseed.png and scatter.png.
+
+It never overwrites a committed report with less: when the archives are fewer, shorter or
+unreadable compared with the manifest of the report in place, it refuses (ReportError: one line,
+exit 2) unless forced; it writes into a scratch folder and moves the files in only once all of them
+are written.
+"""
+import csv
+import gzip
+import hashlib
+import json
+import math
+import os
+import random
+import shutil
+import zlib
+
+import stats
+from grids import (BUCKET, COMMON, DIAGNOSTICS, GROUP_SIZE, GRIDS, METRICS, ONSET, PHASE, RESULTS,
+                   WINDOW, done, runs_of, world_of)
+
+FIRST_REPORT = "round3"  # results/round3/<grid>/: the first report, whose archives were never kept
+
+
+class ReportError(Exception):
+    """What the user gets as one line and exit code 2."""
+
+
+# ------------------------------------------------------------------------------------- the archives
+
+def archive_path(name, folder, results=RESULTS):
+    return os.path.join(results, name, "runs", os.path.basename(folder) + ".jsonl.gz")
+
+
+def read_archive(path):
+    """The records of one archive; a damaged or empty one is a ReportError, never a traceback."""
+    try:
+        with gzip.open(path, "rt") as f:
+            records = [json.loads(line) for line in f if line.strip()]
+    except (OSError, EOFError, zlib.error, UnicodeDecodeError, ValueError) as e:
+        raise ReportError(f"{path}: unreadable archive ({type(e).__name__}: {e})") from None
+    if not records or not all(isinstance(r, dict) and "step" in r for r in records):
+        raise ReportError(f"{path}: unreadable archive (it holds no records with a step)")
+    return records
+
+
+def load(name, results=RESULTS):
+    """{(setting, seed): records} from the grid's archives, each record with the cumulative
+    optimiser steps and trajectories trained on up to its step."""
+    out = {}
+    for setting, seed, folder, argv in runs_of(name):
+        path = archive_path(name, folder, results)
+        if not os.path.isfile(path):
+            continue
+        K = int(argv[argv.index("--group-size") + 1]) if "--group-size" in argv else GROUP_SIZE
+        opt = trajectories = 0
+        records = sorted(read_archive(path), key=lambda r: r["step"])
+        for r in records:
+            opt += r.get("optimizer_steps", 0) if not r.get("skipped") else 0
+            trajectories += r.get("num_kept", 0) * K if not r.get("skipped") else 0
+            r["optimizer_steps_total"], r["trajectories_total"] = opt, trajectories
+        out[(setting, seed)] = records
+    return out
+
+
+def manifest(name, data, results=RESULTS):
+    """{run: records, last step, sha256 of the archive's bytes} of what a report is made from."""
+    out = {}
+    for setting, seed, folder, _ in runs_of(name):
+        if (setting, seed) in data:
+            with open(archive_path(name, folder, results), "rb") as f:
+                digest = hashlib.sha256(f.read()).hexdigest()[:16]
+            records = data[setting, seed]
+            out[f"{setting}-s{seed}"] = {"records": len(records), "last_step": records[-1]["step"],
+                                         "sha256": digest}
+    return out
+
+
+def refuse_less(name, now, results=RESULTS):
+    """ReportError when the report in place was made from an archive that is now missing or
+    shorter."""
+    path = os.path.join(results, name, "numbers.json")
+    try:
+        with open(path) as f:
+            before = json.load(f).get("archives", {})
+    except (OSError, ValueError, AttributeError):
+        return
+    for run, m in sorted(before.items()):
+        have = now.get(run)
+        why = ("is missing" if have is None else "is shorter" if
+               (have["records"], have["last_step"]) < (m["records"], m["last_step"]) else None)
+        if why:
+            raise ReportError(f"{name}: the report in {os.path.dirname(path)} was made from "
+                              f"{len(before)} archives and {run} {why}; refusing to overwrite it "
+                              f"with less (--force reports what is there)")
+
+
+# ---------------------------------------------------------------------------------------- decisions
+
+def decide(name, data, rule, results=RESULTS):
+    """One rule's row: the estimate with its 95% interval over seeds, n, the per-seed values and the
+    verdict (no interval, and so no verdict, from fewer than stats.MIN_RUNS seeds)."""
+    if rule["kind"] == "search":
+        return search(data, rule)
+    if rule["kind"] == "gradients":
+        values = {seed: stats.gradient_stat(records, rule["stat"])
+                  for (setting, seed), records in sorted(data.items()) if setting == rule["setting"]}
+    elif rule["kind"] == "leadlag":
+        values = {}
+        for (setting, seed), records in sorted(data.items()):
+            if setting == rule["setting"]:
+                ta, tb = stats.onset(records, rule["a"]), stats.onset(records, rule["b"])
+                values[seed] = tb - ta if ta is not None and tb is not None else None
+    else:
+        sides = []
+        for setting, axis, point in (rule["a"], rule["b"]):
+            source = load(setting.split("/")[0], results) if "/" in setting else data
+            setting = setting.split("/")[-1]
+            sides.append({seed: stats.value_on(r, rule["metric"], axis, point)
+                          for (s, seed), r in source.items() if s == setting})
+        a, b = sides
+        values = {s: a[s] - b[s] if a[s] is not None and b[s] is not None else None
+                  for s in sorted(set(a) & set(b))}
+    m, half, n = stats.interval(list(values.values()))
+    if n == 0:
+        verdict = "not run" if not values else "no values"
+    elif half is None:
+        verdict = f"{n} runs: no interval"
+    elif (m - half) * rule["sign"] > 0:
+        verdict = "holds"
+    elif (m + half) * rule["sign"] < 0:
+        verdict = "contradicted"
+    else:
+        verdict = "undecided"
+    return {"rule": rule["text"], "estimate": m, "low": None if half is None else m - half,
+            "high": None if half is None else m + half, "n": n, "verdict": verdict,
+            "values": " ".join("-" if v is None else f"{v:.3f}" for v in values.values())}
+
+
+def search(data, rule):
+    """The regime search's rule, run by run: which settings showed a collapse regime."""
+    runs = stats.search_criteria(data)
+    found = [f"{r['setting']}-s{r['seed']}" for r in runs if r["regime"]]
+    verdict = ("not run" if not runs else
+               f"regime found: {', '.join(found)}" if found else "no regime found")
+    return {"rule": rule["text"], "estimate": len(found), "low": None, "high": None,
+            "n": len(runs), "verdict": verdict, "values": ""}
+
+
+def replication(name, decisions, results=RESULTS):
+    """Each rule's verdict beside the first report's (matched by the rule's text): rows, or [] when
+    there is no first report."""
+    path = os.path.join(results, FIRST_REPORT, name, "numbers.json")
+    if not os.path.isfile(path):
+        return []
+    with open(path) as f:
+        old = {d["rule"]: d for d in json.load(f)["decisions"]}
+    rows = []
+    for d in decisions:
+        o = old.get(d["rule"], {})
+        rows.append({"rule": d["rule"], "old_estimate": o.get("estimate"), "old_low": o.get("low"),
+                     "old_high": o.get("high"), "old_verdict": o.get("verdict"),
+                     "new_estimate": d["estimate"], "new_low": d["low"], "new_high": d["high"],
+                     "new_verdict": d["verdict"],
+                     "replicated": "yes" if o.get("verdict") == d["verdict"] else "no"})
+    return rows
+
+
+# ------------------------------------------------------------------------------------------- tables
+
+def table_rows(name, data):
+    """Per setting and table step, each METRIC's mean over the seeds with its 95% interval."""
+    g, rows = GRIDS[name], []
+    for setting in g["settings"]:
+        runs = [r for (s, _), r in sorted(data.items()) if s == setting]
+        complete = sum(done(r, g["steps"]) for r in runs)
+        for step in g["table_steps"]:
+            row = {"setting": setting, "step": step, "runs": len(runs), "finished": complete}
+            for key in METRICS:
+                row[key], row[key + "_ci95"], _ = stats.interval(
+                    [stats.value_at(r, key, step) for r in runs])
+            rows.append(row)
+    return rows
+
+
+def gradient_table(name, data):
+    """Fig. 4 in numbers: per setting and spread bucket, each BUCKET number's mean over a run's
+    decompositions, then over runs with its 95% t interval."""
+    rows = []
+    for setting in GRIDS[name]["settings"]:
+        runs = [[r["grad_decomposition"] for r in records if r.get("grad_decomposition")]
+                for (s, _), records in sorted(data.items()) if s == setting]
+        runs = [d for d in runs if d]
+        for bucket in range(max((len(d[0]) for d in runs), default=0)):
+            row = {"setting": setting, "bucket": bucket + 1, "runs": len(runs)}
+            for key in BUCKET:
+                row[key], row[key + "_ci95"], _ = stats.interval(
+                    [sum(x[bucket][key] for x in d) / len(d) for d in runs])
+            rows.append(row)
+    return rows
+
+
+def merged(records):
+    """One record per step (a step's diagnosis, update and validation may sit in one line)."""
+    by_step = {}
+    for r in records:
+        by_step.setdefault(r["step"], {}).update(r)
+    return [r for _, r in sorted(by_step.items())]
+
+
+def correlations(name, data, resamples=1000, seed=0):
+    """Spearman correlation of each diagnostic with validation success, at the validation steps:
+    within each run, summarised as one number per seed (the mean over its runs) and then over seeds
+    with a 95% t interval; within each world (all its runs' points; 95% interval from resampling
+    whole seeds); in a grid of several worlds, pooled over them (a footnote: worlds differ in
+    both)."""
+    points = {key: [r for r in merged(records) if "val_success" in r]
+              for key, records in data.items()}
+    worlds = {}
+    for key in points:
+        worlds.setdefault(world_of(name, key[0]), []).append(key)
+    within, world_rows = [], []
+    rng = random.Random(seed)
+    for diagnostic in DIAGNOSTICS:
+        def rho(keys):
+            pairs = [(r[diagnostic], r["val_success"]) for k in keys for r in points[k]
+                     if diagnostic in r]
+            return stats.spearman([x for x, _ in pairs], [y for _, y in pairs])
+
+        m, half, n = stats.interval(stats.by_seed({k: rho([k]) for k in points}))
+        within.append({"scope": "within runs, by seed", "world": "each", "diagnostic": diagnostic,
+                       "rho": m, "low": None if half is None else m - half,
+                       "high": None if half is None else m + half, "n": n})
+        pooled = [("pooled (footnote)", sorted(points))] if len(worlds) > 1 else []
+        for world, keys in sorted(worlds.items()) + pooled:
+            low, high = stats.cluster_bootstrap(keys, rho, rng, resamples)
+            world_rows.append({"scope": "within world" if world in worlds else "pooled",
+                               "world": world, "diagnostic": diagnostic, "rho": rho(keys),
+                               "low": low, "high": high, "n": len({s for _, s in keys})})
+    return within, world_rows
+
+
+def onsets(data):
+    """Per run: the step at which each ONSET series starts to move (stats.onset)."""
+    return [{"setting": setting, "seed": seed, **{k: stats.onset(records, k) for k in ONSET}}
+            for (setting, seed), records in sorted(data.items())]
+
+
+# ----------------------------------------------------------------------------------------- the report
+
+def report(name, results=RESULTS, with_figures=True, force=False):
+    """Every table, figure and number of the grid from results/<grid>/runs/ alone -> the table's
+    rows. ReportError when there is nothing to report or less than the report in place had."""
+    g = GRIDS[name]
+    data = load(name, results)
+    out = os.path.join(results, name)
+    if not data:
+        raise ReportError(f"{name}: no archived runs in {out}/runs: nothing to report")
+    archives = manifest(name, data, results)
+    if not force:
+        refuse_less(name, archives, results)
+    rows = table_rows(name, data)
+    decisions = [decide(name, data, rule, results) for rule in g["decide"]]
+    within, world_rows = correlations(name, data)
+    leads = onsets(data)
+    gradients = gradient_table(name, data)
+    searched = (stats.search_criteria(data) if any(r["kind"] == "search" for r in g["decide"])
+                else [])
+    replicated = replication(name, decisions, results)
+    scratch = os.path.join(results, f".{name}.new")
+    try:
+        shutil.rmtree(scratch, ignore_errors=True)
+        os.makedirs(scratch)
+        files = {"table.csv": rows, "decisions.csv": decisions, "leadlag.csv": leads,
+                 "correlations.csv": within + world_rows, "gradients.csv": gradients,
+                 "search.csv": searched, "replication.csv": replicated,
+                 "perseed.csv": [{"setting": setting, "seed": seed, "step": step,
+                                  **{k: stats.value_at(data[setting, seed], k, step)
+                                     for k in ["val_success"] + PHASE}}
+                                 for setting in g["settings"] for seed in g["seeds"]
+                                 if (setting, seed) in data for step in g["table_steps"]]}
+        for file, table in files.items():
+            if table:
+                write_csv(os.path.join(scratch, file), table)
+        numbers = {"decisions": decisions, "correlations": within + world_rows, "leadlag": leads,
+                   "gradients": gradients, "search": searched, "replication": replicated,
+                   "archives": archives}
+        with open(os.path.join(scratch, "numbers.json"), "w") as f:
+            json.dump(rounded({k: v for k, v in numbers.items() if v}), f, indent=1,
+                      sort_keys=True)
+            f.write("\n")
+        with open(os.path.join(scratch, "table.md"), "w") as f:
+            f.write(markdown(name, rows, decisions, within, world_rows, leads, gradients,
+                             searched, replicated))
+        if with_figures:
+            figures(name, data, scratch)
+        for file in sorted(os.listdir(scratch)):  # only now: every file was written
+            os.replace(os.path.join(scratch, file), os.path.join(out, file))
+        os.rmdir(scratch)
+    except OSError as e:
+        raise ReportError(f"{name}: cannot write the report in {out}: {e.strerror or e}") from None
+    print(f"wrote {out}/table.md, csv files, numbers.json{' and figures' if with_figures else ''} "
+          f"({len(data)} runs)")
+    return rows
+
+
+def rounded(x):
+    if isinstance(x, float):
+        return None if math.isnan(x) else round(x, 4)
+    if isinstance(x, dict):
+        return {k: rounded(v) for k, v in x.items()}
+    if isinstance(x, list):
+        return [rounded(v) for v in x]
+    return x
+
+
+def write_csv(path, rows):
+    with open(path, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(rows[0]), lineterminator="\n")
+        writer.writeheader()
+        writer.writerows(rounded(rows))
+
+
+def fmt(m, half=None):
+    if m is None:
+        return "-"
+    return f"{m:.3f}" if half is None else f"{m:.3f} ± {half:.3f}"
+
+
+def span(low, high):
+    return "-" if low is None else f"{low:.3f} .. {high:.3f}"
+
+
+def markdown(name, rows, decisions, within, world_rows, leads, gradients, searched, replicated):
+    """table.md: the tables above, in the order a reader checks a claim."""
+    g = GRIDS[name]
+    shown = ["val_success", "probe_mi_estimate", "probe_reasoning_entropy",
+             "probe_conditional_entropy", "probe_action_mi", "token_entropy", "kept_ratio",
+             "zero_var_fail_frac", "optimizer_steps_total"]
+    lines = [f"# {name}", "", g["claim"], "",
+             f"Flags: `{' '.join(g['flags'] + COMMON)}`; seeds {g['seeds']}; {g['steps']} steps. "
+             f"Mean ± half-width of the 95% t interval over seeds (n - 1 degrees of freedom; no "
+             f"interval from fewer than {stats.MIN_RUNS} runs: each run is in perseed.csv); "
+             f"per-step metrics averaged over the {WINDOW} steps ending at the step. All columns: "
+             f"table.csv.", "",
+             "| setting | step | runs (finished) | " + " | ".join(shown) + " |",
+             "|---|---|---|" + "---|" * len(shown)]
+    for row in rows:
+        cells = " | ".join(fmt(row[k], row[k + "_ci95"]) for k in shown)
+        lines.append(f"| {row['setting']} | {row['step']} | {row['runs']} ({row['finished']}) | "
+                     f"{cells} |")
+    lines += ["", "## Decision rules (written before the runs)", "",
+              "| rule | estimate (a - b) | 95% interval | n | per seed | verdict |",
+              "|---|---|---|---|---|---|"]
+    for d in decisions:
+        lines.append(f"| {d['rule']} | {fmt(d['estimate'])} | {span(d['low'], d['high'])} | "
+                     f"{d['n']} | {d['values']} | {d['verdict']} |")
+    if replicated:
+        lines += ["", "## Replication: each verdict beside the first report's", "",
+                  f"The first report: results/{FIRST_REPORT}/{name} (its archives were never "
+                  f"kept). Estimates with their 95% intervals.", "",
+                  "| rule | first report | verdict | this report | verdict | same verdict |",
+                  "|---|---|---|---|---|---|"]
+        for r in replicated:
+            lines.append(f"| {r['rule']} | {fmt(r['old_estimate'])} "
+                         f"({span(r['old_low'], r['old_high'])}) | {r['old_verdict'] or '-'} | "
+                         f"{fmt(r['new_estimate'])} ({span(r['new_low'], r['new_high'])}) | "
+                         f"{r['new_verdict']} | {r['replicated']} |")
+    if searched:
+        keys = ["zero_var_fail_frac", "probe_mi_first", "probe_mi_last_two", "val_best",
+                "val_last", "train_success"]
+        lines += ["", "The search's criteria, run by run (train_success: the run's mean, for how "
+                      "often rollouts failed whatever their rewards' spread):", "",
+                  "| setting | seed | " + " | ".join(keys) + " | regime |",
+                  "|---|---|" + "---|" * (len(keys) + 1)]
+        for r in searched:
+            lines.append(f"| {r['setting']} | {r['seed']} | "
+                         + " | ".join(fmt(r[k]) for k in keys) + f" | {r['regime']} |")
+    lines += ["", "## Spearman correlation with validation success", "",
+              "Within runs: one rho per run, averaged over each seed's runs, then over seeds (n = "
+              "seeds). Within a world: all its runs' points, the interval from resampling whole "
+              "seeds.", "",
+              "| scope | world | diagnostic | rho | 95% interval | n |", "|---|---|---|---|---|---|"]
+    for c in within + [c for c in world_rows if c["scope"] != "pooled"]:
+        lines.append(f"| {c['scope']} | {c['world']} | {c['diagnostic']} | {fmt(c['rho'])} | "
+                     f"{span(c['low'], c['high'])} | {c['n']} |")
+    pooled = ", ".join(f"{c['diagnostic']} {fmt(c['rho'])}" for c in world_rows
+                       if c["scope"] == "pooled")
+    if pooled:
+        lines += ["", f"Footnote, pooled over worlds (worlds differ in both, so this mixes them): "
+                      f"{pooled}."]
+    lines += ["", "## Onsets: the step at which each series starts to move", "",
+              f"Each series at the validation steps, in units of its own early noise (its first "
+              f"{stats.BASELINE} points); the onset is the first step {stats.THRESHOLD:g} units "
+              f"away in the collapse's direction at {stats.SUSTAIN} points in a row (stats.onset; "
+              f"-: never).", "",
+              "| setting | seed | " + " | ".join(ONSET) + " |", "|---|---|" + "---|" * len(ONSET)]
+    for r in leads:
+        lines.append(f"| {r['setting']} | {r['seed']} | " + " | ".join(
+            "-" if r[k] is None else str(r[k]) for k in ONSET) + " |")
+    if gradients:
+        lines += ["", "## Gradient norms by reward-spread bucket (Fig. 4)", "",
+                  "Buckets from the lowest spread (1) to the highest; each run's mean over its "
+                  "decompositions, then the mean over runs ± the 95% t interval.", "",
+                  "| setting | bucket | runs | " + " | ".join(BUCKET) + " |",
+                  "|---|---|---|" + "---|" * len(BUCKET)]
+        for row in gradients:  # norms span four decades: significant digits, not decimals
+            cells = " | ".join(f"{row[k]:.3g}" + ("" if row[k + "_ci95"] is None else
+                                                  f" ± {row[k + '_ci95']:.2g}") for k in BUCKET)
+            lines.append(f"| {row['setting']} | {row['bucket']} | {row['runs']} | {cells} |")
+    return "\n".join(lines) + "\n"
+
+
+def figures(name, data, out):
+    """curves.png: validation success, probe MI, H(Z) and token entropy against environment steps,
+    optimiser steps and trajectories trained on (each seed a thin line, the setting's mean over
+    seeds a thick one against environment steps); perseed.png: every seed's probe MI, H(Z),
+    H(Z|X) and token entropy, a row per setting; scatter.png: diagnostics against success."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    settings = list(GRIDS[name]["settings"])
+    colors = {s: plt.cm.tab10(i % 10) for i, s in enumerate(settings)}
+    keys = ["val_success", "probe_mi_estimate", "probe_reasoning_entropy", "token_entropy"]
+    axes_x = [("step", "environment steps"), ("optimizer_steps_total", "optimiser steps"),
+              ("trajectories_total", "trajectories trained on")]
+    fig, axes = plt.subplots(len(keys), len(axes_x), figsize=(13, 11), squeeze=False)
+    for i, key in enumerate(keys):
+        for j, (x, label) in enumerate(axes_x):
+            ax = axes[i][j]
+            for (setting, seed), records in sorted(data.items()):
+                pts = [(r[x], r[key]) for r in sorted(records, key=lambda r: r["step"]) if key in r]
+                ax.plot([p[0] for p in pts], [p[1] for p in pts], color=colors[setting], lw=0.6,
+                        alpha=0.5)
+            if x == "step":
+                for setting in settings:
+                    runs = [r for (s, _), r in data.items() if s == setting]
+                    steps = sorted({r["step"] for rs in runs for r in rs if key in r})
+                    means = [stats.interval([stats.value_at(rs, key, s) for rs in runs])[0]
+                             for s in steps]
+                    ax.plot(steps, means, color=colors[setting], lw=2, label=setting)
+            ax.set_xlabel(label)
+            ax.set_ylabel(key)
+            ax.grid(alpha=0.3)
+    axes[0][0].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(os.path.join(out, "curves.png"), dpi=90)
+    plt.close(fig)
+
+    # the MI-versus-entropy phase: per seed, then as a scatter against success
+    fig, axes = plt.subplots(len(settings), len(PHASE), figsize=(13, 2.6 * len(settings)),
+                             squeeze=False)
+    for i, setting in enumerate(settings):
+        for j, key in enumerate(PHASE):
+            ax = axes[i][j]
+            for (s, seed), records in sorted(data.items()):
+                if s == setting:
+                    pts = [(r["step"], r[key]) for r in sorted(records, key=lambda r: r["step"])
+                           if key in r]
+                    ax.plot([p[0] for p in pts], [p[1] for p in pts], label=f"seed {seed}")
+            ax.set_title(f"{setting}: {key}", fontsize=8)
+            ax.grid(alpha=0.3)
+    axes[0][0].legend(fontsize=6)
+    fig.tight_layout()
+    fig.savefig(os.path.join(out, "perseed.png"), dpi=80)
+    plt.close(fig)
+
+    fig, axes = plt.subplots(1, len(PHASE), figsize=(4 * len(PHASE), 3.3),
+                             squeeze=False)
+    worlds = sorted({world_of(name, s) for s, _ in data})
+    for ax, key in zip(axes[0], PHASE):
+        for w, world in enumerate(worlds):
+            pairs = [(r[key], r["val_success"]) for (s, _), rs in data.items()
+                     if world_of(name, s) == world for r in merged(rs)
+                     if key in r and "val_success" in r]
+            ax.scatter([x for x, _ in pairs], [y for _, y in pairs], s=8, alpha=0.5,
+                       color=plt.cm.tab10(w % 10), label=world)
+        ax.set_xlabel(key)
+        ax.set_ylabel("validation success")
+        ax.grid(alpha=0.3)
+    axes[0][0].legend(fontsize=6)
+    fig.tight_layout()
+    fig.savefig(os.path.join(out, "scatter.png"), dpi=100)
+    plt.close(fig)

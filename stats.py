@@ -1,0 +1,217 @@
+"""The statistics that decide the grids' claims: intervals over seeds, a metric at a step or at a
+number of optimiser steps, one onset rule for every series, correlations summarised per run and then
+per seed, the Fig. 4 statistics and the regime search's criteria.
+
+A new top-level file because the statistics are a concept apart from the grids (grids.py) and the
+tables (report.py); it is not named `statistics`, which the standard library already is.
+
+Intervals. A mean over runs gets the 95% t interval at n - 1 degrees of freedom,
+
+    mean +- t(0.975, n - 1) * sd / sqrt(n),        sd with n - 1 in its denominator,
+
+and only when n >= MIN_RUNS: with fewer runs the runs themselves are shown, never an interval.
+Runs that share a seed share their prompts, so a comparison of two settings is a paired difference
+per seed, and a statistic computed within each run is averaged over the runs of a seed first: the
+seeds, not the runs, are the independent units.
+
+Onset. A series (say the probe MI) is read at one common cadence, the validation steps; its first
+BASELINE points give its level m0 and its noise s0 = max(their sd, a floor: the series' own logged
+standard error, or a fixed resolution); the onset is the first later step at which
+direction * (x - m0) / s0 >= THRESHOLD holds at SUSTAIN cadence points in a row. Every series is
+judged in its own noise units by the same rule, so "MI moves before success" compares like with
+like.
+"""
+import math
+
+from grids import AT_THE_STEP, ONSET, WINDOW
+
+MIN_RUNS = 5  # no interval from fewer runs
+CADENCE = 10  # onset series at the validation steps (diagnoses every 5: every other one)
+BASELINE = 3  # cadence points (the first logged step, 10, 20) that give a series' level and noise
+THRESHOLD = 2.0  # a move: two noise units in the collapse's direction ...
+SUSTAIN = 2  # ... at two cadence points in a row
+OPT_GAP = 40  # optimiser steps: the validations around a count are at most this far apart
+
+
+# ---------------------------------------------------------------------------------------- intervals
+
+def interval(xs):
+    """(mean, half-width of the 95% t interval at n - 1 degrees of freedom, n) of the values that
+    are not None; the half-width is None for fewer than MIN_RUNS values, and mean None for none.
+
+    >>> m, half, n = interval([0.1, 0.2, 0.3, 0.4, 0.5]); round(m, 3), round(half, 4), n
+    (0.3, 0.1963, 5)
+    >>> interval([1.0, 2.0])                     # two runs: a mean, no interval
+    (1.5, None, 2)
+    """
+    from scipy.stats import t
+
+    xs = [x for x in xs if x is not None]
+    if not xs:
+        return None, None, 0
+    m = sum(xs) / len(xs)
+    if len(xs) < MIN_RUNS:
+        return m, None, len(xs)
+    sd = math.sqrt(sum((x - m) ** 2 for x in xs) / (len(xs) - 1))
+    return m, float(t.ppf(0.975, len(xs) - 1)) * sd / math.sqrt(len(xs)), len(xs)
+
+
+def by_seed(values):
+    """{(setting, seed): value} -> [the mean over each seed's runs], one number per seed (runs of a
+    seed share its prompts: the seed is the independent unit)."""
+    seeds = {}
+    for (_, seed), v in sorted(values.items()):
+        if v is not None:
+            seeds.setdefault(seed, []).append(v)
+    return [sum(vs) / len(vs) for _, vs in sorted(seeds.items())]
+
+
+# ------------------------------------------------------------------------------ a metric at a point
+
+def value_at(records, key, step):
+    """A metric at a table step: validation, diagnoses and cumulative counts at the step itself,
+    every other metric the mean of the WINDOW steps ending there; None when nothing was logged."""
+    if key.startswith(AT_THE_STEP):
+        exact = [r[key] for r in records if r.get("step") == step and key in r]
+        return exact[-1] if exact else None
+    values = [r[key] for r in records if step - WINDOW < r.get("step", -1) <= step and key in r]
+    return sum(values) / len(values) if values else None
+
+
+def value_on(records, key, axis, point, gap=OPT_GAP):
+    """`key` at an environment step (axis "step": value_at), or at `point` cumulative optimiser steps
+    (axis "optimizer_steps"): interpolated linearly between the last logged value at or below the
+    count and the first at or above it (the mean of those logged exactly at it), None when the count
+    lies outside the run or those two are more than `gap` optimiser steps apart.
+
+    >>> rs = [{"step": s, "optimizer_steps_total": 4 * s, "v": s / 10} for s in (0, 10, 20)]
+    >>> value_on(rs, "v", "optimizer_steps", 60), value_on(rs, "v", "optimizer_steps", 90)
+    (1.5, None)
+    """
+    if axis == "step":
+        return value_at(records, key, point)
+    logged = sorted((r["optimizer_steps_total"], r["step"], r[key]) for r in records if key in r)
+    exact = [v for x, _, v in logged if x == point]
+    if exact:
+        return sum(exact) / len(exact)
+    below = [(x, v) for x, _, v in logged if x < point]
+    above = [(x, v) for x, _, v in logged if x > point]
+    if not below or not above or above[0][0] - below[-1][0] > gap:
+        return None
+    (x0, y0), (x1, y1) = below[-1], above[0]
+    return y0 + (y1 - y0) * (point - x0) / (x1 - x0)
+
+
+# -------------------------------------------------------------------------------------------- onset
+
+def cadence(records, key):
+    """[(step, value, standard error or None)] of a series at the common cadence: its first logged
+    step, then every CADENCE-th step."""
+    points = [(r["step"], r[key], r.get(key + "_se"))
+              for r in sorted(records, key=lambda r: r["step"]) if key in r]
+    return points[:1] + [p for p in points[1:] if p[0] % CADENCE == 0]
+
+
+def onset(records, key):
+    """The step at which a series starts to move in its collapse direction (ONSET), in its own noise
+    units (module docstring), or None when it never does or has too few points.
+
+    >>> flat = [{"step": s, "val_success": 0.8} for s in range(0, 61, 10)]
+    >>> onset(flat[:4] + [{"step": 40, "val_success": 0.6}, {"step": 50, "val_success": 0.5}],
+    ...       "val_success")                      # 0.2 / 0.0625 = 3.2 noise units, twice in a row
+    40
+    """
+    direction, floor = ONSET[key]
+    points = cadence(records, key)
+    if len(points) < BASELINE + SUSTAIN:
+        return None
+    base = [v for _, v, _ in points[:BASELINE]]
+    level = sum(base) / len(base)
+    sd = math.sqrt(sum((v - level) ** 2 for v in base) / (len(base) - 1))
+    errors = [se for _, _, se in points[:BASELINE] if se is not None]
+    noise = max(sd, sum(errors) / len(errors) if errors else floor)
+    moved = [direction * (v - level) / noise >= THRESHOLD for _, v, _ in points[BASELINE:]]
+    for i in range(len(moved) - SUSTAIN + 1):
+        if all(moved[i:i + SUSTAIN]):
+            return points[BASELINE + i][0]
+    return None
+
+
+# ------------------------------------------------------------------------------------- correlations
+
+def spearman(xs, ys):
+    """Spearman's rho: the Pearson correlation of the (tie-averaged) ranks. Written out rather than
+    scipy.stats.spearmanr because the bootstrap calls it thousands of times and that one's input
+    checks cost more than the arithmetic."""
+    import numpy as np
+    from scipy.stats import rankdata
+
+    if len(xs) < 3 or len(set(xs)) < 2 or len(set(ys)) < 2:
+        return None  # a constant ranks nothing
+    return float(np.corrcoef(rankdata(xs), rankdata(ys))[0, 1])
+
+
+def cluster_bootstrap(keys, statistic, rng, resamples=1000):
+    """95% percentile interval of statistic(keys) over resamples that draw whole seeds with
+    replacement (keys are (setting, seed); a drawn seed brings all its runs) -> (low, high), or
+    (None, None) with fewer than MIN_RUNS seeds."""
+    seeds = sorted({seed for _, seed in keys})
+    if len(seeds) < MIN_RUNS:
+        return None, None
+    runs = {s: [k for k in keys if k[1] == s] for s in seeds}
+    boot = sorted(r for r in (statistic([k for _ in seeds for k in runs[rng.choice(seeds)]])
+                              for _ in range(resamples)) if r is not None)
+    if not boot:
+        return None, None
+    return boot[int(0.025 * len(boot))], boot[int(0.975 * len(boot)) - 1]
+
+
+# ------------------------------------------------------------------------------------------- Fig. 4
+
+def gradient_stat(records, stat):
+    """One run's Fig. 4 statistic over its gradient decompositions (None without any):
+    rho_task_minus_reg: Spearman(bucket spread, task norm) - Spearman(spread, regulariser norm),
+    every bucket of every decomposition a point (a constant ranks nothing: 0);
+    reg_share_low / reg_share_high: on the lowest / highest-spread bucket that has any spread (a
+    bucket without has no group-mean task gradient: there the regulariser is all there is), the mean
+    over decompositions of reg / (reg + task) - 1/2, > 0 where the regulariser's gradient is
+    larger."""
+    decompositions = [r["grad_decomposition"] for r in records if r.get("grad_decomposition")]
+    if not decompositions:
+        return None
+    if stat == "rho_task_minus_reg":
+        points = [b for d in decompositions for b in d]
+        spread = [b["mean_std"] for b in points]
+        task, reg = ([b[k] for b in points] for k in ("task_grad_norm", "reg_grad_norm"))
+        return (spearman(spread, task) or 0.0) - (spearman(spread, reg) or 0.0)
+    with_spread = [[b for b in d if b["mean_std"] > 0] for d in decompositions]
+    picked = [d[0 if stat == "reg_share_low" else -1] for d in with_spread if d]
+    pairs = [(b["reg_grad_norm"], b["task_grad_norm"]) for b in picked]
+    shares = [reg / (reg + task) - 0.5 for reg, task in pairs if reg + task > 0]
+    return sum(shares) / len(shares) if shares else None
+
+
+# ------------------------------------------------------------------------------ the regime search
+
+def search_criteria(data):
+    """Each run's numbers for the regime search's three criteria, and the mean train success (how
+    often its rollouts failed, whatever their rewards' spread) -> rows. A zero-spread group is
+    all-fail only if its failing rollouts got equal rewards."""
+    rows = []
+    for (setting, seed), records in sorted(data.items()):
+        records = sorted(records, key=lambda r: r["step"])
+        probes = [r["probe_mi_estimate"] for r in records if "probe_mi_estimate" in r]
+        vals = [r["val_success"] for r in records if "val_success" in r]
+        fails = [r["zero_var_fail_frac"] for r in records if "zero_var_fail_frac" in r]
+        train = [r["train_success"] for r in records if "train_success" in r]
+        if len(probes) < 3 or not vals or not fails:
+            continue
+        row = {"setting": setting, "seed": seed, "zero_var_fail_frac": sum(fails) / len(fails),
+               "probe_mi_first": probes[0], "probe_mi_last_two": sum(probes[-2:]) / 2,
+               "val_best": max(vals), "val_last": vals[-1],
+               "train_success": sum(train) / len(train)}
+        row["regime"] = (row["zero_var_fail_frac"] >= 0.5
+                         and row["probe_mi_last_two"] <= row["probe_mi_first"] / 2
+                         and row["val_last"] <= row["val_best"] - 0.1)
+        rows.append(row)
+    return rows
