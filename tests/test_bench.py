@@ -26,7 +26,7 @@ def run_quick(script, python=sys.executable):
 @pytest.mark.parametrize("script, name", [("bench_cross_scores.py", "cross_scores"), ("bench_rollout.py", "rollout"),
                                           ("bench_filter.py", "filter"), ("bench_memory.py", "memory"),
                                           ("bench_gpu.py", "gpu"), ("bench_step.py", "step"),
-                                          ("bench_trl.py", "trl")])
+                                          ("bench_trl.py", "trl"), ("bench_retokenize.py", "retokenize")])
 def test_quick_mode_reports_a_result(script, name):
     assert run_quick(script) == name
 
