@@ -378,8 +378,8 @@ def _as_id_lists(ids, what):
 def tokenize(tokenizer, texts):
     """Texts -> token-id lists, without added special tokens (a prompt already carries what the chat
     template put there). Scoring re-tokenised text is the official code's way; it is not what was
-    sampled: at temperature 2.5 about half of the tiny policy's sampled reasonings tokenise back
-    differently (bench/bench_cross_scores.py measures what that does to the scores)."""
+    sampled: at a high temperature many sampled reasonings tokenise back differently
+    (bench/bench_retokenize.py measures how many, and what that does to the scores)."""
     if not isinstance(texts, (list, tuple)) or not all(isinstance(t, str) for t in texts):
         raise ValueError("texts must be a list of strings")
     if not texts:
