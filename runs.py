@@ -436,11 +436,12 @@ def lock_folder(out):
 
 def finished(a, ckpt):
     """A resumed run (its newest checkpoint `ckpt`, or None) that already did its steps: say so and
-    leave it as it is."""
+    leave it as it is, its log repaired if damaged (restore_metrics)."""
     done = checkpoint_step(ckpt) if ckpt else 0
     if a.steps < done:
         raise UsageError(f"--steps {a.steps} is below the {done} steps this run has done")
     if ckpt and done == a.steps:
+        restore_metrics(os.path.join(a.out, "metrics.jsonl"), ckpt)
         print(f"{a.out} is complete ({done} of {a.steps} steps); give --steps N to extend it")
         return True
     return False

@@ -75,3 +75,14 @@ def test_titles_name_the_line_styles_drawn(tmp_path):
         said = {word for word in names.values() if word in panel[1]}
         assert said <= drawn, (panel[1], drawn)
         plots.plt.close(fig)
+
+
+def test_an_empty_log_is_a_clear_error_not_blank_figures(tmp_path, capsys):
+    write_run(tmp_path / "good", 3, 0.5)
+    os.makedirs(tmp_path / "empty")
+    open(tmp_path / "empty" / "metrics.jsonl", "w").close()
+    assert plots.main([str(tmp_path / "good"), str(tmp_path / "empty"), "--out", str(tmp_path / "figs")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: no step records in") and "empty" in err[0]
+    assert not (tmp_path / "figs").exists()
+

@@ -233,6 +233,18 @@ def test_resume_keeps_the_runs_settings_and_leaves_a_finished_run_alone(tmp_path
     assert json.load(open(os.path.join(out, "config.json")))["env"] == "sokoban"
 
 
+def test_a_finished_run_with_an_emptied_log_gets_it_back(tmp_path, capsys):
+    out = str(tmp_path / "run")
+    assert train.main(SMALL + ["--steps", "2", "--out", out, "--mi-every", "0"]) == 0
+    before = records(out)
+    open(os.path.join(out, "metrics.jsonl"), "w").close()
+    capsys.readouterr()
+    assert train.main(["--resume", out]) == 0
+    said = capsys.readouterr().out
+    assert "metrics.jsonl is damaged (2 steps are missing (1 to 2)): rewrote" in said
+    assert "is complete (2 of 2 steps)" in said and records(out) == before
+
+
 @pytest.mark.parametrize("damage, words", [
     (lambda d: open(os.path.join(d, "config.json"), "w").write("{not json"), "config.json is damaged"),
     (lambda d: open(os.path.join(d, "config.json"), "w").write("[1, 2]"), "not a run's config"),
