@@ -523,7 +523,7 @@ def record(run, m):
     """Step 7's bookkeeping: the metrics line (flushed), a checkpoint when due, the progress bar."""
     if run.device.type == "cuda":
         m["gpu_peak_gb"] = torch.cuda.max_memory_allocated() / 2 ** 30
-    run.log.write(json.dumps(m) + "\n")
+    run.log.write(json_line(m) + "\n")
     run.log.flush()
     run.last.update({k: v for k, v in m.items() if not isinstance(v, list)})
     if m["step"] == 0:
@@ -534,6 +534,25 @@ def record(run, m):
     if run.bar is not None:
         run.bar.update(1)
         run.bar.set_postfix_str(progress(run.last))
+
+
+def json_line(record):
+    """A metrics record as one line of strict JSON: a number that could not be measured (a float
+    that is nan or infinite, at any depth) is written as null, never as a bare NaN, which JSON does
+    not have and strict readers refuse.
+
+    >>> json_line({"step": 1, "mi_estimate": float("nan"), "buckets": [{"norm": float("inf")}]})
+    '{"step": 1, "mi_estimate": null, "buckets": [{"norm": null}]}'
+    """
+    def strict(v):
+        if isinstance(v, float) and not math.isfinite(v):
+            return None
+        if isinstance(v, dict):
+            return {k: strict(x) for k, x in v.items()}
+        if isinstance(v, (list, tuple)):
+            return [strict(x) for x in v]
+        return v
+    return json.dumps(strict(record), allow_nan=False)
 
 
 def progress(last):
@@ -556,7 +575,7 @@ def finish(run):
         import plots
         plots.plot_runs([run.args.out], run.args.out)
     keys = ("step", "train_success", "val_success", "kept_ratio", "mi_estimate", "retrieval_acc")
-    print(json.dumps({k: run.last[k] for k in keys if k in run.last}))
+    print(json_line({k: run.last[k] for k in keys if k in run.last}))
 
 
 def close(run):

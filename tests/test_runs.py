@@ -4,6 +4,7 @@ running out of memory is exit 3."""
 import dataclasses
 import errno
 import json
+import math
 import os
 import shlex
 import signal
@@ -191,6 +192,27 @@ def test_the_progress_bar_shows_no_nan(tmp_path, capsys):
     assert train.main(SMALL + ["--steps", "2", "--out", out, "--mi-every", "0", "--val-every", "0"]) == 0
     err = capsys.readouterr().err
     assert "success=" in err and "kept=" in err and "nan" not in err  # no diagnosis, no validation
+
+
+def test_the_log_is_strict_json_an_unmeasured_number_is_null(tmp_path, monkeypatch, capsys):
+    stats = train.rollout_stats
+
+    def with_nan(episodes, rewards):  # a number that could not be measured, at the top and deeper
+        return {**stats(episodes, rewards), "reward_std": math.nan, "buckets": [{"norm": -math.inf}]}
+
+    monkeypatch.setattr(train, "rollout_stats", with_nan)
+    out = str(tmp_path / "run")
+    assert train.main(SMALL + ["--steps", "1", "--out", out, "--mi-every", "0", "--val-every", "0"]) == 0
+
+    def refuse(constant):
+        raise ValueError(f"{constant} is not JSON")
+
+    lines = open(os.path.join(out, "metrics.jsonl")).read().splitlines()
+    (record,) = [json.loads(line, parse_constant=refuse) for line in lines]
+    assert record["reward_std"] is None and record["buckets"] == [{"norm": None}]
+    assert math.isfinite(record["train_success"])
+    summary = capsys.readouterr().out.strip().splitlines()[-1]  # the closing summary line too
+    json.loads(summary, parse_constant=refuse)
 
 
 def test_unusable_out_folders(tmp_path, capsys):
