@@ -44,12 +44,17 @@ import torch
 import envs
 import models
 import rollout
+import snr_filter
 
 RESUMABLE = ("steps", "val_every", "save_every", "plot", "threads")  # what a resumed run may change
 # past these a run cannot finish or cannot fit: no step here takes under a second (10**7 s is four
 # months), and a step holds all its episodes, transcripts included, in memory at once
 MAX_STEPS = 10 ** 7
 MAX_EPISODES = 2 ** 16
+MAX_GROUP_SIZE = 1000  # rollouts of one prompt, rollout.play's own limit
+# a diagnosis scores every sample under every prompt, one forward pass of a reasoning each, at every
+# diagnosis: 2**24 passes take hours on any single GPU
+MAX_SCORED = 2 ** 24
 PHASES = {"collect_rollouts": "rollouts", "diagnose": "the MI diagnosis", "validate": "validation",
           "update_policy": "the update", "decompose_gradients": "the gradient decomposition"}
 
@@ -140,8 +145,8 @@ def parse_args(Args, argv):
     """Args from the command line; with --resume, the run's saved settings and the allowed flags
     given now."""
     args = Args(**vars(build_parser(Args).parse_args(argv)))
+    given = vars(build_parser(Args, defaults=False).parse_args(argv))
     if args.resume:
-        given = vars(build_parser(Args, defaults=False).parse_args(argv))
         saved = read_config(args.resume, Args)
         if given.get("out") not in (None, args.resume):
             raise UsageError(f"--out {given['out']}: a resumed run stays in its folder "
@@ -156,6 +161,10 @@ def parse_args(Args, argv):
                              f"--{allowed})")
         args = Args(**{**saved, **{k: given[k] for k in changed}, "resume": args.resume,
                        "out": args.resume})
+    if "control_of" in given and args.filter not in snr_filter.CONTROLS:
+        raise UsageError(f"--control-of {given['control_of']} sets the count of a control "
+                         f"(--filter random or bottom); --filter {args.filter} chooses its own "
+                         f"groups")
     check_args(args)
     return args
 
@@ -198,7 +207,8 @@ def check_args(a):
     need(0 < a.top_p <= 1, f"--top-p must be in (0, 1], got {a.top_p}")
     need(0 < a.top_k <= 1, f"--top-k is a fraction of the groups in (0, 1], got {a.top_k}")
     need(a.groups >= 1 and a.group_size >= 1, "--groups and --group-size must be >= 1")
-    need(a.group_size <= 1000, f"--group-size must be <= 1000, got {a.group_size}")
+    need(a.group_size <= MAX_GROUP_SIZE,
+         f"--group-size must be <= {MAX_GROUP_SIZE}, got {a.group_size}")
     need(max(a.groups * a.group_size, a.val_seeds) <= MAX_EPISODES,
          f"--groups x --group-size and --val-seeds must be <= {MAX_EPISODES} episodes (a step "
          f"holds them all in memory at once), got {a.groups} x {a.group_size}, {a.val_seeds}")
@@ -212,9 +222,11 @@ def check_args(a):
     need(a.max_turns >= 1 and a.max_actions_per_turn >= 1,
          "--max-turns and --max-actions-per-turn must be >= 1")
     need(a.mini_batch_size >= 1 and a.epochs >= 1, "--mini-batch-size and --epochs must be >= 1")
-    need(a.optimizer_steps >= 0, f"--optimizer-steps must be >= 0, got {a.optimizer_steps}")
-    need(a.probe_prompts >= 0 and a.probe_samples >= 1,
-         "--probe-prompts must be >= 0 and --probe-samples >= 1")
+    batch = a.groups * a.group_size
+    need(0 <= a.optimizer_steps <= batch,
+         f"--optimizer-steps must be in 0..{batch}, got {a.optimizer_steps}: a mini-batch holds at "
+         f"least one of the step's --groups x --group-size = {batch} trajectories")
+    check_diagnosis(a, need)
     need(all(x is None or x >= 1 for x in (a.micro_batch, a.rollout_batch)),
          "--micro-batch and --rollout-batch must be >= 1")
     need(all(x is None or x > 0 for x in (a.lr, a.critic_lr)), "learning rates must be > 0")
@@ -228,7 +240,7 @@ def check_args(a):
     need(a.temperature > 0 and a.val_temperature >= 0 and 0 < a.sample_top_p <= 1,
          "need --temperature > 0, --val-temperature >= 0, --sample-top-p in (0, 1]")
     need(a.max_new_tokens is None or a.max_new_tokens >= 1, "--max-new-tokens must be >= 1")
-    need(a.mi_samples >= 1 and a.val_seeds >= 1, "--mi-samples and --val-seeds must be >= 1")
+    need(a.val_seeds >= 1, "--val-seeds must be >= 1")
     for name in ("mi_every", "val_every", "grad_decomp_every", "save_every"):
         value = getattr(a, name)
         need(value >= 0, f"--{name.replace('_', '-')} must be >= 0 (0 = never), got {value}")
@@ -239,6 +251,31 @@ def check_args(a):
         envs.make_env(a.env, **env_kwargs(a)).reset(seed=0)
     except ValueError as e:
         raise UsageError(f"--env {a.env}: {e}") from None
+
+
+def check_diagnosis(a, need):
+    """The MI diagnosis' settings: an MI over one prompt is 0 by construction (log 1), and so is
+    the action MI over one sample of a prompt; the probe set's episodes are held in memory at once,
+    like a step's, and each diagnosis scores every sample under every prompt."""
+    need(a.mi_samples >= 1, "--mi-samples must be >= 1")
+    need(a.groups >= 2 or not a.mi_every,
+         "--groups 1: an MI over one prompt is 0 by construction; use --groups 2 or more, or "
+         "--mi-every 0")
+    need(a.probe_prompts != 1 and a.probe_prompts >= 0,
+         f"--probe-prompts must be 0 (off) or >= 2, got {a.probe_prompts} (an MI over one prompt "
+         f"is 0 by construction)")
+    need(2 <= a.probe_samples <= MAX_GROUP_SIZE,
+         f"--probe-samples must be in 2..{MAX_GROUP_SIZE}, got {a.probe_samples} (the action MI "
+         f"compares each answer with the prompt's other reasonings)")
+    need(a.probe_prompts * a.probe_samples <= MAX_EPISODES,
+         f"--probe-prompts x --probe-samples must be <= {MAX_EPISODES} episodes (a diagnosis "
+         f"holds them all in memory at once), got {a.probe_prompts} x {a.probe_samples}")
+    in_batch = min(a.mi_samples, a.groups * a.group_size) * a.groups if a.mi_every else 0
+    probe = a.probe_prompts * a.probe_samples * (a.probe_prompts + a.probe_samples)
+    need(max(in_batch, probe) <= MAX_SCORED,
+         f"a diagnosis would score {max(in_batch, probe):,} reasonings (every sample under every "
+         f"prompt), more than {MAX_SCORED:,}: hours at every diagnosis; use fewer "
+         f"{'--mi-samples or --groups' if in_batch > probe else '--probe-prompts'}")
 
 
 def check_fits(a, policy, tokenizer, prompt):

@@ -112,6 +112,18 @@ def test_help_is_one_line_per_flag_with_its_default(capsys):
     (["--env", "frozenlake", "--lake-size", "100"], "--lake-size sets it"),
     (["--max-new-tokens", "100000000"], "a reply cannot be longer than the model's context"),
     (["--max-new-tokens", "1000"], "more than the model's context"),
+    # the diagnosis: bounded like a step, and never an MI that is 0 by construction
+    (["--probe-samples", "100000"], "--probe-samples must be in 2..1000"),
+    (["--probe-prompts", "2147483648"], "--probe-prompts x --probe-samples must be <= 65536"),
+    (["--probe-prompts", "100000"], "--probe-prompts x --probe-samples must be <= 65536"),
+    (["--probe-prompts", "4096", "--probe-samples", "16"], "would score 269,484,032 reasonings"),
+    (["--mi-samples", "10000", "--groups", "4096"], "use fewer --mi-samples or --groups"),
+    (["--probe-prompts", "1"], "--probe-prompts must be 0 (off) or >= 2, got 1"),
+    (["--probe-samples", "1"], "--probe-samples must be in 2..1000, got 1"),
+    (["--groups", "1"], "--groups 1: an MI over one prompt is 0 by construction"),
+    # flags that would be ignored or clamped
+    (["--filter", "topk", "--control-of", "topp"], "--control-of topp sets the count of a control"),
+    (["--optimizer-steps", "1000000"], "--optimizer-steps must be in 0..128"),
 ])
 def test_bad_arguments_print_one_line_exit_2_and_leave_nothing(tmp_path, argv, words, capsys):
     out = tmp_path / "never"
@@ -130,6 +142,11 @@ def test_large_but_real_settings_are_kept(tmp_path):
     runs.check_fits(a, *tiny.load_tiny(a.env, warm_start=False), tiny.prompts(a.env))
     # a group of one is plain PPO without a filter: it learns from the critic
     runs.parse_args(train.Args, ["--group-size", "1", "--filter", "none", "--algo", "ppo"])
+    # one group without the diagnosis; a control with its count; one trajectory per optimiser step
+    runs.parse_args(train.Args, ["--groups", "1", "--mi-every", "0"])
+    runs.parse_args(train.Args, ["--filter", "random", "--control-of", "topp"])
+    assert runs.parse_args(train.Args, ["--optimizer-steps", "128"]).optimizer_steps == 128
+    assert runs.parse_args(train.Args, ["--probe-prompts", "0"]).probe_prompts == 0
 
 
 def test_the_readmes_experiment_block_runs_as_written():
@@ -192,6 +209,15 @@ def test_the_progress_bar_shows_no_nan(tmp_path, capsys):
     assert train.main(SMALL + ["--steps", "2", "--out", out, "--mi-every", "0", "--val-every", "0"]) == 0
     err = capsys.readouterr().err
     assert "success=" in err and "kept=" in err and "nan" not in err  # no diagnosis, no validation
+
+
+def test_val_every_0_never_validates_and_n_validates_at_the_end(tmp_path):
+    never, end = str(tmp_path / "never"), str(tmp_path / "end")
+    assert train.main(SMALL + ["--steps", "2", "--out", never, "--mi-every", "0", "--val-every", "0"]) == 0
+    assert [r["step"] for r in records(never)] == [1, 2]
+    assert not any("val_success" in r for r in records(never))
+    assert train.main(SMALL + ["--steps", "2", "--out", end, "--mi-every", "0", "--val-every", "3"]) == 0
+    assert [r["step"] for r in records(end) if "val_success" in r] == [0, 2]  # before training, at the end
 
 
 def test_the_log_is_strict_json_an_unmeasured_number_is_null(tmp_path, monkeypatch, capsys):
