@@ -86,3 +86,9 @@ def test_an_empty_log_is_a_clear_error_not_blank_figures(tmp_path, capsys):
     assert len(err) == 1 and err[0].startswith("error: no step records in") and "empty" in err[0]
     assert not (tmp_path / "figs").exists()
 
+
+def test_the_readme_says_what_each_figure_shows():
+    readme = open(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "README.md")).read()
+    assert plots.FIGURES
+    for name in plots.FIGURES:
+        assert f"- `{name}.png`: " in readme, name

@@ -6,6 +6,7 @@ import errno
 import json
 import math
 import os
+import re
 import shlex
 import signal
 import subprocess
@@ -239,6 +240,30 @@ def test_the_log_is_strict_json_an_unmeasured_number_is_null(tmp_path, monkeypat
     assert math.isfinite(record["train_success"])
     summary = capsys.readouterr().out.strip().splitlines()[-1]  # the closing summary line too
     json.loads(summary, parse_constant=refuse)
+
+
+def readme_metrics_table():
+    """{key: its row} of README's "What is logged" table: every backquoted name in a row's first
+    column."""
+    text = open(os.path.join(ROOT, "README.md")).read().split("### What is logged", 1)[1]
+    rows = [line for line in text.split("\n\n|", 1)[1].split("\n\n", 1)[0].splitlines()[2:]]
+    return {key: row for row in rows for key in re.findall(r"`([a-z0-9_]+)`", row.split("|")[1])}
+
+
+def test_every_logged_key_is_in_the_readmes_table_and_every_row_is_logged(tmp_path):
+    """One step with every part of the loop on (validation, diagnosis, probe set, PPO with a KL
+    term, the gradient decomposition) logs exactly the keys the README's table lists; only the
+    GPU's memory is logged on a GPU alone."""
+    documented = readme_metrics_table()
+    assert {"step", "train_success", "mi_estimate", "val_success"} <= set(documented)
+    out = str(tmp_path / "run")
+    assert train.main(SMALL + ["--groups", "3", "--algo", "ppo", "--kl-coef", "0.001", "--mi-every", "1",
+                               "--val-every", "1", "--grad-decomp-every", "1", "--steps", "1", "--out",
+                               out]) == 0
+    logged = {k for r in records(out) for k in r}
+    assert logged and "pg_loss" in logged and "probe_action_mi" in logged  # an update and the probe ran
+    assert sorted(logged - set(documented)) == []  # logged but not explained
+    assert sorted(set(documented) - logged) == ["gpu_peak_gb"]  # explained but never logged
 
 
 def test_unusable_out_folders(tmp_path, capsys):
