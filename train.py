@@ -9,7 +9,7 @@ One training step, as `train` below runs it (the right column names the code):
                   first-turn reasoning under every prompt of the batch                mi
   3. filter       rank groups by reward std, keep Top-P / Top-K; dropped groups       snr_filter
                   never reach the advantages; nothing kept -> no update
-  4. old / ref    log-probs of the sampled tokens before the update, critic values    models
+  4. old / ref    log-probs of the sampled tokens before the update, critic values    logprobs
   5. advantages   PPO: GAE with the critic, whitened; GRPO / Dr.GRPO: group-relative  ppo.gae, grpo
   6. update       clipped loss - entropy bonus (+ KL), micro-batches, grad clip 1.0   ppo.policy_loss
   7. bookkeeping  metrics.jsonl line, validation every 10 steps, checkpoint, figures
@@ -26,6 +26,7 @@ import torch
 
 import envs
 import grpo
+import logprobs
 import mi
 import models
 import ppo
@@ -514,17 +515,17 @@ def policy_pass(run, mb, with_entropy=False):
     """log pi and (optionally) its entropy at the policy tokens of a micro-batch -> [b, w-1] each,
     0 elsewhere; pi at the rollouts' temperature, the policy that sampled them."""
     with run.ctx:
-        logp, entropy = models.policy_logprobs(run.policy, mb["input_ids"],
-                                               mb["policy_mask"][:, 1:], with_entropy,
-                                               run.args.temperature)
+        logp, entropy = logprobs.policy_logprobs(run.policy, mb["input_ids"],
+                                                 mb["policy_mask"][:, 1:], with_entropy,
+                                                 run.args.temperature)
     return (logp, entropy) if with_entropy else logp
 
 
 def reference_pass(run, mb):
     """log pi_ref at the policy tokens: the initial policy (with LoRA: the base, adapters off)."""
     with run.ctx, models.reference(run) as ref:
-        return models.policy_logprobs(ref, mb["input_ids"], mb["policy_mask"][:, 1:],
-                                      temperature=run.args.temperature)[0]
+        return logprobs.policy_logprobs(ref, mb["input_ids"], mb["policy_mask"][:, 1:],
+                                        temperature=run.args.temperature)[0]
 
 
 def critic_pass(run, mb):
