@@ -1,22 +1,19 @@
-"""Everything around the experiment that a first reading of train.py may skip: the command line, the
-run folder (config, metrics log, checkpoints), resuming, and turning failures into one-line errors.
+"""Everything around the experiment that a first reading of train.py may skip: the command line,
+the run folder (config, metrics log, checkpoints: checkpoints.py), resuming, and turning failures
+into one-line errors.
 
 A run folder holds config.json (the resolved settings), metrics.jsonl (one JSON object per step,
 flushed as it is written), checkpoint/ (weights or LoRA adapters, tokenizer, critic, optimisers,
 RNG states) and the figures. What a run guarantees:
-- A kill at any moment (Ctrl-C, kill -9, a full disk) loses at most the step in flight. A
-  checkpoint is written to checkpoint.tmp, marked complete by its last file, then swapped in by
-  renames; whatever moment a kill hits, the next start finds the newest complete checkpoint
-  (recover_checkpoint), and `--resume` runs the lost step again exactly: the same metrics as a run
-  never interrupted.
+- A kill at any moment (Ctrl-C, kill -9, a full disk) loses at most the step in flight, and
+  `--resume` runs the lost step again exactly; a log damaged since the last checkpoint is rewritten
+  from its copy, saying so (checkpoints.py).
 - `--resume DIR` continues with the run's own settings; only --steps (to extend), --val-every,
   --save-every, --plot and --threads may be given anew. A finished run is left as it is. Two
   processes never share a folder.
 - The same command gives the same result, whether the tiny warm start was built in this run or
   loaded (models are built before the random streams are seeded). Results do depend on the CPU and
   the thread count.
-- Every checkpoint holds a copy of metrics.jsonl: a log damaged since is rewritten from it on
-  `--resume`, saying so (restore_metrics); never a log with holes.
 - Bad input (flags, settings that cannot run or fit the model's context, a damaged config or
   checkpoint, an unusable --out) is one line on stderr and exit code 2. The run folder is made only
   once the models are loaded, and a failed start leaves no folder behind; running out of GPU memory
@@ -25,7 +22,6 @@ RNG states) and the figures. What a run guarantees:
 import argparse
 import contextlib
 import dataclasses
-import errno
 import fcntl
 import functools
 import json
@@ -45,6 +41,9 @@ import envs
 import models
 import rollout
 import snr_filter
+import tiny
+from checkpoints import (CheckpointError, atomic_write, checkpoint_step, recover_checkpoint,
+                         restore, restore_metrics, save_checkpoint)
 
 RESUMABLE = ("steps", "val_every", "save_every", "plot", "threads")  # what a resumed run may change
 # past these a run cannot finish or cannot fit: no step here takes under a second (10**7 s is four
@@ -83,7 +82,7 @@ def main(Args, train, validate, argv):
             train(run)
         finish(run)
         return 0
-    except (UsageError, models.ModelError) as e:
+    except (UsageError, CheckpointError, models.ModelError) as e:
         close(run)  # the progress bar ends its line first
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -345,7 +344,6 @@ def start(a):
     resolve_defaults(a, device)
     check_folder(a)
     if a.model == "tiny":  # before a warm start is built for a world whose prompts cannot fit
-        import tiny
         check_fits(a, *tiny.load_tiny(a.env, env_kwargs(a), warm_start=False), tiny.prompts(a.env))
     created, lock, ckpt = False, None, None
     try:
@@ -489,64 +487,6 @@ def write_config(a):
     atomic_write(os.path.join(a.out, "config.json"), json.dumps(settings, indent=1))
 
 
-def atomic_write(path, text):
-    with open(path + ".tmp", "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(path + ".tmp", path)
-
-
-def restore_metrics(path, ckpt):
-    """The log as it stood at checkpoint `ckpt` (None: no checkpoint, an empty log): the lines of
-    the steps after it go, as those steps run again. A log damaged up to that step (a line that is
-    no record, a step missing) is rewritten from the checkpoint's copy, saying so; without a copy
-    (a checkpoint of an older version) the run is refused. Never a log with holes."""
-    step = checkpoint_step(ckpt) if ckpt else -1
-    lines = open(path).readlines() if os.path.isfile(path) else []
-    kept = [line for line in lines if _step_of(line) <= step]
-    copy = os.path.join(ckpt, "metrics.jsonl") if ckpt else None
-    saved = open(copy).read() if copy and os.path.isfile(copy) else None
-    problems = log_damage(lines, step)
-    if saved is not None and "".join(kept) != saved:
-        problems = problems or ["it differs from the checkpoint's copy"]
-        print(f"{path} is damaged ({'; '.join(problems)}): rewrote its steps up to {step} from "
-              f"the checkpoint's copy")
-        kept = [saved]
-    elif problems:
-        raise UsageError(f"{path} is damaged ({'; '.join(problems)}) and the checkpoint holds no "
-                         f"copy of it: repair the file or start the run again")
-    atomic_write(path, "".join(kept))
-
-
-def log_damage(lines, step):
-    """What keeps a log from holding every step 1..step once: lines that are no record (a kill's
-    half-written last line, after the kept steps, is not damage), missing or repeated steps."""
-    steps = [_step_of(line) for line in lines]
-    last = max((i for i, s in enumerate(steps) if s <= step), default=-1)
-    bad = [i + 1 for i, s in enumerate(steps[:last]) if s == float("inf")]
-    kept = [s for s in steps if s <= step]
-    missing = sorted(set(range(1, step + 1)) - set(kept))
-    problems = []
-    if bad:
-        problems.append(f"line {bad[0]} is not a metrics record")
-    if len(missing) == 1:
-        problems.append(f"step {missing[0]} is missing")
-    elif missing:
-        problems.append(f"{len(missing)} steps are missing ({missing[0]} to {missing[-1]})")
-    if len(set(kept)) < len(kept):
-        problems.append("a step is logged twice")
-    return problems
-
-
-def _step_of(line):
-    try:
-        step = json.loads(line)["step"]
-    except (json.JSONDecodeError, KeyError, TypeError):
-        return float("inf")  # a half-written line of a killed run, or damage
-    return step if isinstance(step, int) else float("inf")
-
-
 def last_metrics(path):
     last = {}
     if os.path.isfile(path):
@@ -621,89 +561,6 @@ def close(run):
             if handle is not None:
                 handle.close()
         run.bar = run.log = run.lock = None
-
-
-# -------------------------------------------------------------------------------------- checkpoints
-
-def _checkpoint_paths(out):
-    return [os.path.join(out, name) for name in ("checkpoint", "checkpoint.tmp", "checkpoint.old")]
-
-
-def save_checkpoint(run, step):
-    """Everything needed to continue exactly. Written to checkpoint.tmp, marked complete by its last
-    file, then swapped in: checkpoint -> checkpoint.old, checkpoint.tmp -> checkpoint, remove
-    checkpoint.old."""
-    out = run.args.out
-    final, tmp, old = _checkpoint_paths(out)
-    recover_checkpoint(out)
-    shutil.rmtree(tmp, ignore_errors=True)
-    try:
-        os.makedirs(tmp)
-        models.save_policy(run, tmp)
-        rng = {"torch": torch.get_rng_state(), "numpy": np.random.get_state(),
-               "python": random.getstate(),
-               "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}
-        torch.save({"step": step, "state": run.state, "rng": rng,
-                    "critic": run.critic.state_dict() if run.critic is not None else None,
-                    "optimizers": [o.state_dict() for o in run.optimizers]},
-                   os.path.join(tmp, "trainer_state.pt"))
-        # the log so far, to repair a damaged metrics.jsonl from (restore_metrics)
-        shutil.copyfile(os.path.join(out, "metrics.jsonl"), os.path.join(tmp, "metrics.jsonl"))
-        atomic_write(os.path.join(tmp, "complete"), json.dumps({"step": step}))
-    except (OSError, RuntimeError) as e:
-        shutil.rmtree(tmp, ignore_errors=True)
-        full = ((isinstance(e, OSError) and e.errno == errno.ENOSPC)
-                or shutil.disk_usage(out).free < 2 ** 26)
-        reason = "no space left on the device" if full else str(e).strip().splitlines()[0]
-        raise UsageError(f"cannot write the checkpoint of step {step} to {out}: {reason}; the "
-                         f"previous one is intact") from None
-    if os.path.isdir(final):
-        os.replace(final, old)
-    os.replace(tmp, final)
-    shutil.rmtree(old, ignore_errors=True)
-
-
-def recover_checkpoint(out):
-    """The folder of the newest complete checkpoint after whatever a kill left behind, or None. A
-    complete checkpoint.tmp is newer than checkpoint and checkpoint.old; checkpoint is complete by
-    construction (it is only ever renamed into place); checkpoint.old stands in when checkpoint is
-    missing. Leftovers are removed."""
-    final, tmp, old = _checkpoint_paths(out)
-    if os.path.isfile(os.path.join(tmp, "complete")) and not os.path.isdir(final):
-        os.replace(tmp, final)
-    if not os.path.isdir(final) and os.path.isfile(os.path.join(old, "complete")):
-        os.replace(old, final)
-    if os.path.isdir(final):
-        for leftover in (tmp, old):
-            shutil.rmtree(leftover, ignore_errors=True)
-    return final if os.path.isfile(os.path.join(final, "complete")) else None
-
-
-def checkpoint_step(folder):
-    try:
-        with open(os.path.join(folder, "complete")) as f:
-            return int(json.load(f)["step"])
-    except (OSError, ValueError, KeyError, TypeError):
-        raise UsageError(f"{folder} is damaged: no readable step") from None
-
-
-def restore(run, folder):
-    """The critic, optimisers and random streams of a checkpoint (models.load gave the policy)."""
-    try:
-        ckpt = torch.load(os.path.join(folder, "trainer_state.pt"), weights_only=False)
-        if run.critic is not None:
-            run.critic.load_state_dict(ckpt["critic"])
-        for opt, s in zip(run.optimizers, ckpt["optimizers"]):
-            opt.load_state_dict(s)
-        torch.set_rng_state(ckpt["rng"]["torch"])
-        np.random.set_state(ckpt["rng"]["numpy"])
-        random.setstate(ckpt["rng"]["python"])
-        if ckpt["rng"]["cuda"] is not None and torch.cuda.is_available():
-            torch.cuda.set_rng_state_all(ckpt["rng"]["cuda"])
-        return ckpt["step"], ckpt["state"]
-    except Exception as e:  # whatever unpickling a damaged file raises (random bytes: pickle's)
-        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
-        raise UsageError(f"cannot resume: {folder} is damaged ({first})") from None
 
 
 def seed_everything(seed):

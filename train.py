@@ -14,8 +14,9 @@ One training step, as `train` below runs it (the right column names the code):
   6. update       clipped loss - entropy bonus (+ KL), micro-batches, grad clip 1.0   ppo.policy_loss
   7. bookkeeping  metrics.jsonl line, validation every 10 steps, checkpoint, figures
 
-Everything around the loop -- the command line, the run folder and its checkpoints, resuming -- is
-in runs.py, and loading the models is in models.py; a first reading may skip both.
+Everything around the loop -- the command line, the run folder, resuming -- is in runs.py (its
+checkpoints in checkpoints.py), and loading the models is in models.py; a first reading may skip
+them.
 """
 import sys
 import time

@@ -1,6 +1,6 @@
-"""runs.py: flags, the run folder, checkpoints and resume. A run survives a kill at every moment
-that matters and resumes exactly; bad input is one line and exit code 2, leaving nothing behind;
-running out of memory is exit 3."""
+"""runs.py and checkpoints.py: flags, the run folder, checkpoints and resume. A run survives a kill at
+every moment that matters and resumes exactly; bad input is one line and exit code 2, leaving nothing
+behind; running out of memory is exit 3."""
 import dataclasses
 import errno
 import json
