@@ -406,7 +406,7 @@ def test_the_decomposition_trains_on_the_advantages_of_the_update(tmp_path):
     mask = batch["policy_mask"][:, 1:]
     values = train.over_batch(run, batch, train.critic_pass)
     advantages, _ = train.compute_advantages(run, batch, rewards, values)
-    logp = models.policy_logprobs(run.policy, batch["input_ids"], mask, temperature=0.7)[0]
+    logp = logprobs.policy_logprobs(run.policy, batch["input_ids"], mask, temperature=0.7)[0]
     _, terms = ppo.policy_loss(logp, logp.detach(), advantages, mask, "token-mean")
     grads = torch.autograd.grad(terms["pg_loss"], [p for p in run.policy.parameters() if p.requires_grad])
     by_hand = torch.sqrt(sum(g.double().pow(2).sum() for g in grads)).item()
