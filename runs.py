@@ -51,8 +51,8 @@ RESUMABLE = ("steps", "val_every", "save_every", "plot", "threads")  # what a re
 MAX_STEPS = 10 ** 7
 MAX_EPISODES = 2 ** 16
 MAX_GROUP_SIZE = 1000  # rollouts of one prompt, rollout.play's own limit
-# a diagnosis scores every sample under every prompt, one forward pass of a reasoning each, at every
-# diagnosis: 2**24 passes take hours on any single GPU
+# a diagnosis scores every sample under every prompt, each a forward pass over a reasoning of tens
+# of tokens: 2**24 of them are 10**8 - 10**9 tokens through the model at every diagnosis
 MAX_SCORED = 2 ** 24
 PHASES = {"collect_rollouts": "rollouts", "diagnose": "the MI diagnosis", "validate": "validation",
           "update_policy": "the update", "decompose_gradients": "the gradient decomposition"}
@@ -273,7 +273,7 @@ def check_diagnosis(a, need):
     probe = a.probe_prompts * a.probe_samples * (a.probe_prompts + a.probe_samples)
     need(max(in_batch, probe) <= MAX_SCORED,
          f"a diagnosis would score {max(in_batch, probe):,} reasonings (every sample under every "
-         f"prompt), more than {MAX_SCORED:,}: hours at every diagnosis; use fewer "
+         f"prompt), more than {MAX_SCORED:,} (10**8 tokens or more at every diagnosis); use fewer "
          f"{'--mi-samples or --groups' if in_batch > probe else '--probe-prompts'}")
 
 
