@@ -31,7 +31,7 @@ import random
 import torch
 
 import envs
-import models
+import logprobs
 import ppo
 import rollout
 
@@ -215,9 +215,9 @@ def demonstrations(tokenizer, env_name, seeds, env_kwargs=None, noise=0.2, seed=
 def demo_loss(model, batch):
     """Mean cross-entropy of the policy's tokens (policy_mask) under teacher forcing; batch from
     rollout.collate. Only the positions whose next token the policy wrote go through the output
-    layer (models.policy_logprobs)."""
+    layer (logprobs.policy_logprobs)."""
     mask = batch["policy_mask"][:, 1:]                                                 # [B, T-1]
-    logp, _ = models.policy_logprobs(model, batch["input_ids"], mask)                  # [B, T-1]
+    logp, _ = logprobs.policy_logprobs(model, batch["input_ids"], mask)                # [B, T-1]
     return -ppo.masked_mean(logp, mask)
 
 

@@ -34,7 +34,7 @@ import math
 import numpy as np
 import torch
 
-import models
+import logprobs
 
 # --------------------------------------------------------------------------------------------------
 # Closed form: discrete distributions, natural log (nats), 0 log 0 = 0
@@ -402,8 +402,8 @@ def cross_scores(model, prompt_ids, reasoning_ids, batch_size=8, temperature=1.0
     Cost: each prompt is encoded once; its key/value cache is then repeated over a batch of at most
     `batch_size` reasonings (right-padded, attention-masked), so the work grows with
     N x (reasoning tokens) instead of N x (prompt + reasoning tokens). The output layer runs on a
-    few positions at a time (models.head_logprobs), so peak memory is the batch's hidden states, not
-    [batch_size, longest reasoning, vocab] logits. Grouping by prompt means prompts of different
+    few positions at a time (logprobs.head_logprobs), so peak memory is the batch's hidden states,
+    not [batch_size, longest reasoning, vocab] logits. Grouping by prompt means prompts of different
     lengths never share a batch and need no padding.
     """
     if not isinstance(batch_size, int) or batch_size < 1:
@@ -454,9 +454,9 @@ def cross_scores(model, prompt_ids, reasoning_ids, batch_size=8, temperature=1.0
                         input_ids=tokens[:, :-1], attention_mask=mask, past_key_values=cache,
                         use_cache=True).last_hidden_state                  # [B, R - 1, D]
                     targets = tokens[:, 1:]                                # [B, R - 1]
-                    logp = models.head_logprobs(lm, hidden.reshape(-1, hidden.shape[-1]),
-                                                targets.reshape(-1),
-                                                temperature=temperature)[0].view(targets.shape)
+                    logp = logprobs.head_logprobs(lm, hidden.reshape(-1, hidden.shape[-1]),
+                                                  targets.reshape(-1),
+                                                  temperature=temperature)[0].view(targets.shape)
                     total = total + (logp * real[:, 1:]).sum(dim=1)        # padding counts 0
                 scores[batch, j] = total.cpu()
     finally:

@@ -227,6 +227,12 @@ def main(argv=None):
     if missing:
         print(f"error: no metrics.jsonl in {', '.join(missing)}", file=sys.stderr)
         return 2
+    empty = [d for d in args.runs if not read_metrics(d)]
+    if empty:  # nothing to draw: blank figures would look like a run that logged nothing
+        logs = ", ".join(os.path.join(d, "metrics.jsonl") for d in empty)
+        print(f"error: no step records in {logs} (empty or damaged; python train.py --resume RUN "
+              f"restores a run's log from its checkpoint)", file=sys.stderr)
+        return 2
     out = args.out or (args.runs[0] if len(args.runs) == 1 else overlay_folder(args.runs))
     for path in plot_runs(args.runs, out):
         print(path)

@@ -348,7 +348,7 @@ def play(
     return episodes
 
 
-# ----------------------------------------------------------------- batches for training, validation
+# ----------------------------------------------------------------------------- batches for training
 def collate(episodes, pad_id):
     """Right-padded tensors [B, T]: input_ids, attention_mask, policy_mask, token_rewards (the
     episode's total reward on its last sampled token, or its last token if it sampled none),
@@ -377,41 +377,3 @@ def collate(episodes, pad_id):
     batch["total_reward"] = torch.tensor([e.total_reward for e in episodes], dtype=torch.float32)
     batch["group"] = torch.tensor([e.group for e in episodes], dtype=torch.long)  # [B]
     return batch
-
-
-def validate(
-    model,
-    tokenizer,
-    env_name,
-    seeds,
-    env_kwargs=None,
-    temperature=0.5,
-    max_new_tokens=200,
-    top_p=1.0,
-    max_turns=5,
-    max_actions_per_turn=2,
-    system=None,
-    prefill="<think>",
-    user=user_message,
-):
-    """Success rate on held-out seeds, one rollout each, at a lower temperature."""
-    if not len(seeds):
-        raise ValueError("validate needs at least one seed")
-    import sampler  # here, not at the top: sampler.py uses this file's chat-template helpers
-
-    policy = sampler.hf_policy(model, tokenizer, max_new_tokens, temperature=temperature,
-                               top_p=top_p)
-    episodes = play(
-        policy,
-        tokenizer,
-        env_name,
-        seeds,
-        1,
-        env_kwargs=env_kwargs,
-        max_turns=max_turns,
-        max_actions_per_turn=max_actions_per_turn,
-        system=system,
-        prefill=prefill,
-        user=user,
-    )
-    return sum(e.success for e in episodes) / len(episodes)

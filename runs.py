@@ -1,22 +1,19 @@
-"""Everything around the experiment that a first reading of train.py may skip: the command line, the
-run folder (config, metrics log, checkpoints), resuming, and turning failures into one-line errors.
+"""Everything around the experiment that a first reading of train.py may skip: the command line,
+the run folder (config, metrics log, checkpoints: checkpoints.py), resuming, and turning failures
+into one-line errors.
 
 A run folder holds config.json (the resolved settings), metrics.jsonl (one JSON object per step,
 flushed as it is written), checkpoint/ (weights or LoRA adapters, tokenizer, critic, optimisers,
 RNG states) and the figures. What a run guarantees:
-- A kill at any moment (Ctrl-C, kill -9, a full disk) loses at most the step in flight. A
-  checkpoint is written to checkpoint.tmp, marked complete by its last file, then swapped in by
-  renames; whatever moment a kill hits, the next start finds the newest complete checkpoint
-  (recover_checkpoint), and `--resume` runs the lost step again exactly: the same metrics as a run
-  never interrupted.
+- A kill at any moment (Ctrl-C, kill -9, a full disk) loses at most the step in flight, and
+  `--resume` runs the lost step again exactly; a log damaged since the last checkpoint is rewritten
+  from its copy, saying so (checkpoints.py).
 - `--resume DIR` continues with the run's own settings; only --steps (to extend), --val-every,
   --save-every, --plot and --threads may be given anew. A finished run is left as it is. Two
   processes never share a folder.
 - The same command gives the same result, whether the tiny warm start was built in this run or
   loaded (models are built before the random streams are seeded). Results do depend on the CPU and
   the thread count.
-- Every checkpoint holds a copy of metrics.jsonl: a log damaged since is rewritten from it on
-  `--resume`, saying so (restore_metrics); never a log with holes.
 - Bad input (flags, settings that cannot run or fit the model's context, a damaged config or
   checkpoint, an unusable --out) is one line on stderr and exit code 2. The run folder is made only
   once the models are loaded, and a failed start leaves no folder behind; running out of GPU memory
@@ -25,7 +22,6 @@ RNG states) and the figures. What a run guarantees:
 import argparse
 import contextlib
 import dataclasses
-import errno
 import fcntl
 import functools
 import json
@@ -44,12 +40,20 @@ import torch
 import envs
 import models
 import rollout
+import snr_filter
+import tiny
+from checkpoints import (CheckpointError, atomic_write, checkpoint_step, recover_checkpoint,
+                         restore, restore_metrics, save_checkpoint)
 
 RESUMABLE = ("steps", "val_every", "save_every", "plot", "threads")  # what a resumed run may change
 # past these a run cannot finish or cannot fit: no step here takes under a second (10**7 s is four
 # months), and a step holds all its episodes, transcripts included, in memory at once
 MAX_STEPS = 10 ** 7
 MAX_EPISODES = 2 ** 16
+MAX_GROUP_SIZE = 1000  # rollouts of one prompt, rollout.play's own limit
+# a diagnosis scores every sample under every prompt, each a forward pass over a reasoning of tens
+# of tokens: 2**24 of them are 10**8 - 10**9 tokens through the model at every diagnosis
+MAX_SCORED = 2 ** 24
 PHASES = {"collect_rollouts": "rollouts", "diagnose": "the MI diagnosis", "validate": "validation",
           "update_policy": "the update", "decompose_gradients": "the gradient decomposition"}
 
@@ -78,7 +82,7 @@ def main(Args, train, validate, argv):
             train(run)
         finish(run)
         return 0
-    except (UsageError, models.ModelError) as e:
+    except (UsageError, CheckpointError, models.ModelError) as e:
         close(run)  # the progress bar ends its line first
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -140,8 +144,8 @@ def parse_args(Args, argv):
     """Args from the command line; with --resume, the run's saved settings and the allowed flags
     given now."""
     args = Args(**vars(build_parser(Args).parse_args(argv)))
+    given = vars(build_parser(Args, defaults=False).parse_args(argv))
     if args.resume:
-        given = vars(build_parser(Args, defaults=False).parse_args(argv))
         saved = read_config(args.resume, Args)
         if given.get("out") not in (None, args.resume):
             raise UsageError(f"--out {given['out']}: a resumed run stays in its folder "
@@ -156,6 +160,10 @@ def parse_args(Args, argv):
                              f"--{allowed})")
         args = Args(**{**saved, **{k: given[k] for k in changed}, "resume": args.resume,
                        "out": args.resume})
+    if "control_of" in given and args.filter not in snr_filter.CONTROLS:
+        raise UsageError(f"--control-of {given['control_of']} sets the count of a control "
+                         f"(--filter random or bottom); --filter {args.filter} chooses its own "
+                         f"groups")
     check_args(args)
     return args
 
@@ -198,7 +206,8 @@ def check_args(a):
     need(0 < a.top_p <= 1, f"--top-p must be in (0, 1], got {a.top_p}")
     need(0 < a.top_k <= 1, f"--top-k is a fraction of the groups in (0, 1], got {a.top_k}")
     need(a.groups >= 1 and a.group_size >= 1, "--groups and --group-size must be >= 1")
-    need(a.group_size <= 1000, f"--group-size must be <= 1000, got {a.group_size}")
+    need(a.group_size <= MAX_GROUP_SIZE,
+         f"--group-size must be <= {MAX_GROUP_SIZE}, got {a.group_size}")
     need(max(a.groups * a.group_size, a.val_seeds) <= MAX_EPISODES,
          f"--groups x --group-size and --val-seeds must be <= {MAX_EPISODES} episodes (a step "
          f"holds them all in memory at once), got {a.groups} x {a.group_size}, {a.val_seeds}")
@@ -212,9 +221,11 @@ def check_args(a):
     need(a.max_turns >= 1 and a.max_actions_per_turn >= 1,
          "--max-turns and --max-actions-per-turn must be >= 1")
     need(a.mini_batch_size >= 1 and a.epochs >= 1, "--mini-batch-size and --epochs must be >= 1")
-    need(a.optimizer_steps >= 0, f"--optimizer-steps must be >= 0, got {a.optimizer_steps}")
-    need(a.probe_prompts >= 0 and a.probe_samples >= 1,
-         "--probe-prompts must be >= 0 and --probe-samples >= 1")
+    batch = a.groups * a.group_size
+    need(0 <= a.optimizer_steps <= batch,
+         f"--optimizer-steps must be in 0..{batch}, got {a.optimizer_steps}: a mini-batch holds at "
+         f"least one of the step's --groups x --group-size = {batch} trajectories")
+    check_diagnosis(a, need)
     need(all(x is None or x >= 1 for x in (a.micro_batch, a.rollout_batch)),
          "--micro-batch and --rollout-batch must be >= 1")
     need(all(x is None or x > 0 for x in (a.lr, a.critic_lr)), "learning rates must be > 0")
@@ -228,7 +239,7 @@ def check_args(a):
     need(a.temperature > 0 and a.val_temperature >= 0 and 0 < a.sample_top_p <= 1,
          "need --temperature > 0, --val-temperature >= 0, --sample-top-p in (0, 1]")
     need(a.max_new_tokens is None or a.max_new_tokens >= 1, "--max-new-tokens must be >= 1")
-    need(a.mi_samples >= 1 and a.val_seeds >= 1, "--mi-samples and --val-seeds must be >= 1")
+    need(a.val_seeds >= 1, "--val-seeds must be >= 1")
     for name in ("mi_every", "val_every", "grad_decomp_every", "save_every"):
         value = getattr(a, name)
         need(value >= 0, f"--{name.replace('_', '-')} must be >= 0 (0 = never), got {value}")
@@ -239,6 +250,31 @@ def check_args(a):
         envs.make_env(a.env, **env_kwargs(a)).reset(seed=0)
     except ValueError as e:
         raise UsageError(f"--env {a.env}: {e}") from None
+
+
+def check_diagnosis(a, need):
+    """The MI diagnosis' settings: an MI over one prompt is 0 by construction (log 1), and so is
+    the action MI over one sample of a prompt; the probe set's episodes are held in memory at once,
+    like a step's, and each diagnosis scores every sample under every prompt."""
+    need(a.mi_samples >= 1, "--mi-samples must be >= 1")
+    need(a.groups >= 2 or not a.mi_every,
+         "--groups 1: an MI over one prompt is 0 by construction; use --groups 2 or more, or "
+         "--mi-every 0")
+    need(a.probe_prompts != 1 and a.probe_prompts >= 0,
+         f"--probe-prompts must be 0 (off) or >= 2, got {a.probe_prompts} (an MI over one prompt "
+         f"is 0 by construction)")
+    need(2 <= a.probe_samples <= MAX_GROUP_SIZE,
+         f"--probe-samples must be in 2..{MAX_GROUP_SIZE}, got {a.probe_samples} (the action MI "
+         f"compares each answer with the prompt's other reasonings)")
+    need(a.probe_prompts * a.probe_samples <= MAX_EPISODES,
+         f"--probe-prompts x --probe-samples must be <= {MAX_EPISODES} episodes (a diagnosis "
+         f"holds them all in memory at once), got {a.probe_prompts} x {a.probe_samples}")
+    in_batch = min(a.mi_samples, a.groups * a.group_size) * a.groups if a.mi_every else 0
+    probe = a.probe_prompts * a.probe_samples * (a.probe_prompts + a.probe_samples)
+    need(max(in_batch, probe) <= MAX_SCORED,
+         f"a diagnosis would score {max(in_batch, probe):,} reasonings (every sample under every "
+         f"prompt), more than {MAX_SCORED:,} (10**8 tokens or more at every diagnosis); use fewer "
+         f"{'--mi-samples or --groups' if in_batch > probe else '--probe-prompts'}")
 
 
 def check_fits(a, policy, tokenizer, prompt):
@@ -308,7 +344,6 @@ def start(a):
     resolve_defaults(a, device)
     check_folder(a)
     if a.model == "tiny":  # before a warm start is built for a world whose prompts cannot fit
-        import tiny
         check_fits(a, *tiny.load_tiny(a.env, env_kwargs(a), warm_start=False), tiny.prompts(a.env))
     created, lock, ckpt = False, None, None
     try:
@@ -436,11 +471,12 @@ def lock_folder(out):
 
 def finished(a, ckpt):
     """A resumed run (its newest checkpoint `ckpt`, or None) that already did its steps: say so and
-    leave it as it is."""
+    leave it as it is, its log repaired if damaged (restore_metrics)."""
     done = checkpoint_step(ckpt) if ckpt else 0
     if a.steps < done:
         raise UsageError(f"--steps {a.steps} is below the {done} steps this run has done")
     if ckpt and done == a.steps:
+        restore_metrics(os.path.join(a.out, "metrics.jsonl"), ckpt)
         print(f"{a.out} is complete ({done} of {a.steps} steps); give --steps N to extend it")
         return True
     return False
@@ -449,64 +485,6 @@ def finished(a, ckpt):
 def write_config(a):
     settings = {k: v for k, v in dataclasses.asdict(a).items() if k != "resume"}
     atomic_write(os.path.join(a.out, "config.json"), json.dumps(settings, indent=1))
-
-
-def atomic_write(path, text):
-    with open(path + ".tmp", "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(path + ".tmp", path)
-
-
-def restore_metrics(path, ckpt):
-    """The log as it stood at checkpoint `ckpt` (None: no checkpoint, an empty log): the lines of
-    the steps after it go, as those steps run again. A log damaged up to that step (a line that is
-    no record, a step missing) is rewritten from the checkpoint's copy, saying so; without a copy
-    (a checkpoint of an older version) the run is refused. Never a log with holes."""
-    step = checkpoint_step(ckpt) if ckpt else -1
-    lines = open(path).readlines() if os.path.isfile(path) else []
-    kept = [line for line in lines if _step_of(line) <= step]
-    copy = os.path.join(ckpt, "metrics.jsonl") if ckpt else None
-    saved = open(copy).read() if copy and os.path.isfile(copy) else None
-    problems = log_damage(lines, step)
-    if saved is not None and "".join(kept) != saved:
-        problems = problems or ["it differs from the checkpoint's copy"]
-        print(f"{path} is damaged ({'; '.join(problems)}): rewrote its steps up to {step} from "
-              f"the checkpoint's copy")
-        kept = [saved]
-    elif problems:
-        raise UsageError(f"{path} is damaged ({'; '.join(problems)}) and the checkpoint holds no "
-                         f"copy of it: repair the file or start the run again")
-    atomic_write(path, "".join(kept))
-
-
-def log_damage(lines, step):
-    """What keeps a log from holding every step 1..step once: lines that are no record (a kill's
-    half-written last line, after the kept steps, is not damage), missing or repeated steps."""
-    steps = [_step_of(line) for line in lines]
-    last = max((i for i, s in enumerate(steps) if s <= step), default=-1)
-    bad = [i + 1 for i, s in enumerate(steps[:last]) if s == float("inf")]
-    kept = [s for s in steps if s <= step]
-    missing = sorted(set(range(1, step + 1)) - set(kept))
-    problems = []
-    if bad:
-        problems.append(f"line {bad[0]} is not a metrics record")
-    if len(missing) == 1:
-        problems.append(f"step {missing[0]} is missing")
-    elif missing:
-        problems.append(f"{len(missing)} steps are missing ({missing[0]} to {missing[-1]})")
-    if len(set(kept)) < len(kept):
-        problems.append("a step is logged twice")
-    return problems
-
-
-def _step_of(line):
-    try:
-        step = json.loads(line)["step"]
-    except (json.JSONDecodeError, KeyError, TypeError):
-        return float("inf")  # a half-written line of a killed run, or damage
-    return step if isinstance(step, int) else float("inf")
 
 
 def last_metrics(path):
@@ -522,7 +500,7 @@ def record(run, m):
     """Step 7's bookkeeping: the metrics line (flushed), a checkpoint when due, the progress bar."""
     if run.device.type == "cuda":
         m["gpu_peak_gb"] = torch.cuda.max_memory_allocated() / 2 ** 30
-    run.log.write(json.dumps(m) + "\n")
+    run.log.write(json_line(m) + "\n")
     run.log.flush()
     run.last.update({k: v for k, v in m.items() if not isinstance(v, list)})
     if m["step"] == 0:
@@ -533,6 +511,25 @@ def record(run, m):
     if run.bar is not None:
         run.bar.update(1)
         run.bar.set_postfix_str(progress(run.last))
+
+
+def json_line(record):
+    """A metrics record as one line of strict JSON: a number that could not be measured (a float
+    that is nan or infinite, at any depth) is written as null, never as a bare NaN, which JSON does
+    not have and strict readers refuse.
+
+    >>> json_line({"step": 1, "mi_estimate": float("nan"), "buckets": [{"norm": float("inf")}]})
+    '{"step": 1, "mi_estimate": null, "buckets": [{"norm": null}]}'
+    """
+    def strict(v):
+        if isinstance(v, float) and not math.isfinite(v):
+            return None
+        if isinstance(v, dict):
+            return {k: strict(x) for k, x in v.items()}
+        if isinstance(v, (list, tuple)):
+            return [strict(x) for x in v]
+        return v
+    return json.dumps(strict(record), allow_nan=False)
 
 
 def progress(last):
@@ -555,7 +552,7 @@ def finish(run):
         import plots
         plots.plot_runs([run.args.out], run.args.out)
     keys = ("step", "train_success", "val_success", "kept_ratio", "mi_estimate", "retrieval_acc")
-    print(json.dumps({k: run.last[k] for k in keys if k in run.last}))
+    print(json_line({k: run.last[k] for k in keys if k in run.last}))
 
 
 def close(run):
@@ -564,89 +561,6 @@ def close(run):
             if handle is not None:
                 handle.close()
         run.bar = run.log = run.lock = None
-
-
-# -------------------------------------------------------------------------------------- checkpoints
-
-def _checkpoint_paths(out):
-    return [os.path.join(out, name) for name in ("checkpoint", "checkpoint.tmp", "checkpoint.old")]
-
-
-def save_checkpoint(run, step):
-    """Everything needed to continue exactly. Written to checkpoint.tmp, marked complete by its last
-    file, then swapped in: checkpoint -> checkpoint.old, checkpoint.tmp -> checkpoint, remove
-    checkpoint.old."""
-    out = run.args.out
-    final, tmp, old = _checkpoint_paths(out)
-    recover_checkpoint(out)
-    shutil.rmtree(tmp, ignore_errors=True)
-    try:
-        os.makedirs(tmp)
-        models.save_policy(run, tmp)
-        rng = {"torch": torch.get_rng_state(), "numpy": np.random.get_state(),
-               "python": random.getstate(),
-               "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}
-        torch.save({"step": step, "state": run.state, "rng": rng,
-                    "critic": run.critic.state_dict() if run.critic is not None else None,
-                    "optimizers": [o.state_dict() for o in run.optimizers]},
-                   os.path.join(tmp, "trainer_state.pt"))
-        # the log so far, to repair a damaged metrics.jsonl from (restore_metrics)
-        shutil.copyfile(os.path.join(out, "metrics.jsonl"), os.path.join(tmp, "metrics.jsonl"))
-        atomic_write(os.path.join(tmp, "complete"), json.dumps({"step": step}))
-    except (OSError, RuntimeError) as e:
-        shutil.rmtree(tmp, ignore_errors=True)
-        full = ((isinstance(e, OSError) and e.errno == errno.ENOSPC)
-                or shutil.disk_usage(out).free < 2 ** 26)
-        reason = "no space left on the device" if full else str(e).strip().splitlines()[0]
-        raise UsageError(f"cannot write the checkpoint of step {step} to {out}: {reason}; the "
-                         f"previous one is intact") from None
-    if os.path.isdir(final):
-        os.replace(final, old)
-    os.replace(tmp, final)
-    shutil.rmtree(old, ignore_errors=True)
-
-
-def recover_checkpoint(out):
-    """The folder of the newest complete checkpoint after whatever a kill left behind, or None. A
-    complete checkpoint.tmp is newer than checkpoint and checkpoint.old; checkpoint is complete by
-    construction (it is only ever renamed into place); checkpoint.old stands in when checkpoint is
-    missing. Leftovers are removed."""
-    final, tmp, old = _checkpoint_paths(out)
-    if os.path.isfile(os.path.join(tmp, "complete")) and not os.path.isdir(final):
-        os.replace(tmp, final)
-    if not os.path.isdir(final) and os.path.isfile(os.path.join(old, "complete")):
-        os.replace(old, final)
-    if os.path.isdir(final):
-        for leftover in (tmp, old):
-            shutil.rmtree(leftover, ignore_errors=True)
-    return final if os.path.isfile(os.path.join(final, "complete")) else None
-
-
-def checkpoint_step(folder):
-    try:
-        with open(os.path.join(folder, "complete")) as f:
-            return int(json.load(f)["step"])
-    except (OSError, ValueError, KeyError, TypeError):
-        raise UsageError(f"{folder} is damaged: no readable step") from None
-
-
-def restore(run, folder):
-    """The critic, optimisers and random streams of a checkpoint (models.load gave the policy)."""
-    try:
-        ckpt = torch.load(os.path.join(folder, "trainer_state.pt"), weights_only=False)
-        if run.critic is not None:
-            run.critic.load_state_dict(ckpt["critic"])
-        for opt, s in zip(run.optimizers, ckpt["optimizers"]):
-            opt.load_state_dict(s)
-        torch.set_rng_state(ckpt["rng"]["torch"])
-        np.random.set_state(ckpt["rng"]["numpy"])
-        random.setstate(ckpt["rng"]["python"])
-        if ckpt["rng"]["cuda"] is not None and torch.cuda.is_available():
-            torch.cuda.set_rng_state_all(ckpt["rng"]["cuda"])
-        return ckpt["step"], ckpt["state"]
-    except Exception as e:  # whatever unpickling a damaged file raises (random bytes: pickle's)
-        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
-        raise UsageError(f"cannot resume: {folder} is damaged ({first})") from None
 
 
 def seed_everything(seed):

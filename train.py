@@ -9,13 +9,14 @@ One training step, as `train` below runs it (the right column names the code):
                   first-turn reasoning under every prompt of the batch                mi
   3. filter       rank groups by reward std, keep Top-P / Top-K; dropped groups       snr_filter
                   never reach the advantages; nothing kept -> no update
-  4. old / ref    log-probs of the sampled tokens before the update, critic values    models
+  4. old / ref    log-probs of the sampled tokens before the update, critic values    logprobs
   5. advantages   PPO: GAE with the critic, whitened; GRPO / Dr.GRPO: group-relative  ppo.gae, grpo
   6. update       clipped loss - entropy bonus (+ KL), micro-batches, grad clip 1.0   ppo.policy_loss
   7. bookkeeping  metrics.jsonl line, validation every 10 steps, checkpoint, figures
 
-Everything around the loop -- the command line, the run folder and its checkpoints, resuming -- is
-in runs.py, and loading the models is in models.py; a first reading may skip both.
+Everything around the loop -- the command line, the run folder, resuming -- is in runs.py (its
+checkpoints in checkpoints.py), and loading the models is in models.py; a first reading may skip
+them.
 """
 import sys
 import time
@@ -26,6 +27,7 @@ import torch
 
 import envs
 import grpo
+import logprobs
 import mi
 import models
 import ppo
@@ -63,7 +65,7 @@ class Args:
                     choices=tuple(AGGREGATION))
     filter: str = arg("topp", "filter (random / bottom: controls)",
                       choices=snr_filter.MODES + snr_filter.CONTROLS)
-    control_of: str = arg("topk", "random / bottom keep as many groups as this filter would",
+    control_of: str = arg("topk", "random / bottom only: keep as many groups as this would keep",
                           choices=("topk", "topp"))
     top_p: float = arg(0.9, "topp: keep the best groups until this fraction of the summed std")
     top_k: float = arg(0.5, "topk: keep max(1, int(top_k * groups)) best groups")
@@ -86,7 +88,7 @@ class Args:
     lam: float = arg(1.0, "GAE lambda")
     mini_batch_size: int = arg(32, "trajectories per optimiser step")
     epochs: int = arg(1, "passes over the kept batch per step")
-    optimizer_steps: int = arg(0, "N mini-batches per update, whatever was kept (0: by size)")
+    optimizer_steps: int = arg(0, "N mini-batches per update (fewer if fewer kept; 0: by size)")
     grad_clip: float = arg(1.0, "gradient norm clip")
     # generation
     temperature: float = arg(1.0, "sampling temperature of the rollouts")
@@ -111,11 +113,11 @@ class Args:
     mi_samples: int = arg(64, "samples cross-scored per diagnosis")
     retokenize: bool = arg(False, "diagnosis: score the decoded texts tokenised again (the "
                            "official code's way) instead of the sampled ids")
-    probe_prompts: int = arg(8, "fixed held-out prompts diagnosed at every diagnosis (0 = off)")
-    probe_samples: int = arg(8, "first-turn reasonings sampled per probe prompt")
+    probe_prompts: int = arg(8, "fixed held-out prompts diagnosed at every diagnosis (0: off)")
+    probe_samples: int = arg(8, "first-turn reasonings sampled per probe prompt (>= 2)")
     grad_decomp_every: int = arg(0, "task / KL-to-start / entropy gradient norms per spread bucket, "
                                  "every N")
-    val_every: int = arg(10, "validation before training, every N steps and at the end")
+    val_every: int = arg(10, "validation before training, every N steps, at the end (0 = never)")
     val_seeds: int = arg(64, "held-out validation seeds (one rollout each)")
     val_temperature: float = arg(0.5, "validation sampling temperature")
     save_every: int = arg(1, "checkpoint every N steps (1: a kill loses at most one step)")
@@ -167,7 +169,7 @@ def train(run):
         m["time_update"] = time.time() - t2
 
         # 7. bookkeeping
-        if (a.val_every and step % a.val_every == 0) or step == a.steps:
+        if a.val_every and (step % a.val_every == 0 or step == a.steps):
             m["val_success"] = validate(run)
         m["time_step"] = time.time() - t0
         runs.record(run, m)  # metrics.jsonl line, checkpoint, progress bar
@@ -514,17 +516,17 @@ def policy_pass(run, mb, with_entropy=False):
     """log pi and (optionally) its entropy at the policy tokens of a micro-batch -> [b, w-1] each,
     0 elsewhere; pi at the rollouts' temperature, the policy that sampled them."""
     with run.ctx:
-        logp, entropy = models.policy_logprobs(run.policy, mb["input_ids"],
-                                               mb["policy_mask"][:, 1:], with_entropy,
-                                               run.args.temperature)
+        logp, entropy = logprobs.policy_logprobs(run.policy, mb["input_ids"],
+                                                 mb["policy_mask"][:, 1:], with_entropy,
+                                                 run.args.temperature)
     return (logp, entropy) if with_entropy else logp
 
 
 def reference_pass(run, mb):
     """log pi_ref at the policy tokens: the initial policy (with LoRA: the base, adapters off)."""
     with run.ctx, models.reference(run) as ref:
-        return models.policy_logprobs(ref, mb["input_ids"], mb["policy_mask"][:, 1:],
-                                      temperature=run.args.temperature)[0]
+        return logprobs.policy_logprobs(ref, mb["input_ids"], mb["policy_mask"][:, 1:],
+                                        temperature=run.args.temperature)[0]
 
 
 def critic_pass(run, mb):

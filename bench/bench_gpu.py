@@ -4,6 +4,8 @@
     python bench/bench_gpu.py --size 0.5b --algo ppo --budget-gb 24    # one row; 24 GiB enforced on a larger GPU
     python bench/bench_gpu.py --quick                                  # a tiny model on the CPU: the script runs
 
+Without a GPU only --quick runs, unless --cpu asks for a row on the CPU (a 0.5B step there takes hours).
+
 Nothing can be downloaded, so each model is a Qwen2ForCausalLM built from Qwen2.5's published shapes
 with random weights, and the tokenizer is a word-level one over Qwen's 151,936 ids. A random model
 practically never writes the end-of-turn token (one id in 151,936), so every turn runs to the token
@@ -177,7 +179,7 @@ def one_row(args):
     return row
 
 
-def main():
+def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--size", default="0.5b", choices=tuple(SHAPES))
     parser.add_argument("--algo", default="ppo", choices=("ppo", "grpo"))
@@ -196,13 +198,20 @@ def main():
     parser.add_argument(
         "--quick", action="store_true", help="a tiny model, small sizes: the script runs"
     )
-    args = parser.parse_args()
+    parser.add_argument(
+        "--cpu", action="store_true", help="run without a GPU anyway (a 0.5B step takes hours)"
+    )
+    args = parser.parse_args(argv)
+    if not (args.quick or args.cpu or torch.cuda.is_available()):
+        print("error: no GPU found: these rows measure GPU memory and time; --quick runs a tiny "
+              "model on the CPU, --cpu runs the rows there anyway", file=sys.stderr)
+        return 2
     torch.set_num_threads(args.threads)
     if args.quick:
         args.size, args.max_new_tokens = "tiny", 8
     if args.quick or not args.all:
         print(f"RESULT gpu {float(one_row(args)['exit_code'] == 0):.3f}")
-        return
+        return 0
     fitted = 0
     rows = [
         (size, algo, lora)
@@ -227,7 +236,8 @@ def main():
                 str(args.budget_gb),
                 "--out",
                 args.out,
-            ],
+            ]
+            + (["--cpu"] if args.cpu else []),
             capture_output=True,
             text=True,
         )
@@ -249,7 +259,8 @@ def main():
         )
         fitted += bool(line) and json.loads(line[-1]).get("exit_code") == 0
     print(f"RESULT gpu {fitted / len(rows):.3f}")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -4,7 +4,7 @@ path vs this code.
 The plain path runs the policy on every position of every transcript and keeps full-vocabulary
 logits -- [b, T, V] floats, then their log-softmax and entropy -- for the backward pass: with
 V = 151,936 that is what fills the memory, whatever the model's width. This code
-(models.policy_logprobs) gathers the hidden states at the policy's own tokens and runs the output layer
+(logprobs.policy_logprobs) gathers the hidden states at the policy's own tokens and runs the output layer
 on them in chunks under torch.utils.checkpoint, so the backward pass keeps [N, D] hidden states and
 one chunk of logits at a time. The plain side is bench_step's (plain_logprobs, plain_pieces).
 
@@ -49,7 +49,7 @@ def child(args, path, micro_batch):
 
     sys.path.insert(0, HERE)
     import bench_step
-    import models
+    import logprobs
     import rollout
     import train
     from bench_gpu import qwen_shaped
@@ -71,7 +71,7 @@ def child(args, path, micro_batch):
     rewards = torch.tensor([e.total_reward for e in episodes]).view(2, args.batch // 2)
     if path == "plain":
         bench_step.PAD[0] = run.pad_id
-        train.micro_batches, models.policy_logprobs = bench_step.plain_pieces, bench_step.plain_logprobs
+        train.micro_batches, logprobs.policy_logprobs = bench_step.plain_pieces, bench_step.plain_logprobs
         train.critic_pass = bench_step.plain_critic_pass
 
     def update():

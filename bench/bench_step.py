@@ -31,6 +31,7 @@ import numpy as np
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import logprobs  # noqa: E402
 import models  # noqa: E402
 import ppo  # noqa: E402
 import rollout  # noqa: E402
@@ -170,7 +171,7 @@ def main():
             original = (
                 sampler.hf_policy,
                 train.micro_batches,
-                models.policy_logprobs,
+                logprobs.policy_logprobs,
                 a.micro_batch,
                 train.critic_pass,
             )
@@ -189,7 +190,7 @@ def main():
             keep, t_scoring = timed(scoring)
             kept = [e for e in episodes if keep[e.group]]
             if side == "plain":
-                train.micro_batches, models.policy_logprobs, a.micro_batch = plain_pieces, plain_logprobs, 8
+                train.micro_batches, logprobs.policy_logprobs, a.micro_batch = plain_pieces, plain_logprobs, 8
                 train.critic_pass = plain_critic_pass
             try:
                 _, t_update = timed(
@@ -198,7 +199,7 @@ def main():
                     )
                 )
             finally:
-                train.micro_batches, models.policy_logprobs, a.micro_batch = (
+                train.micro_batches, logprobs.policy_logprobs, a.micro_batch = (
                     original[1],
                     original[2],
                     original[3],

@@ -3,12 +3,14 @@ number>` line.
 
 No timing is asserted: the numbers depend on the machine.
 """
+import importlib.util
 import math
 import os
 import subprocess
 import sys
 
 import pytest
+import torch
 
 BENCH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench")
 
@@ -30,3 +32,18 @@ def run_quick(script, python=sys.executable):
 def test_quick_mode_reports_a_result(script, name):
     assert run_quick(script) == name
 
+
+
+def test_the_gpu_bench_refuses_a_cpu_unless_asked(monkeypatch, capsys):
+    """Without a GPU a 0.5B row would run for hours on the CPU, saying nothing: one line and exit 2,
+    unless --cpu asks for it (--quick, above, stays a CPU check)."""
+    spec = importlib.util.spec_from_file_location("bench_gpu", os.path.join(BENCH, "bench_gpu.py"))
+    bench_gpu = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench_gpu)
+    rows = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(bench_gpu, "one_row", lambda args: rows.append(args.size) or {"exit_code": 0})
+    assert bench_gpu.main(["--size", "0.5b", "--algo", "ppo"]) == 2 and rows == []
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: no GPU found") and "--cpu" in err[0]
+    assert bench_gpu.main(["--size", "0.5b", "--algo", "ppo", "--cpu"]) == 0 and rows == ["0.5b"]

@@ -1,6 +1,7 @@
-"""Checks for envs.py: exact rewards on hand-built rooms, the room generator's rules on hand-built
-rooms and against a plain recursion, invariants over many generated rooms, frequencies against
-their exact probabilities, the reply parser on any string, determinism and failure paths."""
+"""Checks for the worlds (envs.py and the files it names: textenv.py, sokoban.py, frozenlake.py,
+bandit.py): exact rewards on hand-built rooms, the room generator's rules on hand-built rooms and
+against a plain recursion, invariants over many generated rooms, frequencies against their exact
+probabilities, the reply parser on any string, determinism and failure paths."""
 import doctest
 import itertools
 import math
@@ -11,6 +12,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 import envs
+import textenv
 from envs import Bandit, FrozenLake, Sokoban, make_env, parse_response, solve
 
 
@@ -227,7 +229,7 @@ def test_the_walk_stamps_gym_sokobans_masks_from_a_start_that_may_lie_on_the_bor
     (rows and columns 1..4), the heading and the mask, against 4000 seeded walks."""
     masks = ("000/111/000", "010/010/010", "000/110/010", "000/110/110", "000/011/010")
     exact = Counter()
-    for r0, c0, (dr, dc), mask in itertools.product(range(1, 5), range(1, 5), envs.MOVES.values(),
+    for r0, c0, (dr, dc), mask in itertools.product(range(1, 5), range(1, 5), textenv.MOVES.values(),
                                                     masks):
         r, c = min(max(r0 + dr, 1), 3), min(max(c0 + dc, 1), 3)
         floor = frozenset((r - 1 + i) * 5 + c - 1 + j for i, line in enumerate(mask.split("/"))

@@ -75,3 +75,20 @@ def test_titles_name_the_line_styles_drawn(tmp_path):
         said = {word for word in names.values() if word in panel[1]}
         assert said <= drawn, (panel[1], drawn)
         plots.plt.close(fig)
+
+
+def test_an_empty_log_is_a_clear_error_not_blank_figures(tmp_path, capsys):
+    write_run(tmp_path / "good", 3, 0.5)
+    os.makedirs(tmp_path / "empty")
+    open(tmp_path / "empty" / "metrics.jsonl", "w").close()
+    assert plots.main([str(tmp_path / "good"), str(tmp_path / "empty"), "--out", str(tmp_path / "figs")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: no step records in") and "empty" in err[0]
+    assert not (tmp_path / "figs").exists()
+
+
+def test_the_readme_says_what_each_figure_shows():
+    readme = open(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "README.md")).read()
+    assert plots.FIGURES
+    for name in plots.FIGURES:
+        assert f"- `{name}.png`: " in readme, name

@@ -1,7 +1,5 @@
 """Tests of rollout.py: exact transcripts, masks and rewards with scripted policies; malformed model
-output never crashes; a model trained on the loop's transcripts replays them in validation."""
-import math
-
+output never crashes."""
 import pytest
 import torch
 from tokenizers import Tokenizer, decoders, models
@@ -269,33 +267,3 @@ def test_collate_right_pads(tokenizer):
     assert batch["total_reward"].tolist() == pytest.approx([-0.2, 0.0]) and batch["group"].tolist() == [0, 0]
     with pytest.raises(ValueError):
         rollout.collate([], 0)
-
-
-def test_validate_after_learning_the_transcript(tokenizer):
-    """A model trained on the loop's own transcripts (one scripted winning episode) solves the easy lake."""
-    episodes = rollout.play(scripted(tokenizer, [["go</think><answer>Right || Right</answer>"]]),
-                            tokenizer, "frozenlake", [0], 1, env_kwargs=LAKE, system=SYSTEM)
-    assert episodes[0].success and episodes[0].turns == 2
-    model = make_model(tokenizer, seed=4)
-    assert rollout.validate(model, tokenizer, "frozenlake", [0, 1], env_kwargs=LAKE, temperature=0,
-                            max_new_tokens=40, system=SYSTEM) == 0.0
-    batch = rollout.collate(episodes, 0)
-    mask = batch["policy_mask"][:, 1:] > 0                                       # [1, T-1]
-    optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
-    model.train()
-    # Train until every demonstrated token has probability > 0.9 given its prefix: it is then the
-    # argmax, and greedy decoding on the same (fixed) lake replays the winning transcript token for
-    # token. A bound on the worst token, not a step count: it does not depend on the trajectory.
-    for _ in range(1000):
-        logits = model(input_ids=batch["input_ids"]).logits[:, :-1]              # [1, T-1, V]
-        nll = torch.nn.functional.cross_entropy(logits.transpose(1, 2), batch["input_ids"][:, 1:],
-                                                reduction="none")[mask]          # [N]
-        if nll.max().item() < -math.log(0.9):
-            break
-        optimizer.zero_grad()
-        nll.mean().backward()
-        optimizer.step()
-    assert nll.max().item() < -math.log(0.9)
-    model.eval()
-    assert rollout.validate(model, tokenizer, "frozenlake", [0, 1], env_kwargs=LAKE, temperature=0,
-                            max_new_tokens=60, system=SYSTEM) == 1.0

@@ -1,10 +1,12 @@
-"""runs.py: flags, the run folder, checkpoints and resume. A run survives a kill at every moment
-that matters and resumes exactly; bad input is one line and exit code 2, leaving nothing behind;
-running out of memory is exit 3."""
+"""runs.py and checkpoints.py: flags, the run folder, checkpoints and resume. A run survives a kill at
+every moment that matters and resumes exactly; bad input is one line and exit code 2, leaving nothing
+behind; running out of memory is exit 3."""
 import dataclasses
 import errno
 import json
+import math
 import os
+import re
 import shlex
 import signal
 import subprocess
@@ -111,6 +113,18 @@ def test_help_is_one_line_per_flag_with_its_default(capsys):
     (["--env", "frozenlake", "--lake-size", "100"], "--lake-size sets it"),
     (["--max-new-tokens", "100000000"], "a reply cannot be longer than the model's context"),
     (["--max-new-tokens", "1000"], "more than the model's context"),
+    # the diagnosis: bounded like a step, and never an MI that is 0 by construction
+    (["--probe-samples", "100000"], "--probe-samples must be in 2..1000"),
+    (["--probe-prompts", "2147483648"], "--probe-prompts x --probe-samples must be <= 65536"),
+    (["--probe-prompts", "100000"], "--probe-prompts x --probe-samples must be <= 65536"),
+    (["--probe-prompts", "4096", "--probe-samples", "16"], "would score 269,484,032 reasonings"),
+    (["--mi-samples", "10000", "--groups", "4096"], "use fewer --mi-samples or --groups"),
+    (["--probe-prompts", "1"], "--probe-prompts must be 0 (off) or >= 2, got 1"),
+    (["--probe-samples", "1"], "--probe-samples must be in 2..1000, got 1"),
+    (["--groups", "1"], "--groups 1: an MI over one prompt is 0 by construction"),
+    # flags that would be ignored or clamped
+    (["--filter", "topk", "--control-of", "topp"], "--control-of topp sets the count of a control"),
+    (["--optimizer-steps", "1000000"], "--optimizer-steps must be in 0..128"),
 ])
 def test_bad_arguments_print_one_line_exit_2_and_leave_nothing(tmp_path, argv, words, capsys):
     out = tmp_path / "never"
@@ -129,6 +143,11 @@ def test_large_but_real_settings_are_kept(tmp_path):
     runs.check_fits(a, *tiny.load_tiny(a.env, warm_start=False), tiny.prompts(a.env))
     # a group of one is plain PPO without a filter: it learns from the critic
     runs.parse_args(train.Args, ["--group-size", "1", "--filter", "none", "--algo", "ppo"])
+    # one group without the diagnosis; a control with its count; one trajectory per optimiser step
+    runs.parse_args(train.Args, ["--groups", "1", "--mi-every", "0"])
+    runs.parse_args(train.Args, ["--filter", "random", "--control-of", "topp"])
+    assert runs.parse_args(train.Args, ["--optimizer-steps", "128"]).optimizer_steps == 128
+    assert runs.parse_args(train.Args, ["--probe-prompts", "0"]).probe_prompts == 0
 
 
 def test_the_readmes_experiment_block_runs_as_written():
@@ -193,6 +212,60 @@ def test_the_progress_bar_shows_no_nan(tmp_path, capsys):
     assert "success=" in err and "kept=" in err and "nan" not in err  # no diagnosis, no validation
 
 
+def test_val_every_0_never_validates_and_n_validates_at_the_end(tmp_path):
+    never, end = str(tmp_path / "never"), str(tmp_path / "end")
+    assert train.main(SMALL + ["--steps", "2", "--out", never, "--mi-every", "0", "--val-every", "0"]) == 0
+    assert [r["step"] for r in records(never)] == [1, 2]
+    assert not any("val_success" in r for r in records(never))
+    assert train.main(SMALL + ["--steps", "2", "--out", end, "--mi-every", "0", "--val-every", "3"]) == 0
+    assert [r["step"] for r in records(end) if "val_success" in r] == [0, 2]  # before training, at the end
+
+
+def test_the_log_is_strict_json_an_unmeasured_number_is_null(tmp_path, monkeypatch, capsys):
+    stats = train.rollout_stats
+
+    def with_nan(episodes, rewards):  # a number that could not be measured, at the top and deeper
+        return {**stats(episodes, rewards), "reward_std": math.nan, "buckets": [{"norm": -math.inf}]}
+
+    monkeypatch.setattr(train, "rollout_stats", with_nan)
+    out = str(tmp_path / "run")
+    assert train.main(SMALL + ["--steps", "1", "--out", out, "--mi-every", "0", "--val-every", "0"]) == 0
+
+    def refuse(constant):
+        raise ValueError(f"{constant} is not JSON")
+
+    lines = open(os.path.join(out, "metrics.jsonl")).read().splitlines()
+    (record,) = [json.loads(line, parse_constant=refuse) for line in lines]
+    assert record["reward_std"] is None and record["buckets"] == [{"norm": None}]
+    assert math.isfinite(record["train_success"])
+    summary = capsys.readouterr().out.strip().splitlines()[-1]  # the closing summary line too
+    json.loads(summary, parse_constant=refuse)
+
+
+def readme_metrics_table():
+    """{key: its row} of README's "What is logged" table: every backquoted name in a row's first
+    column."""
+    text = open(os.path.join(ROOT, "README.md")).read().split("### What is logged", 1)[1]
+    rows = [line for line in text.split("\n\n|", 1)[1].split("\n\n", 1)[0].splitlines()[2:]]
+    return {key: row for row in rows for key in re.findall(r"`([a-z0-9_]+)`", row.split("|")[1])}
+
+
+def test_every_logged_key_is_in_the_readmes_table_and_every_row_is_logged(tmp_path):
+    """One step with every part of the loop on (validation, diagnosis, probe set, PPO with a KL
+    term, the gradient decomposition) logs exactly the keys the README's table lists; only the
+    GPU's memory is logged on a GPU alone."""
+    documented = readme_metrics_table()
+    assert {"step", "train_success", "mi_estimate", "val_success"} <= set(documented)
+    out = str(tmp_path / "run")
+    assert train.main(SMALL + ["--groups", "3", "--algo", "ppo", "--kl-coef", "0.001", "--mi-every", "1",
+                               "--val-every", "1", "--grad-decomp-every", "1", "--steps", "1", "--out",
+                               out]) == 0
+    logged = {k for r in records(out) for k in r}
+    assert logged and "pg_loss" in logged and "probe_action_mi" in logged  # an update and the probe ran
+    assert sorted(logged - set(documented)) == []  # logged but not explained
+    assert sorted(set(documented) - logged) == ["gpu_peak_gb"]  # explained but never logged
+
+
 def test_unusable_out_folders(tmp_path, capsys):
     a_file = tmp_path / "file"
     a_file.write_text("x")
@@ -231,6 +304,18 @@ def test_resume_keeps_the_runs_settings_and_leaves_a_finished_run_alone(tmp_path
     assert train.main(["--resume", out]) == 0  # finished: nothing run, nothing appended
     assert "is complete (2 of 2 steps)" in capsys.readouterr().out and records(out) == before
     assert json.load(open(os.path.join(out, "config.json")))["env"] == "sokoban"
+
+
+def test_a_finished_run_with_an_emptied_log_gets_it_back(tmp_path, capsys):
+    out = str(tmp_path / "run")
+    assert train.main(SMALL + ["--steps", "2", "--out", out, "--mi-every", "0"]) == 0
+    before = records(out)
+    open(os.path.join(out, "metrics.jsonl"), "w").close()
+    capsys.readouterr()
+    assert train.main(["--resume", out]) == 0
+    said = capsys.readouterr().out
+    assert "metrics.jsonl is damaged (2 steps are missing (1 to 2)): rewrote" in said
+    assert "is complete (2 of 2 steps)" in said and records(out) == before
 
 
 @pytest.mark.parametrize("damage, words", [

@@ -1,6 +1,9 @@
 """Tests of sampler.py: sampling-time log-probs equal a recomputed forward pass (tempered, inside the
 nucleus); a later turn encodes only its new tokens; the growing cache holds what concatenation holds;
-greedy is the argmax; the from_pretrained path samples the same."""
+greedy is the argmax, and a model trained on one of the loop's transcripts replays it greedily; the
+from_pretrained path samples the same."""
+import math
+
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -8,7 +11,7 @@ from transformers.cache_utils import DynamicLayer
 
 import rollout
 import sampler
-from test_rollout import DEVICES, LAKE, SYSTEM, make_model, make_tokenizer
+from test_rollout import DEVICES, LAKE, SYSTEM, make_model, make_tokenizer, scripted
 
 
 @pytest.fixture(scope="module")
@@ -122,3 +125,39 @@ def test_from_pretrained_round_trip_is_identical(tokenizer, tmp_path):
     for a, b in zip(*runs):
         assert a.ids == b.ids and a.responses == b.responses
         torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs))
+
+
+def greedy_success(model, tokenizer, seeds, max_new_tokens):
+    """Success rate of the model's greedy rollouts (temperature 0), one per seed, on the easy lake."""
+    policy = sampler.hf_policy(model, tokenizer, max_new_tokens, temperature=0)
+    episodes = rollout.play(policy, tokenizer, "frozenlake", seeds, 1, env_kwargs=LAKE, system=SYSTEM)
+    return sum(e.success for e in episodes) / len(episodes)
+
+
+def test_greedy_sampling_replays_a_learned_transcript(tokenizer):
+    """A model trained on the loop's own transcripts (one scripted winning episode) solves the easy lake
+    when sampled greedily."""
+    episodes = rollout.play(scripted(tokenizer, [["go</think><answer>Right || Right</answer>"]]),
+                            tokenizer, "frozenlake", [0], 1, env_kwargs=LAKE, system=SYSTEM)
+    assert episodes[0].success and episodes[0].turns == 2
+    model = make_model(tokenizer, seed=4)
+    assert greedy_success(model, tokenizer, [0, 1], max_new_tokens=40) == 0.0
+    batch = rollout.collate(episodes, 0)
+    mask = batch["policy_mask"][:, 1:] > 0                                       # [1, T-1]
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
+    model.train()
+    # Train until every demonstrated token has probability > 0.9 given its prefix: it is then the
+    # argmax, and greedy decoding on the same (fixed) lake replays the winning transcript token for
+    # token. A bound on the worst token, not a step count: it does not depend on the trajectory.
+    for _ in range(1000):
+        logits = model(input_ids=batch["input_ids"]).logits[:, :-1]              # [1, T-1, V]
+        nll = torch.nn.functional.cross_entropy(logits.transpose(1, 2), batch["input_ids"][:, 1:],
+                                                reduction="none")[mask]          # [N]
+        if nll.max().item() < -math.log(0.9):
+            break
+        optimizer.zero_grad()
+        nll.mean().backward()
+        optimizer.step()
+    assert nll.max().item() < -math.log(0.9)
+    model.eval()
+    assert greedy_success(model, tokenizer, [0, 1], max_new_tokens=60) == 1.0

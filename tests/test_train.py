@@ -13,6 +13,7 @@ import torch
 
 import envs
 import grpo
+import logprobs
 import models
 import ppo
 import rollout
@@ -149,7 +150,7 @@ def test_policy_logprobs_equal_the_full_logits_and_their_gradient(tmp_path):
     plain_grads = [p.grad.clone() for p in run.policy.parameters()]
     run.policy.zero_grad()
     for chunk in (2 ** 25, 7 * len(run.tokenizer)):  # one chunk, and chunks of 7 positions
-        logp, entropy = models.policy_logprobs(run.policy, ids, mask, with_entropy=True, chunk_elements=chunk)
+        logp, entropy = logprobs.policy_logprobs(run.policy, ids, mask, with_entropy=True, chunk_elements=chunk)
         torch.testing.assert_close(logp, plain, atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(entropy, plain_entropy, atol=1e-5, rtol=1e-5)
         (logp.sum() + entropy.sum()).backward()
@@ -159,7 +160,7 @@ def test_policy_logprobs_equal_the_full_logits_and_their_gradient(tmp_path):
 
 
 def test_policy_logprobs_score_the_policy_at_its_sampling_temperature(tmp_path):
-    """Episodes sampled at T = 0.7: models.policy_logprobs at that temperature recomputes the
+    """Episodes sampled at T = 0.7: logprobs.policy_logprobs at that temperature recomputes the
     sampler's own log-probs (and the tempered entropy); scoring them at T = 1 -- what the update
     did before it divided by T -- is another policy, far off."""
     run = make_run(tmp_path, env="frozenlake")
@@ -170,8 +171,8 @@ def test_policy_logprobs_score_the_policy_at_its_sampling_temperature(tmp_path):
     ids, mask = batch["input_ids"], batch["policy_mask"][:, 1:]
     sampled = batch["logprobs"][:, 1:]
     with torch.no_grad():
-        logp, entropy = models.policy_logprobs(run.policy, ids, mask, True, temperature=0.7)
-        at_one, _ = models.policy_logprobs(run.policy, ids, mask)
+        logp, entropy = logprobs.policy_logprobs(run.policy, ids, mask, True, temperature=0.7)
+        at_one, _ = logprobs.policy_logprobs(run.policy, ids, mask)
         logits = run.policy(input_ids=ids, attention_mask=batch["attention_mask"]).logits[:, :-1]
     assert ppo.masked_mean((logp - sampled).abs(), mask) < 1e-4
     assert ppo.masked_mean((at_one - sampled).abs(), mask) > 0.05
@@ -405,7 +406,7 @@ def test_the_decomposition_trains_on_the_advantages_of_the_update(tmp_path):
     mask = batch["policy_mask"][:, 1:]
     values = train.over_batch(run, batch, train.critic_pass)
     advantages, _ = train.compute_advantages(run, batch, rewards, values)
-    logp = models.policy_logprobs(run.policy, batch["input_ids"], mask, temperature=0.7)[0]
+    logp = logprobs.policy_logprobs(run.policy, batch["input_ids"], mask, temperature=0.7)[0]
     _, terms = ppo.policy_loss(logp, logp.detach(), advantages, mask, "token-mean")
     grads = torch.autograd.grad(terms["pg_loss"], [p for p in run.policy.parameters() if p.requires_grad])
     by_hand = torch.sqrt(sum(g.double().pow(2).sum() for g in grads)).item()

@@ -1,0 +1,127 @@
+"""What every world shares: the TextEnv base class (a Gymnasium-style API), its two seeded random
+streams, and the breadth-first solver that plans in any world through the world's own next_state.
+
+A new top-level file because each world (sokoban.py, frozenlake.py, bandit.py) builds on it, and
+envs.py, the registry that names the worlds, sits above them all.
+
+A world sets `name`, `actions`, `rules`, `legend`, `max_steps` and implements five things:
+
+    reset(seed, noise_seed=None) -> (obs, info)      calls _start(); obs is the text the agent reads
+    render() -> str                                   the state as text
+    state() -> a hashable snapshot
+    next_state(state, action) -> (state, terminated, success)   the move when nothing random happens
+    _apply(action) -> (reward, terminated, info)      the move as it happens (with any noise)
+
+and inherits `step(action) -> (obs, reward, terminated, truncated, info)`, with the step budget,
+action names in any case (or an index) and the episode's bookkeeping. The layout depends only on
+`seed`; the transition noise has its own generator seeded by `noise_seed` (rngs). `solve` searches
+breadth-first with next_state, so any world that implements it can be solved and can have its
+generated layouts checked for a solution.
+"""
+import operator
+import random
+
+DIRECTIONS = ("Up", "Down", "Left", "Right")
+MOVES = {"Up": (-1, 0), "Down": (1, 0), "Left": (0, -1), "Right": (0, 1)}
+
+
+def rngs(seed, noise_seed):
+    """Two generators: the layout one from `seed`, the noise one from `noise_seed` (default `seed`);
+    None = fresh."""
+    seed, noise_seed = as_int(seed, "seed"), as_int(noise_seed, "noise_seed")
+    noise_seed = seed if noise_seed is None else noise_seed
+    # a string seed gives the noise stream its own sequence even when noise_seed == seed
+    return random.Random(seed), random.Random(None if noise_seed is None else f"noise/{noise_seed}")
+
+
+def as_int(value, label):
+    """None, or an int-like value (numpy ints too) as int; anything else is a ValueError."""
+    if value is None:
+        return None
+    check(hasattr(value, "__index__") and not isinstance(value, bool),
+          f"{label} must be an int or None, got {value!r}")
+    return operator.index(value)
+
+
+def check(ok, message):
+    if not ok:
+        raise ValueError(message)
+
+
+# ----------------------------------------------------------------------------------- the base class
+
+class TextEnv:
+    """The base of every world: action lookup, the step budget and the episode's bookkeeping
+    (`step`); a world implements `reset`, `render`, `state`, `next_state` and `_apply` (the module
+    docstring says what each returns)."""
+    name, actions, rules, legend, max_steps = "", (), "", "", 1
+
+    def _start(self):
+        self.steps, self.done, self.success = 0, False, False
+        return self.render(), {"success": False}
+
+    def action_name(self, action):
+        """Canonical name of an action given by name (any case, spaces ignored) or index:
+        'up' -> 'Up', 3 -> 'Right'."""
+        if isinstance(action, str):
+            for name in self.actions:
+                if name.lower() == action.strip().lower():
+                    return name
+        elif (hasattr(action, "__index__") and not isinstance(action, bool)
+              and 0 <= action < len(self.actions)):
+            return self.actions[operator.index(action)]
+        raise ValueError(f"unknown action {action!r}; valid: {', '.join(self.actions)} "
+                         f"or 0..{len(self.actions) - 1}")
+
+    def step(self, action):
+        check(not self.done, "the episode is over; call reset()")
+        reward, terminated, info = self._apply(self.action_name(action))
+        self.steps += 1
+        self.success = info["success"]
+        truncated = not terminated and self.steps >= self.max_steps
+        self.done = terminated or truncated
+        return self.render(), reward, terminated, truncated, info
+
+
+# ------------------------------------------------------------------------------------------ solving
+
+def solve(env):
+    """Shortest list of action names from the env's current state to success (breadth-first search),
+    or None.
+
+    The search uses `env.next_state`, i.e. moves that go as intended: exact for Sokoban and for
+    FrozenLake with success_rate=1; for a slippery lake it is the shortest plan if nothing slips;
+    for Bandit it is the better arm. Returns [] when the episode has already succeeded and None
+    when success cannot be reached.
+    >>> from sokoban import Sokoban
+    >>> env = Sokoban(room="#####\\n#PXO#\\n#####"); _ = env.reset(); solve(env)
+    ['Right']
+    """
+    if env.success:
+        return []
+    if env.done:
+        return None
+    return search(env, env.state())
+
+
+def search(env, start, limit=None):
+    """Breadth-first search with env.next_state from `start`: a shortest action list to success, or
+    None (also when every plan needs more than `limit` actions)."""
+    parent, frontier, depth = {start: None}, [start], 0
+    while frontier and (limit is None or depth < limit):
+        depth, nxt = depth + 1, []
+        for state in frontier:
+            for action in env.actions:
+                new, terminated, success = env.next_state(state, action)
+                if success:
+                    path = [action]
+                    while parent[state] is not None:
+                        state, action = parent[state]
+                        path.append(action)
+                    return path[::-1]
+                if new not in parent:
+                    parent[new] = (state, action)
+                    if not terminated:
+                        nxt.append(new)
+        frontier = nxt
+    return None
