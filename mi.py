@@ -446,12 +446,12 @@ def cross_scores(model, prompt_ids, reasoning_ids, batch_size=8, temperature=1.0
                 total = first_logp[tokens[:, 0]]                           # [B]
                 if tokens.shape[1] > 1:
                     # Feed z_0 .. z_{R-2} after the cached prompt; position t predicts z_{t+1}.
-                    cache = copy.deepcopy(out.past_key_values)  # the pass below grows it in place
+                    cache = copy.deepcopy(out.cache)  # the pass below grows it in place
                     cache.batch_repeat_interleave(rows)
                     mask = torch.cat([torch.ones(rows, len(ids), dtype=torch.long, device=device),
                                       real[:, :-1].long()], dim=1)         # [B, P + R - 1]
                     hidden = lm.get_decoder()(
-                        input_ids=tokens[:, :-1], attention_mask=mask, past_key_values=cache,
+                        input_ids=tokens[:, :-1], attention_mask=mask, cache=cache,
                         use_cache=True).last_hidden_state                  # [B, R - 1, D]
                     targets = tokens[:, 1:]                                # [B, R - 1]
                     logp = logprobs.head_logprobs(lm, hidden.reshape(-1, hidden.shape[-1]),

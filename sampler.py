@@ -136,7 +136,7 @@ def hf_policy(model, tokenizer, max_new_tokens, temperature=1.0, top_p=1.0):
             input_ids=ids,
             attention_mask=attention,
             position_ids=positions,
-            past_key_values=cache,
+            cache=cache,
             use_cache=True,
             logits_to_keep=1,
         ).logits[:, -1]                                                        # [B, V]
@@ -166,7 +166,7 @@ def hf_policy(model, tokenizer, max_new_tokens, temperature=1.0, top_p=1.0):
                 input_ids=token[:, None],
                 attention_mask=attention,
                 position_ids=position[:, None],
-                past_key_values=cache,
+                cache=cache,
                 use_cache=True,
             ).logits[:, -1]
             position = position + running.long()

@@ -416,13 +416,15 @@ def test_decomposition_regulariser_ignores_rewards(models):
         assert [d[key] for d in padded] == pytest.approx([d[key] for d in out], rel=1e-5)
 
 
-def test_decomposition_equals_plain_backward_loop(models):
-    """One bucket by hand: three losses, loss.backward() with model.zero_grad() between."""
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_decomposition_equals_plain_backward_loop(models, temperature):
+    """One bucket by hand: three losses, loss.backward() with model.zero_grad() between; the policy
+    and the reference at the sampling temperature, softmax(logits / T)."""
     policy, ref = models
     ids, att, pm = _batch(same_tokens=False, seed=2)
     rewards = _rising_rewards(G)
     out = gradient_decomposition(policy, ids, att, pm, rewards, ref_model=ref, n_buckets=2,
-                                 kl_coef=0.5)
+                                 kl_coef=0.5, temperature=temperature)
     groups = out[1]["groups"]                           # the high-spread half
     rows = [g * K + k for g in groups for k in range(K)]
     adv = (rewards - rewards.mean(1, keepdim=True))[groups].reshape(-1).float()
@@ -430,7 +432,7 @@ def test_decomposition_equals_plain_backward_loop(models):
     norms = []
     for terms in (["task"], ["kl"], ["entropy"], ["kl", "entropy"]):   # the last: the regulariser
         policy.zero_grad()
-        logits = policy(input_ids=ids[rows], attention_mask=att[rows]).logits[:, :-1]
+        logits = policy(input_ids=ids[rows], attention_mask=att[rows]).logits[:, :-1] / temperature
         logp = token_logprobs(logits, ids[rows, 1:])
         loss = 0.0
         if "task" in terms:
@@ -438,7 +440,7 @@ def test_decomposition_equals_plain_backward_loop(models):
         if "kl" in terms:
             with torch.no_grad():
                 ref_logits = ref(input_ids=ids[rows], attention_mask=att[rows]).logits[:, :-1]
-                ref_logp = token_logprobs(ref_logits, ids[rows, 1:])
+                ref_logp = token_logprobs(ref_logits / temperature, ids[rows, 1:])
             loss = loss + 0.5 * (kl_estimate(logp, ref_logp, "k3") * m).sum() / m.sum()
         if "entropy" in terms:
             logq = torch.log_softmax(logits.float(), -1)

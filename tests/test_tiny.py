@@ -228,8 +228,11 @@ def test_one_process_builds_while_another_waits(tmp_path, capsys):
     result = {}
     waiter = threading.Thread(target=lambda: result.update(model=build(tmp_path)[0]))
     waiter.start()
-    time.sleep(0.5)
-    assert waiter.is_alive() and "waiting for another process" in capsys.readouterr().out
+    said = ""
+    while waiter.is_alive() and "waiting for another process" not in said:  # no clock: it says so, or ends
+        said += capsys.readouterr().out
+        time.sleep(0.01)
+    assert waiter.is_alive() and "waiting for another process" in said  # it waits for the lock
     lock.close()  # the other build ends
-    waiter.join(timeout=60)
+    waiter.join()
     assert result["model"] is not None

@@ -171,3 +171,15 @@ def test_bad_flags_are_one_line_and_exit_code_2(tmp_path, capsys):
                                       "--no-warm-start"]) == 2
         err = capsys.readouterr().err
         assert err.count("\n") == 1 and words in err, err
+
+
+def test_top_p_decides_the_kept_groups(tmp_path):
+    """--top-p reaches the filter: at 0.5 the group with the larger spread alone holds half of the
+    summed spread and is the only one kept, where the default 0.9 keeps both groups with spread."""
+    out = tmp_path / "run"
+    argv = script.ARGS + ["--steps", "1", "--mi-every", "0", "--top-p", "0.5", "--out", str(out)]
+    assert trl_ragen.main(argv, make_policy=script.scripted()) == 0
+    (r,) = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    scores = snr_filter.group_scores(r["group_rewards"])
+    assert len(snr_filter.select_groups(scores, "topp", 0.9).nonzero()) == 2
+    assert r["kept_groups"] == [int(scores.argmax())] and r["num_kept"] == 1

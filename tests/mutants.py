@@ -1,0 +1,361 @@
+"""The mutation check: plausible one-line bugs, each of which the tests named beside it must catch.
+
+    python tests/mutants.py              # every mutant; exit 1 on a survivor or a mutant that rotted
+    python tests/mutants.py -k gae       # the mutants whose name (or file) holds "gae"
+    python tests/mutants.py --list       # names, places and tests, nothing run
+
+A test that passes whatever the code does tells its reader that something is checked when nothing
+is. Each mutant below is one bug someone could write: one line of one function changed (`old` ->
+`new`, `old` found exactly once in that function). The script copies the repository's files (the
+working tree as it is, never touched) to a scratch folder, runs the named tests there once
+unchanged (they must pass: else a failure would prove nothing), then for each mutant changes the
+one line, runs only its named tests and puts the line back:
+
+    caught    every named test failed
+    survived  a named test passed with the bug in place: the test does not check what it claims
+    rotted    the line is no longer in its function (the code moved on): update the mutant
+
+A curated list rather than a generated one (mutmut, cosmic-ray): those mutate every operator of
+every line and run the whole suite on each, thousands of runs of a suite that takes minutes, and
+most of their survivors are equivalent or meaningless (a changed log message). Here every mutant is
+a bug the paper's reader cares about, named after it, and says which tests answer for it, so a
+survivor points at one weak test.
+"""
+import argparse
+import ast
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from collections import namedtuple
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+Mutant = namedtuple("Mutant", "name file function old new tests")
+
+
+def m(name, file, function, old, new, *tests):
+    return Mutant(name, file, function, old, new, tests)
+
+
+ENVS, ROLLOUT, SAMPLER = "tests/test_envs.py::", "tests/test_rollout.py::", "tests/test_sampler.py::"
+PPO, GRPO, SNR = "tests/test_ppo.py::", "tests/test_grpo.py::", "tests/test_snr_filter.py::"
+MI, TRAIN, RUNS = "tests/test_mi.py::", "tests/test_train.py::", "tests/test_runs.py::"
+DEMOS = "tests/test_demos.py::"
+TRL, BENCH = "tests/test_trl_ragen.py::", "tests/test_bench.py::"
+DOCTESTS = "tests/test_doctests.py::test_docstring_examples"
+RESUME = (RUNS + "test_resume_continues_exactly_like_an_uninterrupted_run",
+          RUNS + "test_kill_9_of_a_real_run_then_resume_is_exact",
+          RUNS + "test_a_kill_at_every_file_operation_then_resume_is_exact")
+
+MUTANTS = [
+    # ---------------------------------------------------------------------------------- envs.py
+    m("sokoban-solved-bonus-lost", "envs.py", "Sokoban._apply",
+      "reward += SOLVED_REWARD if solved else 0.0", "reward += 0.0",
+      ENVS + "test_push_onto_target_solves"),
+    m("frozenlake-slips-one-way-only", "envs.py", "FrozenLake._apply",
+      "side_a if u < self.success_rate + rest else side_b",
+      "side_a if u < self.success_rate + 2 * rest else side_b",
+      ENVS + "test_slip_frequencies_match_the_exact_probabilities"),
+    m("parse-checks-pieces-past-the-cap", "envs.py", "parse_response",
+      "kept = pieces[:cap]", "kept = pieces",
+      ENVS + "test_parse_caps_the_pieces_before_checking_them"),
+    # ------------------------------------------------------------------------------- rollout.py
+    m("no-format-penalty", "rollout.py", "play",
+      "reward = 0.0 if valid else FORMAT_PENALTY", "reward = 0.0",
+      ROLLOUT + "test_the_first_pieces_are_acted_on_and_any_invalid_one_costs_the_penalty"),
+    m("reward-on-the-last-token-not-the-last-sampled", "rollout.py", "collate",
+      'batch["token_rewards"][b, sampled[-1] if sampled else n - 1] = e.total_reward',
+      'batch["token_rewards"][b, n - 1] = e.total_reward',
+      ROLLOUT + "test_collate_right_pads"),
+    # ------------------------------------------------------------------------------- sampler.py
+    m("sampling-temperature-ignored", "sampler.py", "hf_policy",
+      "table = torch.log_softmax(logits.float() / (temperature or 1.0), dim=-1)",
+      "table = torch.log_softmax(logits.float(), dim=-1)",
+      SAMPLER + "test_sampling_logprobs_equal_a_forward_pass[0.7-0.5-cpu]"),
+    m("nucleus-drops-the-token-that-crosses-p", "sampler.py", "nucleus",
+      "drop = ranked.cumsum(-1) - ranked >= top_p", "drop = ranked.cumsum(-1) >= top_p",
+      DOCTESTS + "[sampler]"),
+    m("a-later-turn-restarts-its-positions", "sampler.py", "hf_policy",
+      "positions = position[:, None] + (real.cumsum(1) - 1).clamp(min=0)",
+      "positions = (real.cumsum(1) - 1).clamp(min=0)",
+      SAMPLER + "test_a_later_turn_encodes_only_its_new_tokens"),
+    # ----------------------------------------------------------------------------------- ppo.py
+    m("gae-bootstraps-past-the-terminal", "ppo.py", "gae",
+      "next_value = torch.zeros_like(values[:, 0])", "next_value = values[:, -1].clone()",
+      PPO + "test_gae_example", PPO + "test_gae_lambda_one_is_return_to_go_minus_value[0]"),
+    m("whitening-with-the-biased-variance", "ppo.py", "masked_whiten",
+      "var = torch.where(on, (x - mean) ** 2, 0.0).sum() / (n - 1).clamp_min(1)",
+      "var = torch.where(on, (x - mean) ** 2, 0.0).sum() / n.clamp_min(1)",
+      PPO + "test_gae_whitens_over_all_policy_tokens_of_the_batch"),
+    m("dual-clip-caps-positive-advantages", "ppo.py", "clipped_policy_loss",
+      "capped = (adv < 0) & (per_token > cap)", "capped = per_token > cap",
+      PPO + "test_dual_clip_caps_only_negative_advantages_past_c"),
+    m("clip-high-is-clip-low", "ppo.py", "clipped_policy_loss",
+      "clipped = -adv * ratio.clamp(1.0 - clip_low, 1.0 + clip_high)",
+      "clipped = -adv * ratio.clamp(1.0 - clip_low, 1.0 + clip_low)",
+      PPO + "test_clip_higher_example"),
+    m("drgrpo-normaliser-is-the-sequence-length", "ppo.py", "aggregate",
+      "per_seq = per_seq / norm_length", "per_seq = per_seq / mask.sum(-1).clamp_min(1)",
+      PPO + "test_aggregate_hand_computed",
+      TRAIN + "test_the_update_trains_on_policy_loss_and_drgrpo_divides_by_the_budget"),
+    m("k3-with-the-wrong-sign", "ppo.py", "kl_estimate",
+      "return (torch.expm1(-delta) + delta).clamp(0.0, 10.0)",
+      "return (torch.expm1(delta) - delta).clamp(0.0, 10.0)",
+      PPO + "test_kl_estimators_unbiased_under_pi"),
+    m("entropy-bonus-subtracted-as-a-penalty", "ppo.py", "policy_loss",
+      'loss = loss - entropy_coef * terms["entropy_loss"]',
+      'loss = loss + entropy_coef * terms["entropy_loss"]',
+      PPO + "test_policy_loss_is_the_clipped_loss_minus_the_entropy_bonus_plus_the_kl_term"),
+    # ---------------------------------------------------------------------------------- grpo.py
+    m("grpo-divides-by-the-population-std", "grpo.py", "group_advantages",
+      "centred = centred / (rewards.std(dim=1, keepdim=True) + eps)",
+      "centred = centred / (rewards.std(dim=1, keepdim=True, correction=0) + eps)",
+      GRPO + "test_group_advantages_matches_numpy_and_dr_grpo"),
+    m("drgrpo-divides-by-the-std-too", "grpo.py", "group_advantages",
+      "if normalize_std and rewards.shape[1] > 1:", "if rewards.shape[1] > 1:",
+      GRPO + "test_group_advantages_matches_numpy_and_dr_grpo",
+      GRPO + "test_dr_grpo_group_gradient_exact_enumeration"),
+    # ---------------------------------------------------------------------------- snr_filter.py
+    m("top-p-ignores-p", "snr_filter.py", "select_groups",
+      "reached = (ranked.cumsum(0) >= value * ranked.sum() - 0.01).nonzero()",
+      "reached = (ranked.cumsum(0) >= ranked.sum() - 0.01).nonzero()",
+      SNR + "test_paper_worked_example_fig5", SNR + "test_linear_topp_equals_plain_loop"),
+    m("zero-spread-groups-kept", "snr_filter.py", "select_groups",
+      "candidates = torch.ones_like(s, dtype=torch.bool) if include_zero else s > 0",
+      "candidates = torch.ones_like(s, dtype=torch.bool) if include_zero else s >= 0",
+      SNR + "test_all_zero_batch_keeps_none"),
+    m("top-k-rounds-instead-of-truncating", "snr_filter.py", "select_groups",
+      "n_keep = min(len(order), max(1, int(value * G)))",
+      "n_keep = min(len(order), max(1, round(value * G)))",
+      SNR + "test_topk_counts"),
+    m("random-control-keeps-one-too-many", "snr_filter.py", "select_control",
+      "keep[torch.randperm(G, generator=generator)[:n].to(s.device)] = True",
+      "keep[torch.randperm(G, generator=generator)[:n + 1].to(s.device)] = True",
+      SNR + "test_controls_keep_exactly_the_named_filters_count",
+      TRAIN + "test_random_control_keeps_the_filters_count_reproducibly_per_step"),
+    m("spread-is-the-biased-std", "snr_filter.py", "group_scores",
+      "var = r.var(dim=1, correction=1)", "var = r.var(dim=1, correction=0)",
+      SNR + "test_group_scores_closed_form"),
+    m("buckets-remainder-to-the-lowest", "snr_filter.py", "rv_buckets",
+      "return list(torch.split(order, [size] * (n - 1) + [G - size * (n - 1)]))",
+      "return list(torch.split(order, [G - size * (n - 1)] + [size] * (n - 1)))",
+      SNR + "test_rv_buckets_partition_equal_count_lowest_first"),
+    m("decomposition-ignores-temperature", "snr_filter.py", "gradient_decomposition",
+      "logits = logits / temperature", "logits = logits",
+      SNR + "test_decomposition_equals_plain_backward_loop[0.7]"),
+    # ------------------------------------------------------------------------------------ mi.py
+    m("marginal-without-log-n", "mi.py", "collapse_metrics",
+      "marginal = torch.logsumexp(table, dim=1) - log_n", "marginal = torch.logsumexp(table, dim=1)",
+      MI + "test_collapse_metrics_worked_example", MI + "test_estimate_never_exceeds_log_n"),
+    m("mi-scored-on-matched-pairs-only", "mi.py", "collapse_metrics",
+      "estimate = (matched - marginal).mean().item()", "estimate = (matched - matched).mean().item()",
+      MI + "test_collapse_metrics_worked_example",
+      MI + "test_sampled_estimate_matches_exact_mi_and_bayes_retrieval"),
+    m("zscore-with-the-sample-std", "mi.py", "collapse_metrics",
+      "spread = marginal.std(correction=0).item() if num_samples > 1 else 0.0",
+      "spread = marginal.std(correction=1).item() if num_samples > 1 else 0.0",
+      MI + "test_zscore_uses_population_std_of_marginal"),
+    m("identical-prompts-count-apart", "mi.py", "retrieval_credit",
+      "own = key[None, :] == key[owner][:, None]",
+      "own = torch.arange(len(key))[None, :] == owner[:, None]",
+      MI + "test_repeated_prompts_count_as_one_target_as_the_official_metric"),
+    m("ema-weights-swapped", "mi.py", "ema",
+      "return float(value) if previous is None else decay * previous + (1.0 - decay) * float(value)",
+      "return float(value) if previous is None else (1.0 - decay) * previous + decay * float(value)",
+      MI + "test_ema_is_a_pure_state_update"),
+    # --------------------------------------------------------------------------------- train.py
+    m("train-top-p-ignored", "train.py", "select",
+      'value = a.top_p if named == "topp" else a.top_k', 'value = 1.0 if named == "topp" else a.top_k',
+      TRAIN + "test_every_combination_performs_a_real_filtered_update[topp-ppo-sokoban]",
+      TRAIN + "test_update_on_kept_groups_equals_an_update_on_a_batch_without_the_dropped_ones"),
+    m("random-control-same-draw-every-step", "train.py", "select",
+      "draw = int(np.random.default_rng([a.seed, step, CONTROL_STREAM]).integers(2 ** 62))",
+      "draw = int(np.random.default_rng([a.seed, CONTROL_STREAM]).integers(2 ** 62))",
+      TRAIN + "test_random_control_keeps_the_filters_count_reproducibly_per_step"),
+    m("probe-not-reseeded", "train.py", "probe",
+      "torch.manual_seed(a.seed)", "pass",
+      TRAIN + "test_the_probe_set_leaves_training_unchanged_and_repeats_itself"),
+    m("decomposition-not-given-the-temperature", "train.py", "decompose_gradients",
+      "entropy_coef=a.entropy_coef, temperature=a.temperature, advantages=advantages,",
+      "entropy_coef=a.entropy_coef, advantages=advantages,",
+      TRAIN + "test_fig4_kl_is_measured_against_the_initial_policy_without_a_kl_term"),
+    m("optimizer-steps-ignored", "train.py", "mini_batches",
+      "return list(order.tensor_split(min(optimizer_steps, n_rows)))", "return list(order.split(size))",
+      TRAIN + "test_optimizer_steps_fix_the_number_of_steps_whatever_is_kept"),
+    m("micro-batch-weighed-against-the-whole-batch", "train.py", "micro_batch_weight",
+      "return float(mask[rows].sum() / mask[mini_batch].sum().clamp_min(1))",
+      "return float(mask[rows].sum() / mask.sum().clamp_min(1))",
+      TRAIN + "test_the_update_equals_a_plain_full_batch_step[ppo]"),
+    m("drgrpo-budget-is-one-turn", "train.py", "response_budget",
+      "return args.max_turns * args.max_new_tokens", "return args.max_new_tokens",
+      TRAIN + "test_the_update_trains_on_policy_loss_and_drgrpo_divides_by_the_budget"),
+    # ---------------------------------------------------------------------------------- runs.py
+    m("resume-ignores-the-checkpoint", "runs.py", "start",
+      "ckpt = recover_checkpoint(a.out)", "ckpt = None", *RESUME),
+    m("restored-log-drops-the-checkpoints-step", "runs.py", "restore_metrics",
+      "kept = [line for line in lines if _step_of(line) <= step]",
+      "kept = [line for line in lines if _step_of(line) < step]",
+      RUNS + "test_resume_continues_exactly_like_an_uninterrupted_run"),
+    m("top-p-0-accepted", "runs.py", "check_args",
+      'need(0 < a.top_p <= 1, f"--top-p must be in (0, 1], got {a.top_p}")',
+      'need(0 <= a.top_p <= 1, f"--top-p must be in (0, 1], got {a.top_p}")',
+      RUNS + "test_bad_arguments_print_one_line_exit_2_and_leave_nothing[argv2---top-p]"),
+    m("old-checkpoint-never-recovered", "runs.py", "recover_checkpoint",
+      'if not os.path.isdir(final) and os.path.isfile(os.path.join(old, "complete")):',
+      "if False:",
+      RUNS + "test_recovery_picks_the_newest_complete_checkpoint"),
+    # -------------------------------------------------------------------------------- models.py
+    m("offline-hub-asked-anyway", "models.py", "hub_reachable",
+      'if os.environ.get("HF_HUB_OFFLINE", "0") not in ("0", "", "false", "False"):', "if False:",
+      RUNS + "test_bad_arguments_print_one_line_exit_2_and_leave_nothing"
+             "[argv18-not in the local Hugging Face cache]"),
+    m("update-scores-at-temperature-1", "models.py", "_head_logprobs",
+      "logits = head(hidden).float() / temperature", "logits = head(hidden).float()",
+      TRAIN + "test_policy_logprobs_score_the_policy_at_its_sampling_temperature"),
+    m("checkpointing-whatever-the-memory", "models.py", "memory_plan",
+      "for option in [ckpt] if ckpt is not None else [False, True]:",
+      "for option in [ckpt] if ckpt is not None else [True, False]:",
+      RUNS + "test_memory_plan_fits_the_budget_and_prefers_no_checkpointing"),
+    # ---------------------------------------------------------------------------------- tiny.py
+    m("warm-start-cache-never-read", "tiny.py", "load_tiny",
+      "if not rebuild:", "if rebuild:",
+      RUNS + "test_the_same_result_whether_the_warm_start_was_built_or_loaded"),
+    # --------------------------------------------------------------------------------- demos.py
+    m("demonstrations-without-noise", "demos.py", "demonstration",
+      "if not plan or rng.random() < noise:", "if not plan:",
+      DEMOS + "test_demonstrations_are_valid_and_imperfect"),
+    # --------------------------------------------------------------------------------- plots.py
+    m("standard-error-is-the-std", "plots.py", "mean_and_se",
+      "ses.append(sd / math.sqrt(len(xs)))", "ses.append(sd)",
+      DOCTESTS + "[plots]"),
+    # ----------------------------------------------------------------------------- trl_ragen.py
+    m("trl-top-p-not-passed", "trl_ragen.py", "build_trainer",
+      "rollout_func=func, callbacks=list(callbacks), filter=a.filter, top_p=a.top_p,",
+      "rollout_func=func, callbacks=list(callbacks), filter=a.filter,",
+      TRL + "test_top_p_decides_the_kept_groups"),
+    m("trl-masked-rows-keep-their-advantages", "trl_ragen.py", "RagenGRPOTrainer.drop_groups",
+      'out["advantages"] = out["advantages"] * rows', "pass",
+      TRL + "test_gradient_with_dropped_groups_is_that_of_a_batch_without_them[dapo-False-group]"),
+    # ------------------------------------------------------------------------------------ bench
+    m("bench-gpu-row-fails", "bench/bench_gpu.py", "one_row",
+      'flags += ["--groups", "2", "--group-size", "2", "--max-turns", "2", "--probe-prompts", "2",',
+      'flags += ["--groups", "0", "--group-size", "2", "--max-turns", "2", "--probe-prompts", "2",',
+      BENCH + "test_quick_mode_reports_a_result[bench_gpu.py-gpu]"),
+    # ------------------------------------------------ experiments.py, grids.py, stats.py, report.py
+    # (their mutants go here once their rewrite settles: the report reading its archives, the
+    # decision rules, the intervals, the onset rule)
+]
+
+
+# ------------------------------------------------------------------------------------- applying
+
+def function_lines(source, qualname):
+    """(first, last) line numbers (1-based, inclusive) of function `qualname` ("f" or "Class.f")
+    in `source`, or None."""
+    def find(body, names):
+        for node in body:
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) and \
+                    node.name == names[0]:
+                if len(names) == 1:
+                    return node.lineno, node.end_lineno
+                return find(node.body, names[1:])
+        return None
+    return find(ast.parse(source).body, qualname.split("."))
+
+
+def mutate(source, mutant):
+    """`source` with the mutant's one line changed, or None when `old` is not exactly once in the
+    function (the mutant rotted)."""
+    span = function_lines(source, mutant.function)
+    if span is None or "\n" in mutant.old:
+        return None
+    lines = source.splitlines(keepends=True)
+    hits = [i for i in range(span[0] - 1, span[1]) if mutant.old in lines[i]]
+    if len(hits) != 1:
+        return None
+    lines[hits[0]] = lines[hits[0]].replace(mutant.old, mutant.new, 1)
+    return "".join(lines)
+
+
+def scratch_copy():
+    """The repository's files as they are in the working tree (tracked and untracked, not ignored)
+    in a new temporary folder."""
+    files = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
+                           cwd=ROOT, capture_output=True, text=True, check=True).stdout.split("\0")
+    copy = tempfile.mkdtemp(prefix="mutants-")
+    for name in filter(None, files):
+        if os.path.isfile(os.path.join(ROOT, name)):
+            os.makedirs(os.path.dirname(os.path.join(copy, name)), exist_ok=True)
+            shutil.copy2(os.path.join(ROOT, name), os.path.join(copy, name))
+    return copy
+
+
+def run_tests(folder, tests):
+    """pytest on `tests` in `folder` -> (exit code, the node ids that failed)."""
+    env = {**os.environ, "PYTHONDONTWRITEBYTECODE": "1", "HF_HUB_OFFLINE": "1"}
+    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-rfE", "--no-header", *tests],
+                          cwd=folder, capture_output=True, text=True, env=env)
+    failed = {line.split()[1] for line in done.stdout.splitlines()
+              if line.startswith(("FAILED ", "ERROR "))}
+    return done.returncode, failed, done.stderr + done.stdout  # pytest's report last
+
+
+def check(folder, mutant):
+    """'caught', 'survived (...)' or 'rotted (...)' for one mutant, the folder left as it was."""
+    path = os.path.join(folder, mutant.file)
+    with open(path) as f:
+        original = f.read()
+    changed = mutate(original, mutant)
+    if changed is None:
+        return "rotted (the line is not once in the function)"
+    try:
+        with open(path, "w") as f:
+            f.write(changed)
+        code, failed, _ = run_tests(folder, mutant.tests)
+    finally:
+        with open(path, "w") as f:
+            f.write(original)
+    if code not in (0, 1):
+        return f"rotted (pytest exit code {code}: a named test is gone?)"
+    passed = [t for t in mutant.tests if t not in failed]
+    return "caught" if not passed else f"survived ({', '.join(passed)} passed)"
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("-k", default="", help="only the mutants whose name or file holds this")
+    parser.add_argument("--list", action="store_true", help="list the mutants, run nothing")
+    args = parser.parse_args(argv)
+    chosen = [mu for mu in MUTANTS if args.k in f"{mu.name} {mu.file}"]
+    if args.list:
+        for mu in chosen:
+            print(f"{mu.name}: {mu.file}:{mu.function}\n    " + "\n    ".join(mu.tests))
+        return 0
+    if not chosen:
+        print(f"no mutant's name or file holds {args.k!r}", file=sys.stderr)
+        return 2
+    began = time.time()
+    folder = scratch_copy()
+    try:
+        tests = sorted({t for mu in chosen for t in mu.tests})
+        code, failed, out = run_tests(folder, tests)
+        if code != 0:
+            print(out[-3000:])
+            print(f"the named tests fail without any mutant ({len(failed)}): fix those first")
+            return 1
+        results = []
+        for mu in chosen:
+            results.append(check(folder, mu))
+            print(f"{results[-1]:>8}  {mu.name}  ({mu.file}:{mu.function})", flush=True)
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+    caught = results.count("caught")
+    print(f"{caught} of {len(chosen)} mutants caught in {time.time() - began:.0f} s")
+    return 0 if caught == len(chosen) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
