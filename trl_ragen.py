@@ -15,18 +15,16 @@ One step of TRL's GRPOTrainer, with what this file adds (+):
                  the turn-1 prompt, env_mask = 0 on observation tokens, the sampler's log-probs
   2. rewards     one reward per episode, its total R (env rewards + format penalties), gathered
                  by TRL from every process: one prompt's K episodes may sit on different ones
-  + filter       snr_filter.group_scores on the raw totals [G, K] -- before any normalisation --
-                 and snr_filter.select_groups: the same gathered numbers give the same choice on
-                 every process
-  + diagnosis    step 1 and every mi_every steps: mi.cross_scores of first-turn reasonings
-                 under every group's prompt, mi.collapse_metrics
+  + filter       snr_filter.select_groups on the spread of the gathered raw totals [G, K], before
+                 any normalisation: the same choice on every process
+  + diagnosis    step 1 and every mi_every steps: mi.cross_scores of first-turn reasonings (the
+                 ids sampled) under every group's prompt, mi.collapse_metrics
   3. advantages  TRL's A = (R - mean_g R) / (std + 1e-4); with scale_rewards="batch" the std is
                  taken again over the kept groups only
-  + drop         one process: the dropped rows leave the batch (and its padding) before the loss,
-                 which then never sees them; several processes (or gradient accumulation): every
-                 process keeps its rows, so all stay in step with equal shapes, and the dropped
-                 rows get loss mask 0 with the token count recounted -- exact for the losses
-                 normalised by the batch's token count (TOKEN_NORMALISED, TRL's default "dapo")
+  + drop         one process: the dropped rows leave the batch (and its padding) before the loss;
+                 several processes (or accumulation): every process keeps its rows (all stay in
+                 step), masked with the token count recounted -- exact for the losses divided by
+                 the batch's token count (TOKEN_NORMALISED, TRL's default "dapo")
   4. loss        TRL's, with the entropy bonus a token mean over the whole batch and Dr.GRPO's
                  constant train.py's (train.response_budget); a step that keeps nothing leaves
                  the weights and the optimiser's state as they are
@@ -57,9 +55,8 @@ import train
 os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")  # rollout_func is marked experimental
 from trl import GRPOConfig, GRPOTrainer  # noqa: E402
 
-VAL_SEED_BASE = 10_000_000  # training seeds are drawn below it, as train.py draws them
-MAX_SKIPS = 5  # stop after this many steps in a row without reward spread (train.py's rule)
 TOKEN_NORMALISED = ("dapo", "cispo", "vespo")  # TRL losses divided by the batch's token count
+FIRST_TURN = ("first_prompt", "first_prompt_ids", "first_reasoning_ids", "first_reasoning_logprob")
 MI_KEYS = ("mi_estimate", "mi_seq_estimate", "mi_zscore", "mi_zscore_seq", "mi_zscore_ema",
            "retrieval_acc", "retrieval_acc_top2", "conditional_entropy", "reasoning_entropy",
            "conditional_entropy_seq", "reasoning_entropy_seq", "retrieval_chance",
@@ -69,16 +66,14 @@ MI_KEYS = ("mi_estimate", "mi_seq_estimate", "mi_zscore", "mi_zscore_seq", "mi_z
 # ------------------------------------------------------------------------------------- the rollouts
 
 def group_prompt(g):
-    """A dataset row's prompt names its group; rollout_func renders the real prompt (TRL asks for
-    the chat template at the backend boundary) from the group's env seed at the current step:
-    group_prompt(7) == "group 7". The dataset holds the G rows once and TRL cycles it, one pass
-    a step, so --steps costs nothing before training starts."""
+    """A dataset row names its group: group_prompt(7) == "group 7"; rollout_func renders the
+    prompt of the group's env seed at the current step. TRL cycles the G rows, a pass a step."""
     return f"group {g}"
 
 
 def step_seeds(seed, step, groups):
     """The env seeds of a step's groups, drawn as train.py draws them."""
-    return np.random.default_rng([seed, step]).integers(0, VAL_SEED_BASE, groups).tolist()
+    return np.random.default_rng([seed, step]).integers(0, train.VAL_SEED_BASE, groups).tolist()
 
 
 def rollout_function(env_name, seeds, env_kwargs=None, max_turns=5, max_actions_per_turn=2,
@@ -87,12 +82,11 @@ def rollout_function(env_name, seeds, env_kwargs=None, max_turns=5, max_actions_
     """TRL's rollout_func(prompts, trainer) for a world of envs.py: whole episodes by rollout.play.
 
     `prompts` are this process's rows, K copies of each group's group_prompt in TRL's global
-    order (process p holds rows p * B .. p * B + B - 1), so the row's global number gives the
-    rollout's number k in its group and the transition noise rollout.play would give it, even
-    when a group is split across processes. seeds(step) -> the step's env seeds, one a group.
-    `prompt`: rollout.play's system / user pieces (the tiny policy's). make_policy(trainer,
-    model, max_new_tokens, temperature, top_p) -> a rollout.play policy sampling with `model`
-    (sampling_model's); default sampler_policy."""
+    order (process p holds rows p B .. p B + B - 1): a row's global number gives its rollout's k
+    in the group and the transition noise rollout.play would give it, even in a group split
+    across processes. seeds(step) -> the step's env seeds; `prompt`: rollout.play's system / user
+    pieces; make_policy(trainer, model, max_new_tokens, temperature, top_p) -> a rollout.play
+    policy sampling with sampling_model's `model` (default sampler_policy)."""
     make_policy = make_policy or sampler_policy
 
     def rollout_func(prompts, trainer):
@@ -118,12 +112,12 @@ def rollout_function(env_name, seeds, env_kwargs=None, max_turns=5, max_actions_
 
 def as_completions(episodes):
     """Episodes as rollout_func's answer: prompt_ids (the turn-1 prompt), completion_ids (the rest
-    of the transcript: every turn's sampled tokens and the observations between them), env_mask
-    (1 on sampled tokens), logprobs (the sampler's, 0 on observations; None without them) and
-    one extra field per episode fact, which TRL hands to the reward function and back to us."""
+    of the transcript), env_mask (1 on sampled tokens), logprobs (the sampler's, 0 on
+    observations; None without them) and an extra field per episode fact, which TRL hands to the
+    reward function and back to us."""
     out = {k: [] for k in ("prompt_ids", "completion_ids", "env_mask", "logprobs",
                            "episode_reward", "success", "turns", "sampled_tokens", "cut",
-                           "first_prompt", "first_reasoning")}
+                           *FIRST_TURN)}
     for e in episodes:
         n = e.policy_mask.index(1.0)  # the first sampled token: the turn-1 prompt ends before it
         out["prompt_ids"].append(e.ids[:n])
@@ -135,16 +129,15 @@ def as_completions(episodes):
         out["turns"].append(float(e.turns))
         out["sampled_tokens"].append(float(sum(e.response_lengths)))
         out["cut"].append(float(e.cut))
-        out["first_prompt"].append(e.first_prompt)
-        out["first_reasoning"].append(e.first_reasoning)
+        for k in FIRST_TURN:
+            out[k].append(getattr(e, k))
     if any(lp is None for lp in out["logprobs"]):
         out["logprobs"] = None
     return out
 
 
 def episode_reward(completions, episode_reward, **kwargs):
-    """TRL reward function: a completion's reward is its episode's total, scored by the whole
-    episode (not turn by turn)."""
+    """TRL reward function: a completion's reward is its whole episode's total."""
     return list(episode_reward)
 
 
@@ -169,24 +162,20 @@ def full_parameters(trainer):
     (summon_full_params; FSDP's inner layers gather theirs in each forward pass, from every
     process at once)."""
     from trl.models import unwrap_model_for_generation
-    wrapped = trainer.model_wrapped
-    with unwrap_model_for_generation(
-            wrapped, trainer.accelerator,
-            gather_deepspeed3_params=trainer.args.ds3_gather_for_generation,
-            gradient_checkpointing_kwargs=trainer.args.gradient_checkpointing_kwargs) as model, \
+    wrapped, args = trainer.model_wrapped, trainer.args
+    with unwrap_model_for_generation(wrapped, trainer.accelerator, args.ds3_gather_for_generation,
+                                     None, args.gradient_checkpointing_kwargs) as model, \
             trainer._dist.summon_full_params(wrapped, recurse=False):
         yield model
 
 
 @contextlib.contextmanager
 def sampling_model(trainer):
-    """What the rollouts sample with, while they run: None with vLLM (the engine holds its own
-    weights; at the end this process joins the generate calls the others still make, see
-    vllm_policy), else full_parameters' model. Under FSDP (or ZeRO-3 without gathering) a
-    forward pass gathers shards from every process, so all must make equally many, though their
-    episodes end at different turns and replies at different tokens: before each pass the
-    processes share whether they have one, and one whose episodes are over makes dummy passes
-    while any other still has one."""
+    """What the rollouts sample with: None with vLLM (its engine holds the weights; at the end
+    this process joins the calls the others still make: vllm_policy), else full_parameters'.
+    Under FSDP (or ZeRO-3 not gathering) each forward pass gathers shards from every process, so
+    all must make as many, though episodes end at different turns: before each pass the
+    processes share whether they have one; one that is done makes dummy passes meanwhile."""
     if trainer.use_vllm:
         yield None
         while n := most(trainer, 0):
@@ -208,14 +197,12 @@ def sampling_model(trainer):
 
 
 def vllm_policy(trainer):
-    """TRL's vLLM engine as a rollout.play policy: one call per turn for this process's running
-    episodes, the sampled tokens' log-probs from vLLM. Sampling settings and the per-turn token
-    limit are GRPOConfig's (temperature, top_p, max_completion_length). In server mode (and
-    colocated with tensor parallelism) a call is collective: TRL gathers the prompts of every
-    process and hands process p the completions p n .. p n + n - 1, so every process calls at
-    once with the same n, the most any has: its own prompts padded with dummy ones, whose
-    completions are dropped (vllm_generate; sampling_model's end makes the calls of a process
-    whose episodes are over)."""
+    """TRL's vLLM engine as a rollout.play policy: a call a turn for this process's running
+    episodes, with vLLM's log-probs; sampling settings and the per-turn limit are GRPOConfig's.
+    In server mode (and colocated with tensor parallelism) a call is collective: TRL gathers
+    every process's prompts and hands process p completions p n .. p n + n - 1, so all call at
+    once with the same n, the most any has, padded with dummy prompts whose completions are
+    dropped (a process whose episodes are over calls from sampling_model's end)."""
     stop_ids = rollout.end_of_turn_ids(trainer.processing_class)
 
     def policy(prompt_ids, env_list=None):
@@ -237,13 +224,12 @@ def vllm_generate(trainer, prompt_ids, n):
 # -------------------------------------------------------------------------------------- the trainer
 
 class RagenGRPOTrainer(GRPOTrainer):
-    """TRL's GRPOTrainer with RAGEN-2's SNR-aware filter and MI diagnosis (module docstring).
-
+    """TRL's GRPOTrainer with RAGEN-2's SNR-aware filter and MI diagnosis (module docstring):
     filter, top_p, top_k, prob_mode, include_zero: snr_filter.select_groups's settings ("none",
     "topp", "topk"); mi_every, mi_samples: the diagnosis at step 1 and every mi_every steps (0 =
-    off) on up to mi_samples first-turn reasonings (it needs the first_prompt / first_reasoning
-    fields of rollout_function's episodes). After each step `last_selection` holds the gathered
-    rewards [G][K] and the kept groups."""
+    off) on up to mi_samples first-turn reasonings (it needs the FIRST_TURN fields of
+    rollout_function's episodes). response_budget: Dr.GRPO's constant (train.response_budget).
+    After each step `last_selection` holds the gathered rewards [G][K] and the kept groups."""
 
     def __init__(self, *args, filter="topp", top_p=0.9, top_k=0.5, prob_mode="linear",
                  include_zero=False, mi_every=5, mi_samples=64, response_budget=None, **kwargs):
@@ -253,21 +239,19 @@ class RagenGRPOTrainer(GRPOTrainer):
         self.ragen = dict(mode=filter, value=value, include_zero=include_zero,
                           prob_mode=prob_mode)
         self.mi_every, self.mi_samples = mi_every, mi_samples
-        # Dr.GRPO's constant |o|: TRL's is max_completion_length, here a turn's token limit (what
-        # vLLM gets a call); an episode writes up to max_turns of them (train.response_budget)
+        # Dr.GRPO's |o|: TRL's max_completion_length is a turn's limit (vLLM's, a call), and an
+        # episode writes up to max_turns of them; its only other use was vLLM's, at __init__
         self.max_completion_length = response_budget or self.max_completion_length
-        # the entropy bonus as one token mean over the batch (_compute_loss), not TRL's per
-        # micro-batch mean
+        # the entropy bonus as a token mean over the whole batch (_compute_loss)
         self.bonus_coef = 0.0 if self.use_adaptive_entropy else self.entropy_coef
         self._entropy_bonus_enabled &= self.use_adaptive_entropy
         # one process and one micro-batch per generation: dropped rows can leave the batch
         self.remove_dropped = (self.accelerator.num_processes == 1
                                and self.args.steps_per_generation == 1)
-        if self.loss_type == "bnpo" and (self.accelerator.num_processes > 1
-                                         or self.args.gradient_accumulation_steps > 1):
+        one_batch = self.accelerator.num_processes == 1 == self.args.gradient_accumulation_steps
+        if self.loss_type == "bnpo" and not one_batch:
             raise ValueError("loss_type 'bnpo' divides each micro-batch by its own token count: "
-                             "with several processes or gradient accumulation use 'dapo' (the "
-                             "whole batch's token mean)")
+                             "with several processes or accumulation use 'dapo' (the batch's)")
         if filter != "none" and self.multi_objective_aggregation != "sum_then_normalize":
             raise ValueError("the filter ranks raw episode rewards: use "
                              "multi_objective_aggregation='sum_then_normalize'")
@@ -275,8 +259,8 @@ class RagenGRPOTrainer(GRPOTrainer):
             raise ValueError(f"loss_type {self.loss_type!r} averages over sequences, so masked "
                              f"rows would still count; with several processes or gradient "
                              f"accumulation use one of {TOKEN_NORMALISED}")
-        self.generation_step, self.skips, self.std_ema = 0, 0, None
-        self.last_selection, self.skipping = None, False
+        self.generation_step, self.skips, self.std_ema, self.skipping = 0, 0, None, False
+        self.last_selection = None  # a step's gathered rewards and kept groups and rows
 
     def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
         rewards_per_func = super()._calculate_rewards(inputs, prompts, completions,
@@ -312,12 +296,13 @@ class RagenGRPOTrainer(GRPOTrainer):
             out = self.drop_groups(out, rows.to(out["advantages"].device), keep, rewards, first)
         self.skipping = not keep.any()
         self.skips = 0 if keep.any() else self.skips + 1
-        if self.skips >= MAX_SKIPS:
-            print(f"stopping: no group had any reward spread for {MAX_SKIPS} steps")
+        if self.skips >= train.MAX_SKIPS:  # train.py's rule
+            print(f"stopping: no group had any reward spread for {train.MAX_SKIPS} steps")
             self.control.should_training_stop = True
 
         for k, v in m.items():
-            self._metrics["train"][k].append(float(v))
+            if v is not None:  # diagnosis_logprob_diff without the sampler's log-probs
+                self._metrics["train"][k].append(float(v))
         self.last_selection = {"group_rewards": rewards.tolist(),
                                "kept_groups": keep.nonzero()[:, 0].tolist(),
                                "kept_rows": rows.nonzero()[:, 0].add(first).tolist()}
@@ -355,43 +340,42 @@ class RagenGRPOTrainer(GRPOTrainer):
         return logps, self.entropies, aux
 
     def _compute_loss(self, model, inputs):
-        """TRL's loss minus bonus_coef x the token entropy summed over this micro-batch and
-        divided, as dapo's policy term is, by the whole batch's token count: the same gradient
-        however the batch is cut into micro-batches and processes (TRL's own bonus divides by
-        each micro-batch's count)."""
+        """TRL's loss minus bonus_coef x this micro-batch's summed token entropy divided, as dapo's
+        policy term, by the whole batch's token count: one gradient however the batch is cut
+        into micro-batches and processes (TRL's own bonus divides by each one's count)."""
         loss = super()._compute_loss(model, inputs)
         if self.bonus_coef:
             mask = inputs["completion_mask"] * inputs.get("tool_mask", 1)                # [b, C]
-            tokens = inputs["num_items_in_batch"] / self.accelerator.num_processes
-            if self.model.training:
-                tokens = (tokens * self.current_gradient_accumulation_steps
-                          / self.args.steps_per_generation)
+            share = self.current_gradient_accumulation_steps / self.args.steps_per_generation
+            tokens = (inputs["num_items_in_batch"] / self.accelerator.num_processes
+                      * (share if self.model.training else 1))  # TRL's dapo normaliser
             loss = loss - self.bonus_coef * (self.entropies * mask).sum() / tokens.clamp(min=1)
         return loss
 
     def diagnose(self, inputs):
-        """The MI diagnosis of train.py's step 2 on the gathered episodes: up to mi_samples
-        first-turn reasonings, as many from every group (train.mi_sample), cross-scored under
-        every group's first prompt at the sampling temperature. Every process scores the same matrix (the same forward passes, so sharded
-        weights stay in step) and gets the same numbers."""
+        """train.diagnose on the gathered episodes: up to mi_samples first-turn reasonings, as
+        many from every group (train.mi_sample), their sampled ids cross-scored under every
+        group's first prompt at the sampling temperature, and diagnosis_logprob_diff
+        (train.logprob_diff). Every process scores the same matrix and gets the same numbers."""
         from accelerate.utils import gather_object
-        rows = gather_object([(x["first_prompt"], x["first_reasoning"]) for x in inputs])
+        rows = gather_object([[x[k] for k in FIRST_TURN] for x in inputs])
         K = self.num_generations
-        G = len(rows) // K
+        firsts = rows[::K]  # each group's first row
         # the same draw on every process: its generator is seeded by the step
-        picked = train.mi_sample(G, K, self.mi_samples,
+        picked = train.mi_sample(len(firsts), K, self.mi_samples,
                                  np.random.default_rng([self.args.seed, self.state.global_step]))
-        prompts = [rows[g * K][0] for g in range(G)]
-        tokenizer = self.processing_class
+        owner = [m // K for m in picked]
         with full_parameters(self) as model:
-            scores, lengths = mi.cross_scores(model, mi.tokenize(tokenizer, prompts),
-                                              mi.tokenize(tokenizer, [rows[r][1] for r in picked]),
+            scores, lengths = mi.cross_scores(model, [r[1] for r in firsts],
+                                              [rows[m][2] for m in picked],
                                               temperature=self.args.temperature,
-                                              pad_id=tokenizer.pad_token_id or 0)
-        metrics = mi.collapse_metrics(scores, [r // K for r in picked], lengths,
-                                      prompt_keys=prompts)
+                                              pad_id=rollout.pad_token_id(self.processing_class))
+        metrics = mi.collapse_metrics(scores, owner, lengths, prompt_keys=[r[0] for r in firsts])
         metrics["mi_zscore_ema"], self.std_ema = mi.mi_zscore_ema(metrics, self.std_ema)
-        return {k: metrics[k] for k in MI_KEYS if k in metrics}
+        out = {k: metrics[k] for k in MI_KEYS if k in metrics}
+        out["diagnosis_logprob_diff"] = train.logprob_diff(scores, owner,
+                                                           [rows[m][3] for m in picked])
+        return out
 
 
 def rollout_stats(trainer, inputs, rewards):
@@ -409,8 +393,7 @@ def trim_padding(out):
     """Cut the padding columns no remaining row needs: prompts are left-padded, completions
     right-padded, so a batch that never held the dropped rows has exactly these widths (TRL
     passes no position ids: the width of the left padding changes the numbers)."""
-    P = int(out["prompt_mask"].sum(1).max())
-    C = int(out["completion_mask"].sum(1).max())
+    P, C = int(out["prompt_mask"].sum(1).max()), int(out["completion_mask"].sum(1).max())
     width = out["completion_ids"].shape[1]
     for k, v in out.items():
         if k in ("prompt_ids", "prompt_mask"):
@@ -451,8 +434,10 @@ class Args:
     group_size: int = arg(16, "rollouts per group (TRL: num_generations)")
     steps: int = arg(100, "training steps")
     lr: float = arg(None, "learning rate, constant (1e-6; tiny: 1e-4)")
-    loss_type: str = arg("dapo", "TRL's loss: dapo = token-mean over the batch, grpo = "
-                         "seq-mean-token-mean", choices=("dapo", "grpo", "bnpo", "dr_grpo"))
+    loss_type: str = arg("dapo", "TRL's loss: dapo = token-mean over the batch, grpo = seq-mean-"
+                         "token-mean, bnpo = dapo on one micro-batch, dr_grpo = token sums / "
+                         "(max_turns x max_new_tokens)",
+                         choices=("dapo", "grpo", "bnpo", "dr_grpo"))
     scale_rewards: str = arg("group", "TRL's advantage std: group (GRPO), batch, none (Dr.GRPO)",
                              choices=("group", "batch", "none"))
     clip_low: float = arg(0.2, "PPO ratio clip below 1 (TRL: epsilon)")
@@ -500,9 +485,8 @@ def load_model(a, cuda):
     import models
     import tiny
     if a.model == "tiny":
-        model, tokenizer = tiny.load_tiny(a.env, runs.env_kwargs(a), cache_dir=a.tiny_cache,
-                                          warm_start=a.warm_start)
-        return model, tokenizer, tiny.prompts(a.env)
+        return (*tiny.load_tiny(a.env, runs.env_kwargs(a), cache_dir=a.tiny_cache,
+                                warm_start=a.warm_start), tiny.prompts(a.env))
     try:
         model, tokenizer = models.load_hf(a.model)
     except models.ModelError as e:
@@ -537,19 +521,17 @@ def build_trainer(a, model, tokenizer, prompt, num_processes=1, make_policy=None
     try:
         return RagenGRPOTrainer(
             model=model, reward_funcs=episode_reward, args=config, processing_class=tokenizer,
-            train_dataset=rows,
-            rollout_func=func, callbacks=list(callbacks), filter=a.filter, top_p=a.top_p,
-            top_k=a.top_k, prob_mode=a.filter_prob_mode, include_zero=a.include_zero,
-            mi_every=a.mi_every, mi_samples=a.mi_samples,
+            train_dataset=rows, rollout_func=func, callbacks=list(callbacks), filter=a.filter,
+            top_p=a.top_p, top_k=a.top_k, prob_mode=a.filter_prob_mode,
+            include_zero=a.include_zero, mi_every=a.mi_every, mi_samples=a.mi_samples,
             response_budget=train.response_budget(a))
     except ValueError as e:  # settings TRL or the filter cannot use
         raise runs.UsageError(str(e).strip().splitlines()[0]) from None
 
 
 def metrics_writer(path, trainer_box):
-    """A TrainerCallback writing one train.py-format line per step to `path` (main process):
-    our metrics by their names, TRL's own beside them, the step's wall time, and the step's
-    gathered rewards and kept groups (so a reader can check the selection)."""
+    """A TrainerCallback writing a train.py-format line a step to `path` (main process): our
+    metrics, TRL's beside them, the step's wall time, gathered rewards and kept groups."""
     from transformers import TrainerCallback
 
     rename = {"entropy": "token_entropy", "clip_ratio/region_mean": "clip_frac", "kl": "kl_loss"}
@@ -565,9 +547,8 @@ def metrics_writer(path, trainer_box):
                     "time_step": time.time() - self.start}
             selection = trainer_box[0].last_selection
             line.update({k: selection[k] for k in ("group_rewards", "kept_groups")})
-            with open(path, "a") as f:
+            with open(path, "a") as f:  # closed, so flushed, a line at a time
                 f.write(json.dumps(line) + "\n")
-                f.flush()
 
     return Writer()
 

@@ -121,11 +121,12 @@ def longer_first_turn_for(seed):
 
 
 def trainer_on(seeds, solves, filter="topp", loss_type="dapo", stock=False, long_seed=None,
-               scale="group", accumulation=1, entropy_coef=0.0, max_turns=1, budget=None):
-    """A trainer on the given env seeds (K rollouts each) with the scripted policy, the tiny model
-    at its seed-0 weights, and the inputs of one generation batch; long_seed's prompt is longer
-    (the tiny policy's Sokoban prompts otherwise all have one length). accumulation: micro-batches
-    per generation batch (per_device_train_batch_size is a share of the batch)."""
+               scale="group", accumulation=1, entropy_coef=0.0, max_turns=1, budget=None,
+               mi_every=0):
+    """A trainer on the given env seeds (K rollouts each) with the scripted policy (solves None:
+    the sampler), the tiny model at its seed-0 weights, and the inputs of one generation batch;
+    long_seed's prompt is longer (the tiny policy's Sokoban prompts otherwise all have one
+    length). accumulation: micro-batches per generation batch."""
     tokenizer = tiny.build_tokenizer()
     config = GRPOConfig(output_dir=os.path.join(tempfile.gettempdir(), "trl-ragen-test"),
                         use_cpu=True, per_device_train_batch_size=K * len(seeds) // accumulation,
@@ -137,12 +138,12 @@ def trainer_on(seeds, solves, filter="topp", loss_type="dapo", stock=False, long
     rollout_func = trl_ragen.rollout_function("sokoban", lambda step: seeds, max_turns=max_turns,
                                               max_new_tokens=8,
                                               prompt={"user": longer_first_turn_for(long_seed)},
-                                              make_policy=script.scripted(solves))
+                                              make_policy=solves and script.scripted(solves))
     kwargs = dict(model=tiny.build_model(tokenizer).to(DTYPE),
                   reward_funcs=trl_ragen.episode_reward, args=config, processing_class=tokenizer,
                   train_dataset=Dataset.from_dict({"prompt": prompts}), rollout_func=rollout_func)
     trainer = (GRPOTrainer(**kwargs) if stock else
-               trl_ragen.RagenGRPOTrainer(filter=filter, top_p=1.0, mi_every=0,
+               trl_ragen.RagenGRPOTrainer(filter=filter, top_p=1.0, mi_every=mi_every,
                                           response_budget=budget, **kwargs))
     trainer.model.train()
     trainer.current_gradient_accumulation_steps = 1  # set by Trainer.train(); one micro-batch
@@ -233,6 +234,20 @@ def test_two_processes_split_a_group_and_keep_the_one_process_selection(tmp_path
         flat = [torch.tensor(sum(x["logprobs"], [])) for x in (sharded, plain)]
         torch.testing.assert_close(*flat)
         assert sharded["mi"] == pytest.approx(plain["mi"], rel=1e-6)
+        assert sharded["mi"]["diagnosis_logprob_diff"] < 1e-4  # the sampled ids were scored
+
+
+def test_diagnosis_scores_the_sampled_ids_and_logs_their_logprob_diff():
+    """The tiny policy samples (random weights, temperature 1) and the diagnosis scores the ids it
+    sampled, so a sample's score under its own prompt is its sampling log-prob:
+    diagnosis_logprob_diff (train.py's) is 0 up to float32 rounding."""
+    torch.manual_seed(0)
+    trainer, inputs = trainer_on([5, 6, 7], None, mi_every=1)
+    trainer._generate_and_score_completions(inputs)
+    metrics = trainer._metrics["train"]
+    assert set(trl_ragen.MI_KEYS) - {"retrieval_acc_top2"} <= set(metrics)
+    assert len(metrics["diagnosis_logprob_diff"]) == 1
+    assert 0 <= metrics["diagnosis_logprob_diff"][0] < 1e-4
 
 
 def rows_of(batch, rows):

@@ -110,9 +110,9 @@ def vllm_episodes(trainer):
 
 def fsdp_episodes(trainer):
     """The trained policy sharded by torch FSDP (each decoder layer its own unit, so every forward
-    pass gathers shards from both processes) as the trainer's model: process i samples 3 episodes
-    of up to 1 + i turns and the diagnosis scores them; the same on an unsharded copy, from the
-    same random state, for comparison."""
+    pass gathers shards from both processes) as the trainer's model: process i samples its 3 rows
+    of 3 groups x 2 episodes, of up to 1 + i turns, and the diagnosis scores them; the same on an
+    unsharded copy, from the same random state, for comparison."""
     import torch
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
     from torch.distributed.fsdp.wrap import ModuleWrapPolicy
@@ -131,7 +131,9 @@ def fsdp_episodes(trainer):
         trainer.model = trainer.model_wrapped = model
         trainer._dist.fsdp_version, trainer.std_ema = version, None
         torch.manual_seed(rank)
-        out = func([trl_ragen.group_prompt(g) for g in range(3)], trainer)
+        # rows 3 i .. 3 i + 2 of the 3 groups x 2 rollouts, as TRL hands them out
+        out = func([trl_ragen.group_prompt(r // 2) for r in range(3 * rank, 3 * rank + 3)],
+                   trainer)
         inputs = [dict(zip(out, row)) for row in zip(*out.values())]
         seen[name] = {"ids": out["completion_ids"], "logprobs": out["logprobs"],
                       "turns": out["turns"], "mi": trainer.diagnose(inputs)}
