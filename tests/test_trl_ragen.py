@@ -1,9 +1,14 @@
 """trl_ragen.py: RAGEN-2's filter and diagnosis inside TRL's GRPOTrainer. Two CPU steps log every
-metric and keep exactly select_groups's groups; the gradient with dropped groups (removed on one
-process, masked as several processes do) is that of a batch that never held them; a real
-two-process run splits a group across processes and both keep the one-process selection; with
---filter none the batch and loss are stock GRPOTrainer's. The policy is scripted
-(tests/trl_ragen_script.py), so rewards have known spread."""
+metric and keep exactly select_groups's groups, and a step that keeps nothing leaves the weights
+and AdamW's state unchanged; the gradient with dropped groups (removed on one process, masked as
+several processes do) is that of a batch that never held them; the entropy bonus under gradient
+accumulation is one batch's; dr_grpo's loss and gradient are train.py's drgrpo's; the diagnosis
+scores the sampled ids; bad flags are one line and exit code 2. A real two-process run (gloo)
+splits a group across processes and both keep the one-process selection; on the same processes,
+multi-turn episodes of different lengths through TRL's server-mode vLLM calls (a fake client) and
+through a policy sharded by torch FSDP. With --filter none the batch and loss are stock
+GRPOTrainer's. The policy is mostly scripted (tests/trl_ragen_script.py), so rewards have known
+spread."""
 import contextlib
 import copy
 import json
