@@ -15,26 +15,28 @@ One step of TRL's GRPOTrainer, with what this file adds (+):
                  the turn-1 prompt, env_mask = 0 on observation tokens, the sampler's log-probs
   2. rewards     one reward per episode, its total R (env rewards + format penalties), gathered
                  by TRL from every process: one prompt's K episodes may sit on different ones
-  + filter       snr_filter.group_scores on the raw totals [G, K] -- before any normalisation --
-                 and snr_filter.select_groups: the same gathered numbers give the same choice on
-                 every process
-  + diagnosis    step 1 and every mi_every steps: mi.cross_scores of first-turn reasonings
-                 under every group's prompt, mi.collapse_metrics
+  + filter       snr_filter.select_groups on the spread of the gathered raw totals [G, K], before
+                 any normalisation: the same choice on every process
+  + diagnosis    step 1 and every mi_every steps: mi.cross_scores of first-turn reasonings (the
+                 ids sampled) under every group's prompt, mi.collapse_metrics
   3. advantages  TRL's A = (R - mean_g R) / (std + 1e-4); with scale_rewards="batch" the std is
                  taken again over the kept groups only
-  + drop         one process: the dropped rows leave the batch (and its padding) before the loss,
-                 which then never sees them; several processes (or gradient accumulation): every
-                 process keeps its rows, so all stay in step with equal shapes, and the dropped
-                 rows get loss mask 0 with the token count recounted -- exact for the losses
-                 normalised by a token count (TOKEN_NORMALISED, TRL's default "dapo" included)
-  4. loss        TRL's, unchanged
+  + drop         one process: the dropped rows leave the batch (and its padding) before the loss;
+                 several processes (or accumulation): every process keeps its rows (all stay in
+                 step), masked with the token count recounted -- exact for the losses divided by
+                 the batch's token count (TOKEN_NORMALISED, TRL's default "dapo")
+  4. loss        TRL's, with the entropy bonus a token mean over the whole batch and Dr.GRPO's
+                 constant train.py's (train.response_budget); a step that keeps nothing leaves
+                 the weights and the optimiser's state as they are
 
 Metrics carry train.py's names (kept_ratio, zero_var_frac, mi_estimate, ...), so that plots.py
 draws both; the command line writes them to DIR/metrics.jsonl, one line per step.
 """
+import contextlib
 import dataclasses
 import json
 import os
+import shutil
 import sys
 import time
 import warnings
@@ -53,9 +55,8 @@ import train
 os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")  # rollout_func is marked experimental
 from trl import GRPOConfig, GRPOTrainer  # noqa: E402
 
-VAL_SEED_BASE = 10_000_000  # training seeds are drawn below it, as train.py draws them
-MAX_SKIPS = 5  # stop after this many steps in a row without reward spread (train.py's rule)
-TOKEN_NORMALISED = ("dapo", "bnpo", "cispo", "vespo")  # TRL losses divided by a token count
+TOKEN_NORMALISED = ("dapo", "cispo", "vespo")  # TRL losses divided by the batch's token count
+FIRST_TURN = ("first_prompt", "first_prompt_ids", "first_reasoning_ids", "first_reasoning_logprob")
 MI_KEYS = ("mi_estimate", "mi_seq_estimate", "mi_zscore", "mi_zscore_seq", "mi_zscore_ema",
            "retrieval_acc", "retrieval_acc_top2", "conditional_entropy", "reasoning_entropy",
            "conditional_entropy_seq", "reasoning_entropy_seq", "retrieval_chance",
@@ -64,37 +65,44 @@ MI_KEYS = ("mi_estimate", "mi_seq_estimate", "mi_zscore", "mi_zscore_seq", "mi_z
 
 # ------------------------------------------------------------------------------------- the rollouts
 
-def seed_prompt(seed):
-    """A dataset row's prompt names its layout seed; rollout_func renders the real prompt (TRL
-    asks for the chat template at the backend boundary): seed_prompt(7) == "seed 7"."""
-    return f"seed {seed}"
+def group_prompt(g):
+    """A dataset row names its group: group_prompt(7) == "group 7"; rollout_func renders the
+    prompt of the group's env seed at the current step. TRL cycles the G rows, a pass a step."""
+    return f"group {g}"
 
 
-def rollout_function(env_name, env_kwargs=None, max_turns=5, max_actions_per_turn=2,
+def step_seeds(seed, step, groups):
+    """The env seeds of a step's groups, drawn as train.py draws them."""
+    return np.random.default_rng([seed, step]).integers(0, train.VAL_SEED_BASE, groups).tolist()
+
+
+def rollout_function(env_name, seeds, env_kwargs=None, max_turns=5, max_actions_per_turn=2,
                      max_new_tokens=64, temperature=1.0, top_p=1.0, prompt=None,
                      make_policy=None):
     """TRL's rollout_func(prompts, trainer) for a world of envs.py: whole episodes by rollout.play.
 
-    `prompts` are this process's rows, K copies of each group's seed_prompt in TRL's global
-    order (process p holds rows p * B .. p * B + B - 1), so the row's global number gives the
-    rollout's number k in its group and the transition noise rollout.play would give it, even
-    when a group is split across processes. `prompt`: rollout.play's system / user pieces (the
-    tiny policy's). make_policy(trainer, max_new_tokens, temperature, top_p) -> a rollout.play
-    policy; default sampler_policy."""
+    `prompts` are this process's rows, K copies of each group's group_prompt in TRL's global
+    order (process p holds rows p B .. p B + B - 1): a row's global number gives its rollout's k
+    in the group and the transition noise rollout.play would give it, even in a group split
+    across processes. seeds(step) -> the step's env seeds; `prompt`: rollout.play's system / user
+    pieces; make_policy(trainer, model, max_new_tokens, temperature, top_p) -> a rollout.play
+    policy sampling with sampling_model's `model` (default sampler_policy)."""
     make_policy = make_policy or sampler_policy
 
     def rollout_func(prompts, trainer):
         training = trainer.model.training
         K = trainer.num_generations if training else trainer.num_generations_eval
         first = trainer.accelerator.process_index * len(prompts)  # global number of row 0
-        seeds = [int(p.split()[-1]) for p in prompts]
-        noise = [s * 1000 + (first + i) % K for i, s in enumerate(seeds)]
-        policy = make_policy(trainer, max_new_tokens, temperature, top_p)
+        drawn = seeds(trainer.state.global_step + 1)
+        env_seeds = [drawn[int(p.split()[-1])] for p in prompts]
+        noise = [s * 1000 + (first + i) % K for i, s in enumerate(env_seeds)]
         trainer.model.eval()  # sampling as train.py samples: no dropout
         try:
-            episodes = rollout.play(policy, trainer.processing_class, env_name, seeds, 1,
-                                    env_kwargs, max_turns, max_actions_per_turn,
-                                    noise_seeds=noise, **(prompt or {}))
+            with sampling_model(trainer) as model:
+                policy = make_policy(trainer, model, max_new_tokens, temperature, top_p)
+                episodes = rollout.play(policy, trainer.processing_class, env_name, env_seeds, 1,
+                                        env_kwargs, max_turns, max_actions_per_turn,
+                                        noise_seeds=noise, **(prompt or {}))
         finally:
             trainer.model.train(training)
         return as_completions(episodes)
@@ -104,12 +112,12 @@ def rollout_function(env_name, env_kwargs=None, max_turns=5, max_actions_per_tur
 
 def as_completions(episodes):
     """Episodes as rollout_func's answer: prompt_ids (the turn-1 prompt), completion_ids (the rest
-    of the transcript: every turn's sampled tokens and the observations between them), env_mask
-    (1 on sampled tokens), logprobs (the sampler's, 0 on observations; None without them) and
-    one extra field per episode fact, which TRL hands to the reward function and back to us."""
+    of the transcript), env_mask (1 on sampled tokens), logprobs (the sampler's, 0 on
+    observations; None without them) and an extra field per episode fact, which TRL hands to the
+    reward function and back to us."""
     out = {k: [] for k in ("prompt_ids", "completion_ids", "env_mask", "logprobs",
                            "episode_reward", "success", "turns", "sampled_tokens", "cut",
-                           "first_prompt", "first_reasoning")}
+                           *FIRST_TURN)}
     for e in episodes:
         n = e.policy_mask.index(1.0)  # the first sampled token: the turn-1 prompt ends before it
         out["prompt_ids"].append(e.ids[:n])
@@ -121,66 +129,129 @@ def as_completions(episodes):
         out["turns"].append(float(e.turns))
         out["sampled_tokens"].append(float(sum(e.response_lengths)))
         out["cut"].append(float(e.cut))
-        out["first_prompt"].append(e.first_prompt)
-        out["first_reasoning"].append(e.first_reasoning)
+        for k in FIRST_TURN:
+            out[k].append(getattr(e, k))
     if any(lp is None for lp in out["logprobs"]):
         out["logprobs"] = None
     return out
 
 
 def episode_reward(completions, episode_reward, **kwargs):
-    """TRL reward function: a completion's reward is its episode's total, scored by the whole
-    episode (not turn by turn)."""
+    """TRL reward function: a completion's reward is its whole episode's total."""
     return list(episode_reward)
 
 
-def sampler_policy(trainer, max_new_tokens, temperature, top_p):
-    """The sampler: TRL's vLLM engine when the trainer has one, else sampler.hf_policy on the
-    trainer's model (CPU, one GPU), which records each sampled token's log-prob."""
-    if trainer.use_vllm:
+def sampler_policy(trainer, model, max_new_tokens, temperature, top_p):
+    """The sampler: TRL's vLLM engine when the trainer has one (model None), else
+    sampler.hf_policy on `model` (CPU, GPUs), which records each sampled token's log-prob."""
+    if model is None:
         return vllm_policy(trainer)
-    model = trainer.accelerator.unwrap_model(trainer.model)
     return sampler.hf_policy(model, trainer.processing_class, max_new_tokens, temperature, top_p)
 
 
+def most(trainer, n):
+    """The largest of every process's n (a collective: all processes call it together)."""
+    device = trainer.accelerator.device
+    return int(trainer.accelerator.gather(torch.tensor([n], device=device)).max())
+
+
+@contextlib.contextmanager
+def full_parameters(trainer):
+    """The trainer's model with its full parameters, as TRL's own generation gets it: ZeRO-3's
+    shards gathered (unwrap_model_for_generation), FSDP's root module summoned
+    (summon_full_params; FSDP's inner layers gather theirs in each forward pass, from every
+    process at once)."""
+    from trl.models import unwrap_model_for_generation
+    wrapped, args = trainer.model_wrapped, trainer.args
+    with unwrap_model_for_generation(wrapped, trainer.accelerator, args.ds3_gather_for_generation,
+                                     None, args.gradient_checkpointing_kwargs) as model, \
+            trainer._dist.summon_full_params(wrapped, recurse=False):
+        yield model
+
+
+@contextlib.contextmanager
+def sampling_model(trainer):
+    """What the rollouts sample with: None with vLLM (its engine holds the weights; at the end
+    this process joins the calls the others still make: vllm_policy), else full_parameters'.
+    Under FSDP (or ZeRO-3 not gathering) each forward pass gathers shards from every process, so
+    all must make as many, though episodes end at different turns: before each pass the
+    processes share whether they have one; one that is done makes dummy passes meanwhile."""
+    if trainer.use_vllm:
+        yield None
+        while n := most(trainer, 0):
+            vllm_generate(trainer, [], n)
+        return
+    dist = trainer._dist
+    with full_parameters(trainer) as model:
+        if not (dist.is_fsdp or (dist.is_zero3 and not trainer.args.ds3_gather_for_generation)):
+            yield model
+            return
+        hook = model.register_forward_pre_hook(lambda *_: most(trainer, 1) and None)
+        try:
+            yield model
+        finally:
+            hook.remove()
+        dummy = torch.zeros(1, 1, dtype=torch.long, device=model.device)
+        while most(trainer, 0):
+            model(input_ids=dummy)
+
+
 def vllm_policy(trainer):
-    """TRL's vLLM engine as a rollout.play policy: one call per turn for this process's running
-    episodes, the sampled tokens' log-probs from vLLM. Written against TRL 1.16's VLLMGeneration;
-    not run here (no GPU). Sampling settings and the per-turn token limit are GRPOConfig's
-    (temperature, top_p, max_completion_length)."""
+    """TRL's vLLM engine as a rollout.play policy: a call a turn for this process's running
+    episodes, with vLLM's log-probs; sampling settings and the per-turn limit are GRPOConfig's.
+    In server mode (and colocated with tensor parallelism) a call is collective: TRL gathers
+    every process's prompts and hands process p completions p n .. p n + n - 1, so all call at
+    once with the same n, the most any has, padded with dummy prompts whose completions are
+    dropped (a process whose episodes are over calls from sampling_model's end)."""
     stop_ids = rollout.end_of_turn_ids(trainer.processing_class)
 
     def policy(prompt_ids, env_list=None):
-        _, completions, logprobs, _ = trainer.vllm_generation.generate(prompt_ids, None, 1)
+        out = vllm_generate(trainer, prompt_ids, most(trainer, len(prompt_ids)))
         return [rollout.Generation(list(c), [lp[0] for lp in lps],
-                                   cut=not c or c[-1] not in stop_ids)
-                for c, lps in zip(completions, logprobs)]
+                                   cut=not c or c[-1] not in stop_ids) for c, lps in out]
 
     return policy
+
+
+def vllm_generate(trainer, prompt_ids, n):
+    """One vLLM call, prompt_ids padded to n prompts -> [(completion, log-probs)] of prompt_ids."""
+    dummy = [rollout.pad_token_id(trainer.processing_class)]
+    padded = list(prompt_ids) + [dummy] * (n - len(prompt_ids))
+    _, completions, logprobs, _ = trainer.vllm_generation.generate(padded, None, 1)
+    return list(zip(completions, logprobs))[:len(prompt_ids)]
 
 
 # -------------------------------------------------------------------------------------- the trainer
 
 class RagenGRPOTrainer(GRPOTrainer):
-    """TRL's GRPOTrainer with RAGEN-2's SNR-aware filter and MI diagnosis (module docstring).
-
+    """TRL's GRPOTrainer with RAGEN-2's SNR-aware filter and MI diagnosis (module docstring):
     filter, top_p, top_k, prob_mode, include_zero: snr_filter.select_groups's settings ("none",
     "topp", "topk"); mi_every, mi_samples: the diagnosis at step 1 and every mi_every steps (0 =
-    off) on up to mi_samples first-turn reasonings (it needs the first_prompt / first_reasoning
-    fields of rollout_function's episodes). After each step `last_selection` holds the gathered
-    rewards [G][K] and the kept groups."""
+    off) on up to mi_samples first-turn reasonings (it needs the FIRST_TURN fields of
+    rollout_function's episodes). response_budget: Dr.GRPO's constant (train.response_budget).
+    After each step `last_selection` holds the gathered rewards [G][K] and the kept groups."""
 
     def __init__(self, *args, filter="topp", top_p=0.9, top_k=0.5, prob_mode="linear",
-                 include_zero=False, mi_every=5, mi_samples=64, **kwargs):
+                 include_zero=False, mi_every=5, mi_samples=64, response_budget=None, **kwargs):
         super().__init__(*args, **kwargs)
         value = top_p if filter == "topp" else top_k
         snr_filter.select_groups([1.0], filter, value, include_zero, prob_mode)  # bad -> raises
         self.ragen = dict(mode=filter, value=value, include_zero=include_zero,
                           prob_mode=prob_mode)
         self.mi_every, self.mi_samples = mi_every, mi_samples
+        # Dr.GRPO's |o|: TRL's max_completion_length is a turn's limit (vLLM's, a call), and an
+        # episode writes up to max_turns of them; its only other use was vLLM's, at __init__
+        self.max_completion_length = response_budget or self.max_completion_length
+        # the entropy bonus as a token mean over the whole batch (_compute_loss)
+        self.bonus_coef = 0.0 if self.use_adaptive_entropy else self.entropy_coef
+        self._entropy_bonus_enabled &= self.use_adaptive_entropy
         # one process and one micro-batch per generation: dropped rows can leave the batch
         self.remove_dropped = (self.accelerator.num_processes == 1
                                and self.args.steps_per_generation == 1)
+        one_batch = self.accelerator.num_processes == 1 == self.args.gradient_accumulation_steps
+        if self.loss_type == "bnpo" and not one_batch:
+            raise ValueError("loss_type 'bnpo' divides each micro-batch by its own token count: "
+                             "with several processes or accumulation use 'dapo' (the batch's)")
         if filter != "none" and self.multi_objective_aggregation != "sum_then_normalize":
             raise ValueError("the filter ranks raw episode rewards: use "
                              "multi_objective_aggregation='sum_then_normalize'")
@@ -188,8 +259,8 @@ class RagenGRPOTrainer(GRPOTrainer):
             raise ValueError(f"loss_type {self.loss_type!r} averages over sequences, so masked "
                              f"rows would still count; with several processes or gradient "
                              f"accumulation use one of {TOKEN_NORMALISED}")
-        self.generation_step, self.skips, self.std_ema = 0, 0, None
-        self.last_selection = None
+        self.generation_step, self.skips, self.std_ema, self.skipping = 0, 0, None, False
+        self.last_selection = None  # a step's gathered rewards and kept groups and rows
 
     def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
         rewards_per_func = super()._calculate_rewards(inputs, prompts, completions,
@@ -223,13 +294,15 @@ class RagenGRPOTrainer(GRPOTrainer):
         rows = keep.repeat_interleave(K)[first:first + B]            # [B] this process's rows
         if not keep.all():
             out = self.drop_groups(out, rows.to(out["advantages"].device), keep, rewards, first)
+        self.skipping = not keep.any()
         self.skips = 0 if keep.any() else self.skips + 1
-        if self.skips >= MAX_SKIPS:
-            print(f"stopping: no group had any reward spread for {MAX_SKIPS} steps")
+        if self.skips >= train.MAX_SKIPS:  # train.py's rule
+            print(f"stopping: no group had any reward spread for {train.MAX_SKIPS} steps")
             self.control.should_training_stop = True
 
         for k, v in m.items():
-            self._metrics["train"][k].append(float(v))
+            if v is not None:  # diagnosis_logprob_diff without the sampler's log-probs
+                self._metrics["train"][k].append(float(v))
         self.last_selection = {"group_rewards": rewards.tolist(),
                                "kept_groups": keep.nonzero()[:, 0].tolist(),
                                "kept_rows": rows.nonzero()[:, 0].add(first).tolist()}
@@ -256,29 +329,53 @@ class RagenGRPOTrainer(GRPOTrainer):
         out["num_items_in_batch"] = self.accelerator.gather(loss_mask.sum()).sum()
         return out
 
+    def training_step(self, model, inputs, num_items_in_batch):
+        loss = super().training_step(model, inputs, num_items_in_batch)
+        if self.skipping:  # no gradient at all: AdamW then leaves every weight and its state as
+            model.zero_grad(set_to_none=True)  # they are (a zero one moves them by momentum)
+        return loss
+
+    def _get_per_token_logps_and_entropies(self, *args, **kwargs):
+        logps, self.entropies, aux = super()._get_per_token_logps_and_entropies(*args, **kwargs)
+        return logps, self.entropies, aux
+
+    def _compute_loss(self, model, inputs):
+        """TRL's loss minus bonus_coef x this micro-batch's summed token entropy divided, as dapo's
+        policy term, by the whole batch's token count: one gradient however the batch is cut
+        into micro-batches and processes (TRL's own bonus divides by each one's count)."""
+        loss = super()._compute_loss(model, inputs)
+        if self.bonus_coef:
+            mask = inputs["completion_mask"] * inputs.get("tool_mask", 1)                # [b, C]
+            share = self.current_gradient_accumulation_steps / self.args.steps_per_generation
+            tokens = (inputs["num_items_in_batch"] / self.accelerator.num_processes
+                      * (share if self.model.training else 1))  # TRL's dapo normaliser
+            loss = loss - self.bonus_coef * (self.entropies * mask).sum() / tokens.clamp(min=1)
+        return loss
+
     def diagnose(self, inputs):
-        """The MI diagnosis of train.py's step 2 on the gathered episodes: up to mi_samples
-        first-turn reasonings, as many from every group (train.mi_sample), cross-scored under
-        every group's first prompt at the sampling temperature. Every process scores the same matrix (the same forward passes, so sharded
-        weights stay in step) and gets the same numbers."""
+        """train.diagnose on the gathered episodes: up to mi_samples first-turn reasonings, as
+        many from every group (train.mi_sample), their sampled ids cross-scored under every
+        group's first prompt at the sampling temperature, and diagnosis_logprob_diff
+        (train.logprob_diff). Every process scores the same matrix and gets the same numbers."""
         from accelerate.utils import gather_object
-        rows = gather_object([(x["first_prompt"], x["first_reasoning"]) for x in inputs])
+        rows = gather_object([[x[k] for k in FIRST_TURN] for x in inputs])
         K = self.num_generations
-        G = len(rows) // K
+        firsts = rows[::K]  # each group's first row
         # the same draw on every process: its generator is seeded by the step
-        picked = train.mi_sample(G, K, self.mi_samples,
+        picked = train.mi_sample(len(firsts), K, self.mi_samples,
                                  np.random.default_rng([self.args.seed, self.state.global_step]))
-        prompts = [rows[g * K][0] for g in range(G)]
-        model = self.accelerator.unwrap_model(self.model)
-        tokenizer = self.processing_class
-        scores, lengths = mi.cross_scores(model, mi.tokenize(tokenizer, prompts),
-                                          mi.tokenize(tokenizer, [rows[r][1] for r in picked]),
-                                          temperature=self.args.temperature,
-                                          pad_id=tokenizer.pad_token_id or 0)
-        metrics = mi.collapse_metrics(scores, [r // K for r in picked], lengths,
-                                      prompt_keys=prompts)
+        owner = [m // K for m in picked]
+        with full_parameters(self) as model:
+            scores, lengths = mi.cross_scores(model, [r[1] for r in firsts],
+                                              [rows[m][2] for m in picked],
+                                              temperature=self.args.temperature,
+                                              pad_id=rollout.pad_token_id(self.processing_class))
+        metrics = mi.collapse_metrics(scores, owner, lengths, prompt_keys=[r[0] for r in firsts])
         metrics["mi_zscore_ema"], self.std_ema = mi.mi_zscore_ema(metrics, self.std_ema)
-        return {k: metrics[k] for k in MI_KEYS if k in metrics}
+        out = {k: metrics[k] for k in MI_KEYS if k in metrics}
+        out["diagnosis_logprob_diff"] = train.logprob_diff(scores, owner,
+                                                           [rows[m][3] for m in picked])
+        return out
 
 
 def rollout_stats(trainer, inputs, rewards):
@@ -296,8 +393,7 @@ def trim_padding(out):
     """Cut the padding columns no remaining row needs: prompts are left-padded, completions
     right-padded, so a batch that never held the dropped rows has exactly these widths (TRL
     passes no position ids: the width of the left padding changes the numbers)."""
-    P = int(out["prompt_mask"].sum(1).max())
-    C = int(out["completion_mask"].sum(1).max())
+    P, C = int(out["prompt_mask"].sum(1).max()), int(out["completion_mask"].sum(1).max())
     width = out["completion_ids"].shape[1]
     for k, v in out.items():
         if k in ("prompt_ids", "prompt_mask"):
@@ -338,8 +434,10 @@ class Args:
     group_size: int = arg(16, "rollouts per group (TRL: num_generations)")
     steps: int = arg(100, "training steps")
     lr: float = arg(None, "learning rate, constant (1e-6; tiny: 1e-4)")
-    loss_type: str = arg("dapo", "TRL's loss: dapo = token-mean over the batch, grpo = "
-                         "seq-mean-token-mean", choices=("dapo", "grpo", "bnpo", "dr_grpo"))
+    loss_type: str = arg("dapo", "TRL's loss: dapo = token-mean over the batch, grpo = seq-mean-"
+                         "token-mean, bnpo = dapo on one micro-batch, dr_grpo = token sums / "
+                         "(max_turns x max_new_tokens)",
+                         choices=("dapo", "grpo", "bnpo", "dr_grpo"))
     scale_rewards: str = arg("group", "TRL's advantage std: group (GRPO), batch, none (Dr.GRPO)",
                              choices=("group", "batch", "none"))
     clip_low: float = arg(0.2, "PPO ratio clip below 1 (TRL: epsilon)")
@@ -373,28 +471,12 @@ def parse_args(argv):
     parser.description = ("RAGEN-2 in TRL's GRPOTrainer: SNR-aware filtering and the MI diagnosis "
                           "on multi-turn episodes. Defaults in brackets.")
     a = Args(**vars(parser.parse_args(argv)))
-
-    def need(ok, message):
-        if not ok:
-            raise runs.UsageError(message)
-
-    need(a.steps >= 1 and a.groups >= 1 and a.group_size >= 2,
-         "need --steps >= 1, --groups >= 1 and --group-size >= 2 (GRPO compares rollouts)")
-    need(0 < a.top_p <= 1 and 0 < a.top_k <= 1, "--top-p and --top-k must be in (0, 1]")
-    need(a.max_turns >= 1 and a.max_actions_per_turn >= 1 and a.accumulation >= 1,
-         "--max-turns, --max-actions-per-turn and --accumulation must be >= 1")
-    need(a.mi_every >= 0 and a.mi_samples >= 1, "--mi-every >= 0 and --mi-samples >= 1")
-    need(a.temperature > 0 and 0 < a.sample_top_p <= 1 and 0 <= a.seed < 2 ** 32,
-         "need --temperature > 0, --sample-top-p in (0, 1], --seed in 0..2**32-1")
-    need(a.max_new_tokens is None or a.max_new_tokens >= 1, "--max-new-tokens must be >= 1")
-    need(a.lr is None or a.lr > 0, "--lr must be > 0")
-    need(a.kl_coef >= 0 and a.entropy_coef >= 0 and a.grad_clip > 0 and 0 < a.clip_low < 1
-         and a.clip_high > 0, "need --kl-coef, --entropy-coef >= 0, --grad-clip > 0, "
-         "0 < --clip-low < 1, --clip-high > 0")
-    try:
-        envs.make_env(a.env, **runs.env_kwargs(a)).reset(seed=0)
-    except ValueError as e:
-        raise runs.UsageError(f"--env {a.env}: {e}") from None
+    if a.steps < 1 or a.group_size < 2 or a.accumulation < 1:
+        raise runs.UsageError("need --steps >= 1, --group-size >= 2 (GRPO compares rollouts) "
+                              "and --accumulation >= 1")
+    # train.py's checks (finite, bounded) on the flags the two share; its defaults elsewhere
+    shared = {f.name for f in dataclasses.fields(train.Args)}
+    runs.check_args(train.Args(**{k: v for k, v in vars(a).items() if k in shared}))
     return a
 
 
@@ -403,9 +485,8 @@ def load_model(a, cuda):
     import models
     import tiny
     if a.model == "tiny":
-        model, tokenizer = tiny.load_tiny(a.env, runs.env_kwargs(a), cache_dir=a.tiny_cache,
-                                          warm_start=a.warm_start)
-        return model, tokenizer, tiny.prompts(a.env)
+        return (*tiny.load_tiny(a.env, runs.env_kwargs(a), cache_dir=a.tiny_cache,
+                                warm_start=a.warm_start), tiny.prompts(a.env))
     try:
         model, tokenizer = models.load_hf(a.model)
     except models.ModelError as e:
@@ -421,8 +502,6 @@ def build_trainer(a, model, tokenizer, prompt, num_processes=1, make_policy=None
     if total % (num_processes * a.accumulation):
         raise runs.UsageError(f"--groups x --group-size = {total} must divide among "
                               f"{num_processes} processes x --accumulation {a.accumulation}")
-    seeds = [int(s) for step in range(1, a.steps + 1)
-             for s in np.random.default_rng([a.seed, step]).integers(0, VAL_SEED_BASE, a.groups)]
     config = GRPOConfig(
         output_dir=os.path.join(a.out, "trl"), use_cpu=not torch.cuda.is_available(),
         per_device_train_batch_size=total // num_processes // a.accumulation,
@@ -435,23 +514,24 @@ def build_trainer(a, model, tokenizer, prompt, num_processes=1, make_policy=None
         gradient_checkpointing=a.grad_checkpointing, shuffle_dataset=False, seed=a.seed,
         report_to="none", save_strategy="no", logging_steps=1, disable_tqdm=True,
         dataloader_num_workers=0)
-    func = rollout_function(a.env, runs.env_kwargs(a), a.max_turns, a.max_actions_per_turn,
+    func = rollout_function(a.env, lambda step: step_seeds(a.seed, step, a.groups),
+                            runs.env_kwargs(a), a.max_turns, a.max_actions_per_turn,
                             a.max_new_tokens, a.temperature, a.sample_top_p, prompt, make_policy)
+    rows = Dataset.from_dict({"prompt": [group_prompt(g) for g in range(a.groups)]})
     try:
         return RagenGRPOTrainer(
             model=model, reward_funcs=episode_reward, args=config, processing_class=tokenizer,
-            train_dataset=Dataset.from_dict({"prompt": [seed_prompt(s) for s in seeds]}),
-            rollout_func=func, callbacks=list(callbacks), filter=a.filter, top_p=a.top_p,
-            top_k=a.top_k, prob_mode=a.filter_prob_mode, include_zero=a.include_zero,
-            mi_every=a.mi_every, mi_samples=a.mi_samples)
+            train_dataset=rows, rollout_func=func, callbacks=list(callbacks), filter=a.filter,
+            top_p=a.top_p, top_k=a.top_k, prob_mode=a.filter_prob_mode,
+            include_zero=a.include_zero, mi_every=a.mi_every, mi_samples=a.mi_samples,
+            response_budget=train.response_budget(a))
     except ValueError as e:  # settings TRL or the filter cannot use
         raise runs.UsageError(str(e).strip().splitlines()[0]) from None
 
 
 def metrics_writer(path, trainer_box):
-    """A TrainerCallback writing one train.py-format line per step to `path` (main process):
-    our metrics by their names, TRL's own beside them, the step's wall time, and the step's
-    gathered rewards and kept groups (so a reader can check the selection)."""
+    """A TrainerCallback writing a train.py-format line a step to `path` (main process): our
+    metrics, TRL's beside them, the step's wall time, gathered rewards and kept groups."""
     from transformers import TrainerCallback
 
     rename = {"entropy": "token_entropy", "clip_ratio/region_mean": "clip_frac", "kl": "kl_loss"}
@@ -467,14 +547,13 @@ def metrics_writer(path, trainer_box):
                     "time_step": time.time() - self.start}
             selection = trainer_box[0].last_selection
             line.update({k: selection[k] for k in ("group_rewards", "kept_groups")})
-            with open(path, "a") as f:
+            with open(path, "a") as f:  # closed, so flushed, a line at a time
                 f.write(json.dumps(line) + "\n")
-                f.flush()
 
     return Writer()
 
 
-def main(argv=None, make_policy=None):
+def main(argv=None, make_policy=None, callbacks=()):
     """Parse, load, train; bad input is one line on stderr and exit code 2."""
     from transformers.utils import logging as hf_logging
     hf_logging.disable_progress_bar()
@@ -494,11 +573,15 @@ def main(argv=None, make_policy=None):
         path = os.path.join(a.out, "metrics.jsonl")
         if state.is_main_process and os.path.exists(path):
             raise runs.UsageError(f"--out {a.out} already holds a run; choose another --out")
-        model, tokenizer, prompt = load_model(a, cuda)
+        model, tokenizer, prompt, fresh = *load_model(a, cuda), not os.path.exists(a.out)
         box = [None]
-        trainer = build_trainer(a, model, tokenizer, prompt, state.num_processes, make_policy,
-                                [metrics_writer(path, box)])
-        box[0] = trainer
+        try:
+            box[0] = trainer = build_trainer(a, model, tokenizer, prompt, state.num_processes,
+                                             make_policy, [metrics_writer(path, box), *callbacks])
+        except runs.UsageError:  # TRL made the folder already: a failed start leaves none
+            if fresh and state.is_main_process:
+                shutil.rmtree(a.out, ignore_errors=True)
+            raise
         if state.is_main_process:
             os.makedirs(a.out, exist_ok=True)
             runs.atomic_write(os.path.join(a.out, "config.json"),

@@ -1,9 +1,15 @@
 """trl_ragen.py: RAGEN-2's filter and diagnosis inside TRL's GRPOTrainer. Two CPU steps log every
-metric and keep exactly select_groups's groups; the gradient with dropped groups (removed on one
-process, masked as several processes do) is that of a batch that never held them; a real
-two-process run splits a group across processes and both keep the one-process selection; with
---filter none the batch and loss are stock GRPOTrainer's. The policy is scripted
-(tests/trl_ragen_script.py), so rewards have known spread."""
+metric and keep exactly select_groups's groups, and a step that keeps nothing leaves the weights
+and AdamW's state unchanged; the gradient with dropped groups (removed on one process, masked as
+several processes do) is that of a batch that never held them; the entropy bonus under gradient
+accumulation is one batch's; dr_grpo's loss and gradient are train.py's drgrpo's; the diagnosis
+scores the sampled ids; bad flags are one line and exit code 2. A real two-process run (gloo)
+splits a group across processes and both keep the one-process selection; on the same processes,
+multi-turn episodes of different lengths through TRL's server-mode vLLM calls (a fake client) and
+through a policy sharded by torch FSDP. With --filter none the batch and loss are stock
+GRPOTrainer's. The policy is mostly scripted (tests/trl_ragen_script.py), so rewards have known
+spread."""
+import contextlib
 import copy
 import json
 import os
@@ -11,6 +17,7 @@ import subprocess
 import sys
 import tempfile
 
+import numpy as np
 import pytest
 import torch
 from datasets import Dataset
@@ -18,8 +25,10 @@ from trl import GRPOConfig, GRPOTrainer
 
 import envs
 import rollout
+import runs
 import snr_filter
 import tiny
+import train
 import trl_ragen
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -33,26 +42,76 @@ EVERY_STEP = {"step", "train_success", "reward_mean", "reward_std", "response_le
               "time_step", "loss", "grad_norm", "token_entropy", "group_rewards", "kept_groups"}
 
 
+def garbage_after_step_1(trainer, *settings):
+    """make_policy: the scripted roles at step 1, garbage from every rollout at step 2 (no group
+    has spread: the step is skipped)."""
+    step1 = trainer.state.global_step == 0
+    return script.scripted(script.default_role if step1 else lambda row: False)(trainer, *settings)
+
+
 @pytest.fixture(scope="module")
 def one_process_run(tmp_path_factory):
-    """Two steps of the command line on one process (the scripted policy), its metrics lines."""
-    out = tmp_path_factory.mktemp("trl") / "run"
+    """Two steps of the command line on one process (the scripted policy, step 2 skipped): its
+    metrics lines, the weights and the optimiser's state at the start and after each step, and
+    the env seeds each step drew."""
+    from transformers import TrainerCallback
+
+    class Snapshots(TrainerCallback):
+        def on_train_begin(self, args, state, control, model=None, **kw):
+            self.seen = [([p.detach().clone() for p in model.parameters()], {})]
+
+        def on_step_end(self, args, state, control, model=None, optimizer=None, **kw):
+            self.seen.append(([p.detach().clone() for p in model.parameters()],
+                              copy.deepcopy(optimizer.state_dict()["state"])))
+
+    out, snapshots, drawn = tmp_path_factory.mktemp("trl") / "run", Snapshots(), []
     argv = script.ARGS + ["--steps", "2", "--out", str(out)]
-    assert trl_ragen.main(argv, make_policy=script.scripted()) == 0
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(trl_ragen, "step_seeds", lambda *a: drawn.append(a) or [5, 6, 7])
+        assert trl_ragen.main(argv, make_policy=garbage_after_step_1, callbacks=[snapshots]) == 0
     with open(out / "metrics.jsonl") as f:
-        return [json.loads(line) for line in f]
+        lines = [json.loads(line) for line in f]
+    return {"lines": lines, "snapshots": snapshots.seen, "drawn": drawn}
 
 
 def test_two_steps_log_every_metric_and_keep_select_groups_choice(one_process_run):
-    assert [r["step"] for r in one_process_run] == [1, 2]
-    for r in one_process_run:
+    lines = one_process_run["lines"]
+    assert [r["step"] for r in lines] == [1, 2]
+    for r in lines:
         assert EVERY_STEP <= set(r), EVERY_STEP - set(r)
         scores = snr_filter.group_scores(r["group_rewards"])
         keep = snr_filter.select_groups(scores, "topp", 0.9)
         assert r["kept_groups"] == keep.nonzero()[:, 0].tolist()
-        assert r["kept_groups"] and 0 not in r["kept_groups"]  # group 0 has no spread
-        assert r["num_kept"] == len(r["kept_groups"]) and r["zero_var_frac"] == 1 / 3
-    assert set(trl_ragen.MI_KEYS) - {"retrieval_acc_top2"} <= set(one_process_run[0])  # step 1
+    assert lines[0]["kept_groups"] == [1, 2]  # group 0 has no spread
+    assert lines[0]["num_kept"] == 2 and lines[0]["zero_var_frac"] == 1 / 3
+    assert lines[1]["kept_groups"] == [] and lines[1]["skipped"] == 1
+    assert set(trl_ragen.MI_KEYS) - {"retrieval_acc_top2"} <= set(lines[0])  # step 1
+    # each step's env seeds drawn for that step (seed 0, 3 groups), as train.py draws them
+    assert one_process_run["drawn"] == [(0, 1, 3), (0, 2, 3)]
+
+
+def test_a_skipped_step_leaves_the_weights_and_the_optimiser_state_unchanged(one_process_run):
+    """Step 1 trains (AdamW gains momentum); step 2 keeps no group: no weight and no optimiser
+    state may change (a zero gradient would still move the weights by the momentum)."""
+    (start, _), (after1, state1), (after2, state2) = one_process_run["snapshots"]
+    assert state1 and any(not torch.equal(a, b) for a, b in zip(start, after1))
+    assert all(torch.equal(a, b) for a, b in zip(after1, after2))
+    assert state1.keys() == state2.keys()
+    for k in state1:
+        for name in state1[k]:
+            assert torch.equal(state1[k][name], state2[k][name]), (k, name)
+
+
+def test_step_count_costs_nothing_before_training(tmp_path):
+    """--steps up to train.py's bound: the dataset holds each group once (TRL cycles it, a pass a
+    step), not one row per step."""
+    a = trl_ragen.parse_args(script.ARGS + ["--steps", str(runs.MAX_STEPS), "--out",
+                                            str(tmp_path)])
+    a.lr, a.max_new_tokens = 1e-4, 8
+    trainer = trl_ragen.build_trainer(a, *trl_ragen.load_model(a, cuda=False))
+    assert trainer.train_dataset.num_rows == a.groups and trainer.args.max_steps == runs.MAX_STEPS
+    train_py = np.random.default_rng([0, 2]).integers(0, train.VAL_SEED_BASE, 3)  # train.train
+    assert trl_ragen.step_seeds(0, 2, 3) == train_py.tolist()
 
 
 def longer_first_turn_for(seed):
@@ -67,25 +126,30 @@ def longer_first_turn_for(seed):
 
 
 def trainer_on(seeds, solves, filter="topp", loss_type="dapo", stock=False, long_seed=None,
-               scale="group"):
-    """A trainer on the given env seeds (K rollouts each) with the scripted policy, the tiny model
-    at its seed-0 weights, and the inputs of one generation batch; long_seed's prompt is longer
-    (the tiny policy's Sokoban prompts otherwise all have one length)."""
+               scale="group", accumulation=1, entropy_coef=0.0, max_turns=1, budget=None,
+               mi_every=0):
+    """A trainer on the given env seeds (K rollouts each) with the scripted policy (solves None:
+    the sampler), the tiny model at its seed-0 weights, and the inputs of one generation batch;
+    long_seed's prompt is longer (the tiny policy's Sokoban prompts otherwise all have one
+    length). accumulation: micro-batches per generation batch."""
     tokenizer = tiny.build_tokenizer()
     config = GRPOConfig(output_dir=os.path.join(tempfile.gettempdir(), "trl-ragen-test"),
-                        use_cpu=True, per_device_train_batch_size=K * len(seeds),
-                        num_generations=K, max_completion_length=8, loss_type=loss_type,
-                        scale_rewards=scale, report_to="none", save_strategy="no",
-                        gradient_checkpointing=False, shuffle_dataset=False)
-    prompts = [trl_ragen.seed_prompt(s) for s in seeds]
-    rollout_func = trl_ragen.rollout_function("sokoban", max_turns=1, max_new_tokens=8,
+                        use_cpu=True, per_device_train_batch_size=K * len(seeds) // accumulation,
+                        gradient_accumulation_steps=accumulation, num_generations=K,
+                        max_completion_length=8, loss_type=loss_type, scale_rewards=scale,
+                        entropy_coef=entropy_coef, bf16=False, report_to="none",
+                        save_strategy="no", gradient_checkpointing=False, shuffle_dataset=False)
+    prompts = [trl_ragen.group_prompt(g) for g in range(len(seeds))]
+    rollout_func = trl_ragen.rollout_function("sokoban", lambda step: seeds, max_turns=max_turns,
+                                              max_new_tokens=8,
                                               prompt={"user": longer_first_turn_for(long_seed)},
-                                              make_policy=script.scripted(solves))
+                                              make_policy=solves and script.scripted(solves))
     kwargs = dict(model=tiny.build_model(tokenizer).to(DTYPE),
                   reward_funcs=trl_ragen.episode_reward, args=config, processing_class=tokenizer,
                   train_dataset=Dataset.from_dict({"prompt": prompts}), rollout_func=rollout_func)
     trainer = (GRPOTrainer(**kwargs) if stock else
-               trl_ragen.RagenGRPOTrainer(filter=filter, top_p=1.0, mi_every=0, **kwargs))
+               trl_ragen.RagenGRPOTrainer(filter=filter, top_p=1.0, mi_every=mi_every,
+                                          response_budget=budget, **kwargs))
     trainer.model.train()
     trainer.current_gradient_accumulation_steps = 1  # set by Trainer.train(); one micro-batch
     return trainer, [{"prompt": p} for p in prompts for _ in range(K)]
@@ -155,22 +219,110 @@ def test_two_processes_split_a_group_and_keep_the_one_process_selection(tmp_path
     assert done.returncode == 0, done.stderr[-3000:]
     seen = [json.loads((tmp_path / f"process-{i}.json").read_text()) for i in (0, 1)]
     assert all(s["processes"] == 2 and s["backend"] == "gloo" for s in seen)
-    first = one_process_run[0]  # the same command's step 1 on one process
+    first = one_process_run["lines"][0]  # the same command's step 1 on one process
     for s in seen:
         assert s["group_rewards"] == first["group_rewards"]
         assert s["kept_groups"] == first["kept_groups"] == [1, 2]
     assert seen[0]["kept_rows"] == [2] and seen[1]["kept_rows"] == [3, 4, 5]  # group 1 split
+    # vLLM (server mode, fake client): process 0's 2 episodes end after turn 1, process 1's 4
+    # after turn 3, yet both made the same calls with as many prompts, and every reply is the
+    # server's reply to its own prompt
+    assert seen[0]["vllm_turns"] == [1, 1] and seen[1]["vllm_turns"] == [3] * 4
+    assert seen[0]["vllm_calls"] == seen[1]["vllm_calls"] == [4, 4, 4]
+    assert seen[0]["vllm_replies_match"] and seen[1]["vllm_replies_match"]
+    # FSDP: process 0 plays 1 turn, process 1 two (so their forward passes differ in number);
+    # sharded, the samples, their log-probs and the diagnosis are the unsharded policy's
+    assert [s["fsdp"]["plain"]["turns"] for s in seen] == [[1, 1, 1], [2, 2, 2]]
+    for s in seen:
+        plain, sharded = s["fsdp"]["plain"], s["fsdp"]["fsdp"]
+        assert sharded["ids"] == plain["ids"] and sharded["turns"] == plain["turns"]
+        flat = [torch.tensor(sum(x["logprobs"], [])) for x in (sharded, plain)]
+        torch.testing.assert_close(*flat)
+        assert sharded["mi"] == pytest.approx(plain["mi"], rel=1e-6)
+        assert sharded["mi"]["diagnosis_logprob_diff"] < 1e-4  # the sampled ids were scored
+
+
+def test_diagnosis_scores_the_sampled_ids_and_logs_their_logprob_diff():
+    """The tiny policy samples (random weights, temperature 1) and the diagnosis scores the ids it
+    sampled, so a sample's score under its own prompt is its sampling log-prob:
+    diagnosis_logprob_diff (train.py's) is 0 up to float32 rounding."""
+    torch.manual_seed(0)
+    trainer, inputs = trainer_on([5, 6, 7], None, mi_every=1)
+    trainer._generate_and_score_completions(inputs)
+    metrics = trainer._metrics["train"]
+    assert set(trl_ragen.MI_KEYS) - {"retrieval_acc_top2"} <= set(metrics)
+    assert len(metrics["diagnosis_logprob_diff"]) == 1
+    assert 0 <= metrics["diagnosis_logprob_diff"][0] < 1e-4
+
+
+def rows_of(batch, rows):
+    """The micro-batch of `rows` of a generation batch, cut as TRL's split_tensor_dict cuts."""
+    B = len(batch["advantages"])
+    return {k: v[rows] if torch.is_tensor(v) and v.dim() and len(v) == B else v
+            for k, v in batch.items()}
+
+
+def test_entropy_bonus_under_gradient_accumulation_is_that_of_one_batch():
+    """Two micro-batches with different token counts (rows 1 and 2 play the solver's longer
+    replies): their summed gradient is that of the whole batch as one micro-batch, the entropy
+    bonus included (a token mean over the whole batch, as dapo's policy term)."""
+    seeds, solves = [5, 6, 7], lambda r: r in (1, 2)
+    split, inputs = trainer_on(seeds, solves, accumulation=2, entropy_coef=0.1)
+    whole, _ = trainer_on(seeds, solves, entropy_coef=0.1)
+    batch = split._generate_and_score_completions(copy.deepcopy(inputs))
+    halves = [rows_of(batch, slice(0, 3)), rows_of(batch, slice(3, 6))]
+    assert halves[0]["completion_mask"].sum() != halves[1]["completion_mask"].sum()
+    split.current_gradient_accumulation_steps = 2
+    summed = sum(loss_and_gradient(split, h)[1] for h in halves)
+    grad = loss_and_gradient(whole, whole._generate_and_score_completions(inputs))[1]
+    assert grad.abs().max() > 0
+    torch.testing.assert_close(summed, grad, rtol=1e-6, atol=1e-9)
+
+
+def test_dr_grpo_loss_and_gradient_are_train_pys_on_one_batch():
+    """trl_ragen.py's dr_grpo (no std division) and train.py's drgrpo on the same 2-turn
+    episodes: one loss and one gradient (train.py's one SGD step of lr 1). Both divide each
+    episode's token sum by max_turns x max_new_tokens (train.response_budget), where TRL's
+    max_completion_length is one turn's limit."""
+    seeds, solves = [5, 6, 7], lambda r: r in (1, 2)
+    args = train.Args(algo="drgrpo", max_turns=2, max_new_tokens=8, entropy_coef=0.0,
+                      micro_batch=64, grad_clip=1e9)
+    trainer, inputs = trainer_on(seeds, solves, loss_type="dr_grpo", scale="none", filter="none",
+                                 max_turns=2, budget=train.response_budget(args))
+    policy = copy.deepcopy(trainer.model)
+    loss, grad = loss_and_gradient(trainer, trainer._generate_and_score_completions(inputs))
+
+    tokenizer = trainer.processing_class
+    episodes = rollout.play(script.scripted(solves)(trainer), tokenizer, "sokoban", seeds, K,
+                            max_turns=2)
+    assert {e.turns for e in episodes} == {2}
+    rewards = torch.tensor([e.total_reward for e in episodes]).view(len(seeds), K)  # [G, K]
+    before = [p.detach().clone() for p in policy.parameters()]
+    run = runs.Run(args, torch.device("cpu"), contextlib.nullcontext(), policy, tokenizer, {},
+                   None, None, [torch.optim.SGD(policy.parameters(), lr=1.0)],
+                   list(policy.parameters()), [], pad_id=rollout.pad_token_id(tokenizer))
+    out = train.update_policy(run, episodes, rewards, torch.Generator().manual_seed(0))
+    assert out["pg_loss"] == pytest.approx(loss, rel=1e-6)
+    step = torch.cat([(b - p.detach()).flatten() for b, p in zip(before, policy.parameters())])
+    torch.testing.assert_close(step, grad, rtol=1e-5, atol=1e-6)  # train.py's logp: float32
 
 
 def test_bad_flags_are_one_line_and_exit_code_2(tmp_path, capsys):
+    small = ["--groups", "3", "--group-size", "2", "--steps", "1"]  # a quick run if accepted
     for argv, words in ((["--filter", "best"], "invalid choice"), (["--top-p", "0"], "--top-p"),
                         (["--groups", "3", "--group-size", "3", "--accumulation", "2"], "divide"),
                         (["--loss-type", "grpo", "--accumulation", "2"], "averages over sequences"),
+                        (small + ["--loss-type", "bnpo", "--accumulation", "2"], "'dapo'"),
+                        (small + ["--temperature", "inf"], "finite"),
+                        (small + ["--lr", "inf"], "finite"),
+                        (small + ["--clip-high", "inf"], "finite"),
+                        (["--steps", "100000000"], "--steps"),
                         (["--stepz", "2"], "unrecognized")):
         assert trl_ragen.main(argv + ["--out", str(tmp_path / "x"), "--model", "tiny",
-                                      "--no-warm-start"]) == 2
+                                      "--no-warm-start"]) == 2, argv
         err = capsys.readouterr().err
         assert err.count("\n") == 1 and words in err, err
+    assert not (tmp_path / "x").exists()
 
 
 def test_top_p_decides_the_kept_groups(tmp_path):
