@@ -181,7 +181,7 @@ def solution_map(root=ROOT):
 def shape_comments(lines):
     """'# name: [shape] ...' for each replaced assignment that ends in a shape comment, once each.
 
-    >>> shape_comments(["    x = a + b    # [B, T]\n", "    y = 2\n", "    x = x * 2   # [B, T]\n"])
+    >>> shape_comments(["    x = a + b    # [B, T]", "    y = 2", "    x = x * 2   # [B, T]"])
     ['# x: [B, T]']
     """
     out = []
