@@ -80,7 +80,9 @@ PLANTED = {
          "per_seq = per_seq / mask.sum(-1).clamp_min(1)"),   # Dr.GRPO over the sequence length
         ("ppo.py", "return masked_mean(per_seq, has_tokens)", "return per_seq.mean()"),
         ("grpo.py", "rewards.std(dim=1, keepdim=True)", "rewards.std(dim=1, keepdim=True, correction=0)"),
-        ("grpo.py", "return torch.where(flat, torch.zeros_like(centred), centred)", "return centred"),
+        ("grpo.py", "centred / (rewards.std(dim=1, keepdim=True) + eps)",           # NaN when flat
+         "centred / rewards.std(dim=1, keepdim=True)",
+         "return torch.where(flat, torch.zeros_like(centred), centred)", "return centred"),
     ],
     "experiment": [
         ("exercises.py", '"verdict": "undecided"}',
@@ -139,6 +141,18 @@ def source(file):
         return f.read()
 
 
+def planted(text, name, pairs):
+    """`text` with each (right, wrong) pair replaced inside the regions of exercise `name`, where
+    `right` occurs exactly once."""
+    for right, wrong in zip(pairs[::2], pairs[1::2]):
+        lines = text.splitlines(keepends=True)
+        hits = ["".join(lines[b:e + 1]) for n, b, e in exercises.regions(text) if n == name]
+        hits = [region for region in hits if right in region]
+        assert len(hits) == 1 and hits[0].count(right) == 1, (name, right)
+        text = text.replace(hits[0], hits[0].replace(right, wrong))
+    return text
+
+
 def region_text(file, name):
     lines = source(file).splitlines(keepends=True)
     return "".join("".join(lines[b:e]) for n, b, e in exercises.regions(source(file)) if n == name)
@@ -174,11 +188,7 @@ def test_blanking_one_exercise_fails_its_grade_and_no_other(name, monkeypatch):
                                          for i in range(len(ps))])
 def test_each_planted_mistake_fails_its_exercise(name, index, monkeypatch):
     file, *pairs = PLANTED[name][index]
-    text = source(file)
-    for right, wrong in zip(pairs[::2], pairs[1::2]):
-        assert text.count(right) == 1
-        text = text.replace(right, wrong)
-    variant({file: text}, monkeypatch)
+    variant({file: planted(source(file), name, pairs)}, monkeypatch)
     assert failing({name}) == {name}
 
 
@@ -287,3 +297,25 @@ def test_the_student_copy_runs_fails_every_exercise_and_holds_no_solution(tmp_pa
         if name not in ("experiment", "silent_bug"):
             assert "NotImplementedError" in row, row
     assert json.loads((copy / "result.json").read_text())["score"] == 0
+
+
+def test_the_committed_silent_bug_runs_show_it_in_the_mi_not_in_the_entropy():
+    """EXERCISES.md's silent-bug command, run on the solution (healthy) and on a copy made with
+    --only silent_bug (defect): the entropy curves agree, the MI diagnosis tells them apart."""
+    logs = {}
+    for name in ("healthy", "defect"):
+        folder = os.path.join(ROOT, "results", "exercises", "silent_bug", name)
+        with open(os.path.join(folder, "config.json")) as f:
+            config = {k: v for k, v in json.load(f).items() if k != "out"}
+        with open(os.path.join(folder, "metrics.jsonl")) as f:
+            logs[name] = config, [json.loads(line) for line in f if line.strip()]
+    assert logs["healthy"][0] == logs["defect"][0]  # the same command
+    rows = {name: [r for r in log if "mi_estimate" in r] for name, (_, log) in logs.items()}
+    assert len(rows["healthy"]) == len(rows["defect"]) >= 3
+    mean = {name: {k: sum(r[k] for r in rs) / len(rs) for k in ("token_entropy", "reasoning_entropy")}
+            for name, rs in rows.items()}
+    assert 2 / 3 < mean["defect"]["token_entropy"] / mean["healthy"]["token_entropy"] < 3 / 2
+    assert 0.8 < mean["defect"]["reasoning_entropy"] / mean["healthy"]["reasoning_entropy"] < 1.25
+    for healthy, defect in zip(rows["healthy"], rows["defect"]):
+        assert healthy["retrieval_acc"] > 2 * healthy["retrieval_chance"] and healthy["mi_estimate"] > .5
+        assert defect["retrieval_acc"] < defect["retrieval_chance"] and defect["mi_estimate"] < 0
