@@ -27,11 +27,13 @@ def group_advantages(rewards, normalize_std=True, eps=1e-6):
     if rewards.dim() != 2:
         raise ValueError(f"rewards must be [groups, samples]; got shape {tuple(rewards.shape)}")
     rewards = rewards.to(torch.promote_types(rewards.dtype, torch.float32))
+    # BEGIN SOLUTION grpo
     flat = (rewards == rewards[:, :1]).all(dim=1, keepdim=True)            # [G, 1] no spread
     centred = rewards - rewards.mean(dim=1, keepdim=True)                  # [G, K]
     if normalize_std and rewards.shape[1] > 1:
         centred = centred / (rewards.std(dim=1, keepdim=True) + eps)       # unbiased std
     return torch.where(flat, torch.zeros_like(centred), centred)
+    # END SOLUTION grpo
 
 
 def episode_advantages_to_tokens(adv, mask):

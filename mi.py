@@ -56,7 +56,9 @@ def _check_distribution(p, name, axis=-1):
 
 def _neg_xlogx(p):
     """-p log p elementwise with the limit 0 at p = 0."""
+    # BEGIN SOLUTION chain_rule
     return -p * np.log(np.where(p > 0, p, 1.0))
+    # END SOLUTION chain_rule
 
 
 def _table_and_prior(p_z_given_x, p_x):
@@ -81,7 +83,9 @@ def entropy(p):
     if p.ndim != 1:
         raise ValueError(f"entropy expects a 1-D distribution, got shape {p.shape}")
     _check_distribution(p, "p")
+    # BEGIN SOLUTION chain_rule
     return float(_neg_xlogx(p).sum())
+    # END SOLUTION chain_rule
 
 
 def conditional_entropy(p_z_given_x, p_x=None):
@@ -92,7 +96,9 @@ def conditional_entropy(p_z_given_x, p_x=None):
     0.6931
     """
     table, prior = _table_and_prior(p_z_given_x, p_x)
+    # BEGIN SOLUTION chain_rule
     return float(prior @ _neg_xlogx(table).sum(axis=1))
+    # END SOLUTION chain_rule
 
 
 def mutual_information(p_z_given_x, p_x=None):
@@ -108,10 +114,12 @@ def mutual_information(p_z_given_x, p_x=None):
     (0.4055, 0.0)
     """
     table, prior = _table_and_prior(p_z_given_x, p_x)
-    marginal = prior @ table  # [K]
+    # BEGIN SOLUTION chain_rule
+    marginal = prior @ table                                               # [K]
     safe = np.where(marginal > 0, marginal, 1.0)                           # p(z|x) > 0 => p(z) > 0
     ratio = np.where(table > 0, table / safe, 1.0)                         # [N, K]
     return max(0.0, float(prior @ (table * np.log(ratio)).sum(axis=1)))   # clamp -1e-17 rounding
+    # END SOLUTION chain_rule
 
 
 # --------------------------------------------------------------------------------------------------
@@ -141,6 +149,23 @@ def _as_scores(scores, owner, lengths):
     if lengths.shape != (num_samples,) or (lengths < 0).any():
         raise ValueError(f"lengths must hold {num_samples} non-negative token counts")
     return scores, owner, lengths
+
+
+def matched_and_marginal(table, owner):
+    """Each sample's score under its own prompt and under the batch's uniform mixture of prompts:
+    table [M, N] = log p(z_m | x_j) (summed or per token), owner [M] -> (matched [M], marginal [M])
+
+        matched_m  = table[m, owner[m]]
+        marginal_m = logsumexp_j table[m, j] - log N
+
+    >>> matched_and_marginal(torch.tensor([[-1., -3.]]), torch.tensor([0]))  # log mean(e^-1, e^-3)
+    (tensor([-1.]), tensor([-1.5662]))
+    """
+    # BEGIN SOLUTION mi_estimate
+    matched = table.gather(1, owner[:, None])[:, 0]                        # [M]
+    marginal = torch.logsumexp(table, dim=1) - math.log(table.shape[1])    # [M]
+    return matched, marginal
+    # END SOLUTION mi_estimate
 
 
 def _key_ids(prompt_keys, num_prompts):
@@ -180,6 +205,7 @@ def retrieval_credit(scores, owner, k=1, prompt_keys=None):
     scores = torch.as_tensor(scores, dtype=torch.float64)                  # [M, N]
     owner = torch.as_tensor(owner).long()                                  # [M]
     key = _key_ids(prompt_keys, scores.shape[1])                           # [N]
+    # BEGIN SOLUTION retrieval
     own = key[None, :] == key[owner][:, None]                              # [M, N] own prompt
     best_own = torch.where(own, scores, -math.inf).max(1).values[:, None]  # [M, 1]
     above = (scores > best_own).sum(1)                                     # [M] g
@@ -192,6 +218,7 @@ def retrieval_credit(scores, owner, k=1, prompt_keys=None):
         factor = (tied - tied_own - i).double() / (tied - i).double()
         miss = torch.where(i < j, miss * factor, miss)
     return torch.where(j > 0, 1.0 - miss, torch.zeros_like(miss))
+    # END SOLUTION retrieval
 
 
 def collapse_metrics(scores, owner, lengths=None, topk=(2, 4, 8), prompt_keys=None):
@@ -231,8 +258,8 @@ def collapse_metrics(scores, owner, lengths=None, topk=(2, 4, 8), prompt_keys=No
     out = {}
     per_token = scores / lengths.clamp(min=1.0)[:, None]                   # [M, N]
     for suffix, table in (("", per_token), ("_seq", scores)):
-        matched = table.gather(1, owner[:, None])[:, 0]                    # [M]
-        marginal = torch.logsumexp(table, dim=1) - log_n                   # [M]
+        matched, marginal = matched_and_marginal(table, owner)             # [M], [M]
+        # BEGIN SOLUTION mi_estimate
         estimate = (matched - marginal).mean().item()
         spread = marginal.std(correction=0).item() if num_samples > 1 else 0.0
         out["mi_estimate" if not suffix else "mi_seq_estimate"] = estimate
@@ -240,6 +267,7 @@ def collapse_metrics(scores, owner, lengths=None, topk=(2, 4, 8), prompt_keys=No
         out["marginal_std" + suffix] = spread
         out["conditional_entropy" + suffix] = -matched.mean().item()
         out["reasoning_entropy" + suffix] = -marginal.mean().item()
+        # END SOLUTION mi_estimate
     # The ranking is the same on both matrices (one positive factor per row): use the summed one.
     out["retrieval_acc"] = retrieval_credit(scores, owner, 1, prompt_keys).mean().item()
     for k in topk:
@@ -273,12 +301,10 @@ def metrics_with_se(scores, owner, lengths=None, prompt_keys=None):
     (0.6206, 0.0)
     """
     scores, owner, lengths = _as_scores(scores, owner, lengths)
-    log_n = math.log(scores.shape[1])
     out = {}
     per_token = scores / lengths.clamp(min=1.0)[:, None]                   # [M, N]
     for suffix, table in (("", per_token), ("_seq", scores)):
-        matched = table.gather(1, owner[:, None])[:, 0]                    # [M]
-        marginal = torch.logsumexp(table, dim=1) - log_n                   # [M]
+        matched, marginal = matched_and_marginal(table, owner)             # [M], [M]
         for name, values in (("mi_estimate" if not suffix else "mi_seq_estimate",
                               matched - marginal),
                              ("conditional_entropy" + suffix, -matched),

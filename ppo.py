@@ -84,6 +84,7 @@ def aggregate(loss, mask, mode, norm_length=None):
     """
     if mode not in AGG_MODES:
         raise ValueError(f"unknown aggregation mode {mode!r}; choose one of {AGG_MODES}")
+    # BEGIN SOLUTION grpo
     if mode == "token-mean":
         return masked_mean(loss, mask)
     has_tokens = mask.sum(-1) > 0                                 # [B] rows with a policy token
@@ -97,6 +98,7 @@ def aggregate(loss, mask, mode, norm_length=None):
                              f"{norm_length!r}")
         per_seq = per_seq / norm_length                           # [B]
     return masked_mean(per_seq, has_tokens)
+    # END SOLUTION grpo
 
 
 # -------------------------------------------------------------------------------- policy quantities
@@ -183,6 +185,7 @@ def clipped_policy_loss(logp, old_logp, adv, mask, clip_low=0.2, clip_high=0.28,
     """
     if clip_c is not None and not clip_c > 1.0:
         raise ValueError(f"the dual clip c must be > 1 (or None); got {clip_c!r}")
+    # BEGIN SOLUTION clip_loss
     log_ratio = (logp - old_logp).clamp(-20.0, 20.0)                       # [B, T]
     ratio = torch.exp(log_ratio)                                           # [B, T]
     unclipped = -adv * ratio                                               # [B, T]
@@ -193,6 +196,7 @@ def clipped_policy_loss(logp, old_logp, adv, mask, clip_low=0.2, clip_high=0.28,
         cap = -adv * clip_c                                                # [B, T]
         capped = (adv < 0) & (per_token > cap)
         per_token = torch.where(capped, cap, per_token)
+    # END SOLUTION clip_loss
     loss = aggregate(per_token, mask, agg, norm_length)
     with torch.no_grad():
         stats = {
@@ -269,6 +273,7 @@ def gae(rewards, values, mask, gamma=1.0, lam=1.0, whiten=True):
         raise ValueError("non-zero reward on a mask-0 position; put each reward on a policy token")
     dtype = torch.promote_types(values.dtype, torch.float32)
     values, rewards = values.detach().to(dtype), rewards.to(dtype)    # no gradient to the critic
+    # BEGIN SOLUTION gae
     B, T = rewards.shape
     advantages = torch.zeros_like(values)                                  # [B, T]
     next_value = torch.zeros_like(values[:, 0])                            # [B] V at next step
@@ -281,6 +286,7 @@ def gae(rewards, values, mask, gamma=1.0, lam=1.0, whiten=True):
         next_value = torch.where(on[:, t], values[:, t], next_value)
         advantages[:, t] = torch.where(on[:, t], adv_t, torch.zeros_like(adv_t))
     returns = (advantages + values) * on                                   # [B, T]
+    # END SOLUTION gae
     if whiten:
         advantages = masked_whiten(advantages, on)                         # [B, T]
     return advantages, returns

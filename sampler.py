@@ -122,7 +122,9 @@ def hf_policy(model, tokenizer, max_new_tokens, temperature=1.0, top_p=1.0):
             known = [len(last["rows"][key][1]) for key in keys]
 
         # ---- encode what is new in every prompt, left-padded to the longest new piece
+        # BEGIN SOLUTION silent_bug
         new = [p[k:] for p, k in zip(prompt_ids, known)]
+        # END SOLUTION silent_bug
         width = max(len(n) for n in new)
         ids = torch.full((B, width), pad, dtype=torch.long)                    # [B, W]
         real = torch.zeros((B, width), dtype=torch.long)                       # [B, W]

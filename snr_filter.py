@@ -109,22 +109,27 @@ def select_groups(scores, mode, value=None, include_zero=False, prob_mode="linea
     idx = candidates.nonzero()[:, 0]                                       # [E] ascending index
     order = idx[torch.sort(s[idx], descending=True, stable=True).indices]  # [E] best first
     ranked = s[order]                                                      # [E]
+    # how many of the ranked groups to keep, n_keep (a prefix of `order`)
     if mode == "topk":
+        # BEGIN SOLUTION topk
         n_keep = min(len(order), max(1, int(value * G)))
-    elif value >= 1.0:
-        n_keep = len(order)
-    elif prob_mode == "linear":
-        reached = (ranked.cumsum(0) >= value * ranked.sum() - 0.01).nonzero()   # prefixes
-        n_keep = int(reached[0]) + 1 if len(reached) else len(order)
+        # END SOLUTION topk
     else:
-        mass = torch.softmax(ranked, 0).cumsum(0)                          # [E]
-        reached = (mass >= value - 1e-12).nonzero()                        # mass 1 may round below
-        n_keep = int(reached[0]) + 1 if len(reached) else len(order)
+        # BEGIN SOLUTION topp
+        if value >= 1.0:
+            n_keep = len(order)
+        elif prob_mode == "linear":
+            reached = (ranked.cumsum(0) >= value * ranked.sum() - 0.01).nonzero()   # prefixes
+            n_keep = int(reached[0]) + 1 if len(reached) else len(order)
+            n_keep = min(n_keep, int((ranked > 0).sum()))  # zero scores: never part of it
+        else:
+            mass = torch.softmax(ranked, 0).cumsum(0)                      # [E]
+            reached = (mass >= value - 1e-12).nonzero()                    # mass 1 may round below
+            n_keep = int(reached[0]) + 1 if len(reached) else len(order)
+        # END SOLUTION topp
 
     keep = torch.zeros(G, dtype=torch.bool, device=s.device)               # [G]
     keep[order[:n_keep]] = True
-    if mode == "topp" and prob_mode == "linear" and value < 1.0:
-        keep &= s > 0
     return keep
 
 
@@ -201,11 +206,13 @@ def task_gradient_bound(rewards, score_grads):
     if r.dim() != 1 or s.dim() != 2 or s.shape[0] != r.shape[0] or r.numel() == 0:
         raise ValueError(f"need rewards [K] and score_grads [K, D]; got {tuple(r.shape)} and "
                          f"{tuple(s.shape)}")
+    # BEGIN SOLUTION bound
     centred = r - r.mean()                                                 # [K]
     grad = (centred[:, None] * s).mean(0)                                  # [D]
     rv = (centred ** 2).mean()                                             # population variance
     bound = rv.sqrt() * (s ** 2).sum(1).mean().sqrt()
     return grad.norm().item(), bound.item()
+    # END SOLUTION bound
 
 
 # ------------------------------------------------------------------------ buckets and decomposition

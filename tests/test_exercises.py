@@ -1,0 +1,321 @@
+"""exercises.py: grading that bites and isolates, and a student copy that runs and gives nothing away.
+
+An exercise is "blanked" or "planted" in this process: its functions get the code compiled from
+the student source (exercises.student_source) or from the solution with a plausible mistake
+(PLANTED), through their __code__, and the grading tests (tests/test_grading.py) are called
+directly. One subprocess grades a real student copy made by `make`.
+"""
+import ast
+import importlib
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+import exercises
+import test_grading
+
+ROOT = exercises.ROOT
+
+# exercise: [(file, solution text inside its regions, a plausible wrong version[, and again])]
+PLANTED = {
+    "chain_rule": [
+        ("mi.py", "return float(prior @ _neg_xlogx(table).sum(axis=1))",
+         "return float(_neg_xlogx(table).sum(axis=1).mean())"),              # forgets p(x)
+        ("mi.py", "return -p * np.log(np.where(p > 0, p, 1.0))",
+         "return -p * np.log(p)"),                                          # 0 log 0 = nan
+    ],
+    "mi_estimate": [
+        ("mi.py", "marginal = torch.logsumexp(table, dim=1) - math.log(table.shape[1])",
+         "marginal = table.mean(dim=1)"),                           # averages the log-likelihoods
+        ("mi.py", "marginal = torch.logsumexp(table, dim=1) - math.log(table.shape[1])",
+         "marginal = torch.logsumexp(table, dim=1)"),                        # no - log N
+        ("mi.py", "estimate = (matched - marginal).mean().item()",
+         "estimate = (matched + math.log(num_prompts)).mean().item()"),    # matched pairs only
+        ("mi.py", "spread = marginal.std(correction=0).item() if num_samples > 1 else 0.0",
+         "spread = marginal.std().item() if num_samples > 1 else 0.0"),      # sample std
+    ],
+    "retrieval": [
+        ("mi.py", "return torch.where(j > 0, 1.0 - miss, torch.zeros_like(miss))",
+         "return (key[scores.argmax(1)] == key[owner]).double()"),           # ties to the first
+        ("mi.py", "own = key[None, :] == key[owner][:, None]",
+         "own = torch.arange(len(key))[None, :] == owner[:, None]"),         # ignores prompt_keys
+    ],
+    "bound": [
+        ("snr_filter.py", "rv = (centred ** 2).mean()", "rv = (centred ** 2).sum() / (len(r) - 1)"),
+        ("snr_filter.py", "centred = r - r.mean()", "centred = r"),           # no baseline
+    ],
+    "topp": [
+        ("snr_filter.py", "value * ranked.sum() - 0.01", "value * ranked.sum()"),   # no slack
+        ("snr_filter.py", "n_keep = min(n_keep, int((ranked > 0).sum()))", "pass"),
+        ("snr_filter.py", "mass = torch.softmax(ranked, 0).cumsum(0)",
+         "mass = ranked.cumsum(0) / ranked.sum()"),                          # linear, not softmax
+    ],
+    "topk": [
+        ("snr_filter.py", "max(1, int(value * G))", "max(1, int(value * len(order)))"),
+        ("snr_filter.py", "max(1, int(value * G))", "int(value * G)"),
+    ],
+    "gae": [  # the batch as one long stream: a row's last token bootstraps from the next row
+        ("ppo.py", "B, T = rewards.shape\n",
+         "shape = rewards.shape\n"
+         "    rewards, values, on = rewards.reshape(1, -1), values.reshape(1, -1), on.reshape(1, -1)\n"
+         "    B, T = rewards.shape\n",
+         "returns = (advantages + values) * on",
+         "advantages, values, on = advantages.view(shape), values.view(shape), on.view(shape)\n"
+         "    returns = (advantages + values) * on"),
+        ("ppo.py", "next_value = torch.where(on[:, t], values[:, t], next_value)",
+         "next_value = values[:, t]"),                                       # masked V leaks in
+    ],
+    "clip_loss": [
+        ("ppo.py", "ratio.clamp(1.0 - clip_low, 1.0 + clip_high)",
+         "ratio.clamp(1.0 - clip_low, 1.0 + clip_low)"),                     # symmetric clip
+        ("ppo.py", "capped = (adv < 0) & (per_token > cap)", "capped = per_token > cap"),
+        ("ppo.py", "per_token = torch.maximum(unclipped, clipped)",
+         "per_token = torch.minimum(unclipped, clipped)"),
+    ],
+    "grpo": [
+        ("ppo.py", "per_seq = per_seq / norm_length",
+         "per_seq = per_seq / mask.sum(-1).clamp_min(1)"),   # Dr.GRPO over the sequence length
+        ("ppo.py", "return masked_mean(per_seq, has_tokens)", "return per_seq.mean()"),
+        ("grpo.py", "rewards.std(dim=1, keepdim=True)", "rewards.std(dim=1, keepdim=True, correction=0)"),
+        ("grpo.py", "centred / (rewards.std(dim=1, keepdim=True) + eps)",           # NaN when flat
+         "centred / rewards.std(dim=1, keepdim=True)",
+         "return torch.where(flat, torch.zeros_like(centred), centred)", "return centred"),
+    ],
+    "experiment": [
+        ("exercises.py", '"verdict": "undecided"}',
+         '"verdict": "filter" if last_val[0] > last_val[1] else "control"}'),
+        ("exercises.py", "steps = [r for r in filtered if r[\"step\"] >= 1]",
+         "steps = [r for r in filtered if r[\"step\"] >= 2]"),               # drops step 1
+    ],
+    "silent_bug": [],  # the planted defect itself is its wrong version (DEFECTS)
+}
+
+
+def grading_tests():
+    """{exercise: [test functions]} of tests/test_grading.py."""
+    out = {}
+    for name, fn in vars(test_grading).items():
+        for mark in getattr(fn, "pytestmark", []) if name.startswith("test_") else []:
+            if mark.name == "exercise":
+                out.setdefault(mark.args[0], []).append(fn)
+    return out
+
+
+TESTS = grading_tests()
+
+
+def failing(names=None):
+    """The exercises (of `names`, default all) whose grading tests do not all pass."""
+    bad = set()
+    for name, tests in TESTS.items():
+        if names is not None and name not in names:
+            continue
+        for test in tests:
+            try:
+                test()
+            except Exception:  # an assertion, NotImplementedError, or what a wrong version raises
+                bad.add(name)
+                break
+    return bad
+
+
+def variant(texts, monkeypatch):
+    """Give every top-level function that holds a solution region the code compiled from
+    texts[file] (the module's source as a whole: a student or planted version)."""
+    for file, text in texts.items():
+        module = importlib.import_module(file[:-3])
+        names = {node.name for node in ast.parse(text).body if isinstance(node, ast.FunctionDef)
+                 and any(node.lineno <= b + 1 <= node.end_lineno
+                         for _, b, _ in exercises.regions(text))}
+        scope = {"__name__": module.__name__, "__file__": module.__file__}
+        exec(compile(text, module.__file__, "exec"), scope)
+        for name in names:
+            monkeypatch.setattr(getattr(module, name), "__code__", scope[name].__code__)
+
+
+def source(file):
+    with open(os.path.join(ROOT, file), encoding="utf-8") as f:
+        return f.read()
+
+
+def planted(text, name, pairs):
+    """`text` with each (right, wrong) pair replaced inside the regions of exercise `name`, where
+    `right` occurs exactly once."""
+    for right, wrong in zip(pairs[::2], pairs[1::2]):
+        lines = text.splitlines(keepends=True)
+        hits = ["".join(lines[b:e + 1]) for n, b, e in exercises.regions(text) if n == name]
+        hits = [region for region in hits if right in region]
+        assert len(hits) == 1 and hits[0].count(right) == 1, (name, right)
+        text = text.replace(hits[0], hits[0].replace(right, wrong))
+    return text
+
+
+def region_text(file, name):
+    lines = source(file).splitlines(keepends=True)
+    return "".join("".join(lines[b:e]) for n, b, e in exercises.regions(source(file)) if n == name)
+
+
+def test_every_exercise_has_regions_hints_tests_and_a_planted_mistake():
+    places = exercises.solution_map()
+    assert list(TESTS) and set(TESTS) == set(exercises.EXERCISES) == set(places) == set(PLANTED)
+    assert len(exercises.EXERCISES) >= 11
+    for name, regions in places.items():
+        for file, function, _, _ in regions:
+            assert name in exercises.DEFECTS or (name, function) in exercises.HINTS, (name, function)
+        assert PLANTED[name] or name in exercises.DEFECTS
+        for file, *pairs in PLANTED[name]:
+            for right in pairs[::2]:
+                assert region_text(file, name).count(right) == 1, (name, right)
+    assert set(exercises.HINTS) == {(n, f) for n, r in places.items() for _, f, _, _ in r
+                                    if n not in exercises.DEFECTS}
+
+
+def test_the_solution_passes_every_grading_test():
+    assert failing() == set()
+
+
+@pytest.mark.parametrize("name", list(exercises.EXERCISES))
+def test_blanking_one_exercise_fails_its_grade_and_no_other(name, monkeypatch):
+    files = {file for file, _, _, _ in exercises.solution_map()[name]}
+    variant({f: exercises.student_source(source(f), {name}, f) for f in files}, monkeypatch)
+    assert failing() == {name}
+
+
+@pytest.mark.parametrize("name, index", [(n, i) for n, ps in PLANTED.items()
+                                         for i in range(len(ps))])
+def test_each_planted_mistake_fails_its_exercise(name, index, monkeypatch):
+    file, *pairs = PLANTED[name][index]
+    variant({file: planted(source(file), name, pairs)}, monkeypatch)
+    assert failing({name}) == {name}
+
+
+def test_a_stub_keeps_the_code_around_it_and_the_other_regions():
+    text = source("ppo.py")
+    out = exercises.student_source(text, {"gae"}, "ppo.py")
+    assert out != text and ast.parse(out)
+    assert out.count("raise NotImplementedError(") == 1 + text.count("raise NotImplementedError(")
+    assert "# advantages: [B, T]" in out and "# BEGIN SOLUTION gae" in out
+    assert region_text("ppo.py", "clip_loss") in out and region_text("ppo.py", "grpo") in out
+    assert "per_token = torch.maximum(unclipped, clipped)" in out
+    sampler_text = source("sampler.py")
+    planted = exercises.student_source(sampler_text, {"silent_bug"}, "sampler.py")
+    assert "SOLUTION" not in planted and "[::-1]" in planted and ast.parse(planted)
+
+
+def test_region_markers_must_pair():
+    for bad in ("# BEGIN SOLUTION a\n", "# END SOLUTION a\n",
+                "# BEGIN SOLUTION a\n# BEGIN SOLUTION b\n# END SOLUTION b\n# END SOLUTION a\n",
+                "# BEGIN SOLUTION a\n# END SOLUTION b\n"):
+        with pytest.raises(ValueError):
+            exercises.regions(bad)
+
+
+def test_list_names_every_exercise_first(capsys):
+    assert exercises.main(["list"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert [line.split()[0] for line in lines[:-1]] == list(exercises.EXERCISES)
+    assert "mi.py:collapse_metrics" in lines[1] and "theory.md Sec. 2" in lines[1]
+    assert "sampler" not in lines[-2]  # the silent bug's place is the exercise
+
+
+@pytest.mark.parametrize("argv", [["check", "nope"], ["make", "/tmp/x", "--only", "nope"],
+                                  ["frobnicate"], [], ["check", "--hidden", "/no/such/folder"],
+                                  ["make", ROOT], ["check", "--runs", "/no/such/folder"]])
+def test_bad_input_is_one_line_and_exit_2(argv, capsys):
+    assert exercises.main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and len(err.strip().splitlines()) == 1
+
+
+def test_check_grades_hidden_tests_and_writes_json(tmp_path, monkeypatch, capsys):
+    hidden = tmp_path / "hidden"
+    hidden.mkdir()
+    (hidden / "test_hidden_gae.py").write_text(
+        "import pytest, torch, ppo\n\n"
+        "@pytest.mark.exercise('gae')\n"
+        "def test_gae_a_hidden_case():\n"
+        "    assert ppo.gae(torch.ones(1, 1), torch.zeros(1, 1), torch.ones(1, 1), whiten=False)[0]"
+        ".item() == 2.0, 'a hidden expectation'\n")
+    monkeypatch.setenv("EXERCISES_HIDDEN", str(hidden))
+    result = tmp_path / "results.json"
+    assert exercises.main(["check", "gae", "topk", "--json", str(result)]) == 1
+    rows = capsys.readouterr().out.splitlines()
+    assert rows[0].split()[:3] == ["gae", "0/4", "FAILED"] and "a hidden expectation" in rows[0]
+    assert rows[1].split()[:3] == ["topk", "2/2", "passed"]
+    assert rows[2].startswith("total") and "2/6 points" in rows[2]
+    out = json.loads(result.read_text())
+    assert out["score"] == 2 and out["max_score"] == 6 and [t["score"] for t in out["tests"]] == [0, 2]
+    monkeypatch.delenv("EXERCISES_HIDDEN")
+    assert exercises.main(["check", "topk", "bound"]) == 0
+
+
+def solution_lines():
+    """{stripped code line of a region} that no module holds outside its regions: text a student
+    copy must hold nowhere (modules, tests, docs, bench)."""
+    inside, outside = set(), set()
+    for rel in exercises.tracked_files(ROOT):
+        path = os.path.join(ROOT, rel)
+        if not rel.endswith(".py") or "/" in rel:  # the modules: what a copy keeps as it is
+            continue
+        lines = source(rel).splitlines()
+        marked = set()
+        for _, b, e in exercises.regions(source(rel)):
+            marked.update(range(b, e + 1))
+        for i, line in enumerate(lines):
+            code = line.split("  #")[0].strip()
+            (inside if i in marked else outside).add(code)
+    return {line for line in inside - outside if len(line) > 12 and not line.startswith("#")}
+
+
+def test_the_student_copy_runs_fails_every_exercise_and_holds_no_solution(tmp_path):
+    copy = tmp_path / "student"
+    assert exercises.main(["make", str(copy)]) == 0
+    assert sorted(os.listdir(copy / "tests")) == ["conftest.py", "test_grading.py"]
+    assert not (copy / "results" / "exercises" / "experiment").exists()
+    distinctive = solution_lines()
+    assert len(distinctive) > 40
+    for folder, _, files in os.walk(copy):
+        for file in files:
+            try:
+                text = open(os.path.join(folder, file), encoding="utf-8").read()
+            except UnicodeDecodeError:
+                continue
+            leaked = [line for line in distinctive if line in text]
+            assert not leaked, f"{file} holds solution text: {leaked[:3]}"
+    # the copy imports everything, lists, and fails every exercise on its stubs (or the defect)
+    code = ("import sys, train, plots, experiments, exercises; exercises.main(['list']); "
+            "sys.exit(exercises.main(['check', '--json', 'result.json']))")
+    done = subprocess.run([sys.executable, "-c", code], cwd=copy, capture_output=True, text=True,
+                          env={**os.environ, "EXERCISE_RUNS": ""})
+    assert done.returncode == 1, done.stderr[-2000:]
+    rows = done.stdout.splitlines()[-len(exercises.EXERCISES) - 1:]
+    for name, row in zip(exercises.EXERCISES, rows):
+        assert row.split()[:3] == [name, f"0/{exercises.EXERCISES[name][0]}", "FAILED"], row
+        if name not in ("experiment", "silent_bug"):
+            assert "NotImplementedError" in row, row
+    assert json.loads((copy / "result.json").read_text())["score"] == 0
+
+
+def test_the_committed_silent_bug_runs_show_it_in_the_mi_not_in_the_entropy():
+    """EXERCISES.md's silent-bug command, run on the solution (healthy) and on a copy made with
+    --only silent_bug (defect): the entropy curves agree, the MI diagnosis tells them apart."""
+    logs = {}
+    for name in ("healthy", "defect"):
+        folder = os.path.join(ROOT, "results", "exercises", "silent_bug", name)
+        with open(os.path.join(folder, "config.json")) as f:
+            config = {k: v for k, v in json.load(f).items() if k != "out"}
+        with open(os.path.join(folder, "metrics.jsonl")) as f:
+            logs[name] = config, [json.loads(line) for line in f if line.strip()]
+    assert logs["healthy"][0] == logs["defect"][0]  # the same command
+    rows = {name: [r for r in log if "mi_estimate" in r] for name, (_, log) in logs.items()}
+    assert len(rows["healthy"]) == len(rows["defect"]) >= 3
+    mean = {name: {k: sum(r[k] for r in rs) / len(rs) for k in ("token_entropy", "reasoning_entropy")}
+            for name, rs in rows.items()}
+    assert 2 / 3 < mean["defect"]["token_entropy"] / mean["healthy"]["token_entropy"] < 3 / 2
+    assert 0.8 < mean["defect"]["reasoning_entropy"] / mean["healthy"]["reasoning_entropy"] < 1.25
+    for healthy, defect in zip(rows["healthy"], rows["defect"]):
+        assert healthy["retrieval_acc"] > 2 * healthy["retrieval_chance"] and healthy["mi_estimate"] > .5
+        assert defect["retrieval_acc"] < defect["retrieval_chance"] and defect["mi_estimate"] < 0
