@@ -23,7 +23,9 @@ cell it is pushed from (Sokoban: "Box 1 Down, 1 Right. Target 0 Down, 1 Left. Pu
 2 Right."), so each number it works out sits a few tokens after the ones it is worked out from; the
 answer gives the solver's next moves. Demonstrations are imperfect on purpose -- with probability
 `noise` a turn tries a random move, and a turn plays one or two moves (a fair coin) -- so the
-warm-started policy stays far from always succeeding and RL has room to improve.
+warm-started policy stays far from always succeeding and RL has room to improve. With a template
+prior (templates.py) a share of the turns reason with an input-agnostic sentence instead, the
+answer still the solver's: a warm start whose template share is known.
 """
 import math
 import random
@@ -166,10 +168,12 @@ def describe(env, plan):
     raise ValueError(f"no demonstrations for world {env.name!r}: sokoban, frozenlake or bandit")
 
 
-def demonstration(env, rng, noise=0.2, max_actions=2):
+def demonstration(env, rng, noise=0.2, max_actions=2, template_prior=0.0, pool=()):
     """One demonstration turn for the env's current state, continuing a prompt that ends with
     "<think>": with prob. `noise` one random move ("Try Left."), else the solver's next 1 or
-    `max_actions` moves (a fair coin).
+    `max_actions` moves (a fair coin). With prob. `template_prior` the reasoning is instead a
+    sentence drawn uniformly from `pool` (templates.py), the answer the solver's next 1 or
+    `max_actions` moves; at 0 no draw is made, so the stream is the one without a prior.
 
     >>> env = envs.Sokoban(room="#####\\n#PXO#\\n#####"); _ = env.reset()
     >>> demonstration(env, random.Random(0), noise=0.0)
@@ -177,7 +181,10 @@ def demonstration(env, rng, noise=0.2, max_actions=2):
     <answer> Right </answer>'
     """
     plan = envs.solve(env) or []
-    if not plan or rng.random() < noise:
+    if template_prior and rng.random() < template_prior:
+        reasoning = rng.choice(pool)
+        moves = plan[:rng.choice((1, max_actions))] or [rng.choice(env.actions)]
+    elif not plan or rng.random() < noise:
         moves = [rng.choice(env.actions)]
         reasoning = f"{describe(env, plan)} Try {moves[0]}."
     else:
@@ -186,14 +193,15 @@ def demonstration(env, rng, noise=0.2, max_actions=2):
     return f" {reasoning} </think> <answer> {' || '.join(moves)} </answer>"
 
 
-def demo_policy(tokenizer, noise=0.2, max_actions=2, seed=0):
+def demo_policy(tokenizer, noise=0.2, max_actions=2, seed=0, template_prior=0.0, pool=()):
     """A scripted policy for rollout.play: looks at each env, writes `demonstration(...)` and the
     end-of-turn token."""
     rng = random.Random(seed)
     end = rollout.end_of_turn_ids(tokenizer)[0]
 
     def policy(prompt_ids, worlds):
-        texts = [demonstration(env, rng, noise, max_actions) for env in worlds]
+        texts = [demonstration(env, rng, noise, max_actions, template_prior, pool)
+                 for env in worlds]
         return [rollout.Generation(tokenizer.encode(text, add_special_tokens=False) + [end])
                 for text in texts]
 
@@ -201,10 +209,11 @@ def demo_policy(tokenizer, noise=0.2, max_actions=2, seed=0):
 
 
 def demonstrations(tokenizer, env_name, seeds, env_kwargs=None, noise=0.2, seed=0, max_turns=5,
-                   max_actions_per_turn=2):
+                   max_actions_per_turn=2, template_prior=0.0, pool=()):
     """Demonstration episodes (rollout.Episode) on `seeds`, one each, in the tiny policy's
     prompts."""
-    policy = demo_policy(tokenizer, noise=noise, max_actions=max_actions_per_turn, seed=seed)
+    policy = demo_policy(tokenizer, noise=noise, max_actions=max_actions_per_turn, seed=seed,
+                         template_prior=template_prior, pool=pool)
     return rollout.play(policy, tokenizer, env_name, seeds, 1, env_kwargs=env_kwargs,
                         max_turns=max_turns, max_actions_per_turn=max_actions_per_turn,
                         **prompts(env_name))
@@ -234,9 +243,11 @@ def schedule(step, steps):
 
 
 def imitate(model, tokenizer, env_name, env_kwargs=None, steps=600, batch_size=16, lr=1e-2,
-            noise=0.2, seed=0, turns=5, start=0, state=None, on_step=None):
-    """Behaviour cloning: `steps` AdamW steps, each on `batch_size` fresh demonstrations; returns
-    the loss per step.
+            noise=0.2, seed=0, turns=5, start=0, state=None, on_step=None, template_prior=0.0,
+            pool=()):
+    """Behaviour cloning: `steps` AdamW steps, each on `batch_size` fresh demonstrations (a share
+    `template_prior` of their turns reasoning with a sentence of `pool`); returns the loss per
+    step.
 
     Whole episodes of up to `turns` turns (a network taught first turns only writes garbage from the
     third on), played ROUND batches at a time and cut into batches after sorting by length (less
@@ -255,7 +266,7 @@ def imitate(model, tokenizer, env_name, env_kwargs=None, steps=600, batch_size=1
             first = DEMO_SEEDS + (seed * steps + step - step % ROUND) * batch_size
             seeds = range(first, first + ROUND * batch_size)
             played = demonstrations(tokenizer, env_name, seeds, env_kwargs, noise, seed=first,
-                                    max_turns=turns)
+                                    max_turns=turns, template_prior=template_prior, pool=pool)
             played.sort(key=lambda e: len(e.ids))
             batches = [played[k:k + batch_size] for k in range(0, len(played), batch_size)]
             random.Random(first).shuffle(batches)

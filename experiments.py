@@ -3,6 +3,7 @@ archive each finished run's metrics under results/<grid>/runs/, and report from 
 
     python experiments.py list [GRID ...]        # the grids, their claims, rules and wall time
     python experiments.py run collapse-env --jobs 2   # run what is missing (1 thread each), report
+    python experiments.py run calibration --only frozenlake   # the settings named so, only
     python experiments.py report [GRID ...]      # every table, figure and number from the archives
 
 Run folders go to runs/experiments/<grid>/<setting>-s<seed> (not committed); a finished run is never
@@ -35,13 +36,14 @@ def finished(folder, steps):
     return done(records, steps)
 
 
-def run(name, jobs):
-    """Every run of the grid that has not finished, `jobs` processes at a time; each run is archived
-    when its process ends having finished; then the report. Ctrl-C stops the runs (each resumable)
-    and says which were archived."""
+def run(name, jobs, only=None):
+    """Every run of the grid that has not finished (of the settings whose name holds `only`),
+    `jobs` processes at a time; each run is archived when its process ends having finished; then
+    the report. Ctrl-C stops the runs (each resumable) and says which were archived."""
     steps = GRIDS[name]["steps"]
-    todo = [r for r in runs_of(name) if not finished(r[2], steps)]
-    print(f"{name}: {len(runs_of(name)) - len(todo)} runs finished, {len(todo)} to go, {jobs} at "
+    selected = [r for r in runs_of(name) if (only or "") in r[0]]
+    todo = [r for r in selected if not finished(r[2], steps)]
+    print(f"{name}: {len(selected) - len(todo)} runs finished, {len(todo)} to go, {jobs} at "
           f"a time (estimate {estimate_hours(name, jobs):.1f} h for the whole grid)")
     started, running = time.time(), []
     try:
@@ -122,6 +124,7 @@ def main(argv=None):
     parser.add_argument("grids", nargs="*", help=f"grid names: {', '.join(GRIDS)} (list, report: "
                                                   f"all when none is named)")
     parser.add_argument("--jobs", type=int, default=2, help="train.py processes at a time")
+    parser.add_argument("--only", help="run: only the settings whose name contains this text")
     parser.add_argument("--force", action="store_true",
                         help="report: overwrite a report even with fewer or shorter archives")
     args = parser.parse_args(argv)
@@ -139,7 +142,7 @@ def main(argv=None):
                 print(describe(name))
         elif args.command == "run":
             for name in args.grids:
-                run(name, args.jobs)
+                run(name, args.jobs, args.only)
         else:
             for name in args.grids or GRIDS:
                 if args.grids or os.path.isdir(os.path.join(RESULTS, name, "runs")):

@@ -34,6 +34,54 @@ SECONDS_PER_STEP = {"frozenlake": 3.0, "sokoban": 6.0, "sokoban-large": 8.0}
 
 # ---------------------------------------------------------------------------------------- the grids
 COLLAPSE = ["--env", "frozenlake", "--entropy-coef", "0.3"]
+# The calibration: warm starts whose template share is known (templates.py), each diagnosed once
+# (train.py's step 1, before its update) with the in-batch estimate over 8 prompts and the probe set
+# over 8 or 32 (8 samples each). ALPHA = 0 with build seed 0 is the warm start every other grid uses.
+ALPHAS = (0.0, 0.25, 0.5, 0.75, 1.0)
+PROBE_PROMPTS = (8, 32)
+CALIBRATION_WORLDS = ("frozenlake", "sokoban")
+# Wall time a run on 2 cores without other work: one step and two validations (about 30 s
+# FrozenLake, 45 s Sokoban) and half a warm start (a build serves both probe sizes; 600 steps,
+# about 90 s: README). Shared with other work (load 10-15) this machine was 5 to 10 times slower.
+CALIBRATION_SECONDS = {"frozenlake": 30 + 90 / 2, "sokoban": 45 + 90 / 2}
+MI_METRICS = ("mi_estimate", "probe_mi_estimate", "probe_mi_seq_estimate", "probe_retrieval_acc")
+ENTROPY_METRICS = ("token_entropy", "probe_reasoning_entropy", "probe_conditional_entropy")
+
+
+def calibration_settings():
+    """{world-a<ALPHA>-p<probe prompts>: flags} for every world, ALPHA and probe size."""
+    return {f"{world}-a{alpha:g}-p{p}": ["--env", world, "--template-prior", f"{alpha:g}",
+                                         "--probe-prompts", str(p)]
+            for world in CALIBRATION_WORLDS for alpha in ALPHAS for p in PROBE_PROMPTS}
+
+
+def calibration_rules():
+    """The calibration's predictions, per world (report.py's calibration section decides them)."""
+    rules = []
+    for w in CALIBRATION_WORLDS:
+        rules.append(dict(kind="share", world=w, metric="probe_template_share", tolerance=0.1,
+                          text=f"{w}: the warm start learns its prior: at every ALPHA the probe "
+                               f"set's template share lies within 0.1 of ALPHA"))
+        for metric, size in (("mi_estimate", 8), ("probe_mi_estimate", 8),
+                             ("probe_mi_estimate", 32), ("probe_mi_seq_estimate", 32)):
+            rules.append(dict(kind="proportional", world=w, metric=metric, size=size,
+                              tolerance=0.15,
+                              text=f"{w}: {metric} ({size} prompts) falls like (1 - template "
+                                   f"share) times its ALPHA = 0 value: at every ALPHA > 0, "
+                                   f"(value - (1 - share) x value at 0) / value at 0 within "
+                                   f"+-0.15"))
+        for metric in MI_METRICS + ENTROPY_METRICS + ("response_length",):
+            sign = -1 if metric in ENTROPY_METRICS else 1
+            rules.append(dict(kind="tracks", world=w, metric=metric, size=32, sign=sign,
+                              threshold=0.8 if metric in MI_METRICS else 0.0,
+                              text=f"{w}: Spearman of {metric} with the ground truth "
+                                   f"(1 - ALPHA) I_task over the policies is "
+                                   + ("above 0.8" if metric in MI_METRICS else
+                                      "below 0: entropy rises as the truth falls"
+                                      if sign < 0 else "above 0: templates are shorter")))
+    return rules
+
+
 GRIDS = {
     # Estimate: 30 runs x 120 steps x 5 s / 2 at a time = 2.5 h (less: runs that lose all spread
     # stop early).
@@ -167,6 +215,25 @@ GRIDS = {
             dict(kind="paired", metric="val_success", a=("topk", "step", 50),
                  b=("none", "step", 50), sign=1, text="Top-K beats no filter at step 50"),
         ]),
+    # Estimate: 2 worlds x 10 settings x 5 builds, 24 new warm starts a world (ALPHA = 0, build 0
+    # is cached): FrozenLake 50 x 75 s / 2 = 0.5 h, Sokoban 50 x 90 s / 2 = 0.6 h on idle cores.
+    "calibration": dict(
+        kind="calibration",
+        claim="The diagnosis against ground truth. Warm starts taught to reason with an "
+              "input-agnostic template on a share ALPHA of their turns (templates.py: I(X;Z) = "
+              "(1 - ALPHA) I_task, H(Z) level by the pool's size). Prediction, written before "
+              "measuring: a template carries no information about its prompt, so the "
+              "cross-scoring estimate (at most log N over N prompts) falls like (1 - template "
+              "share) times its value at ALPHA = 0, its expectation (1 - ALPHA) G(N) under the "
+              "demonstrations; H(Z|X), token entropy and the cross-scored H(Z) rise (templates "
+              "add log n of choice; the true H(Z) stays level, but the estimate sees only the "
+              "capped part of I_task); response length falls (templates are shorter). Each "
+              "policy is measured once, at train.py's step 1 before its update.",
+        flags=["--filter", "none", "--probe-samples", "8", "--mi-samples", "64"], world=None,
+        settings=calibration_settings(), seeds=SEEDS, seed_flags=["--warm-start-seed"],
+        steps=1, table_steps=[1],
+        seconds={s: CALIBRATION_SECONDS[s.split("-")[0]] for s in calibration_settings()},
+        decide=calibration_rules()),
 }
 # Whole programme: 2.5 + 1.1 + 1.0 (+ 0.15 warm starts) + 0.3 + 1.1 = about 6.2 h of the 2-core
 # machine (gradients was added after collapse-env had run, before its own runs).
@@ -200,8 +267,9 @@ def runs_of(name):
     for setting, flags in g["settings"].items():
         for seed in g["seeds"]:
             folder = os.path.join(RUNS, name, f"{setting}-s{seed}")
-            argv = g["flags"] + flags + COMMON + ["--seed", str(seed), "--steps", str(g["steps"]),
-                                                 "--out", folder]
+            argv = g["flags"] + flags + COMMON  # a seed flag may be the policy's build seed too
+            argv += [x for flag in g.get("seed_flags", []) for x in (flag, str(seed))]
+            argv += ["--seed", str(seed), "--steps", str(g["steps"]), "--out", folder]
             out.append((setting, seed, folder, argv))
     return out
 

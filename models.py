@@ -80,6 +80,8 @@ def load_policy(a, source, device, env_kwargs):
                 cache_dir=a.tiny_cache,
                 rebuild=a.rebuild_tiny,
                 warm_start=a.warm_start,
+                seed=a.warm_start_seed,
+                template_prior=a.template_prior,
             )
         except OSError as e:  # every file load_tiny reads or writes is in the cache folder
             in_the_way = isinstance(e, (FileExistsError, NotADirectoryError))

@@ -267,6 +267,13 @@ def report(name, results=RESULTS, with_figures=True, force=False):
     archives = manifest(name, data, results)
     if not force:
         refuse_less(name, archives, results)
+    if g.get("kind") == "calibration":  # one policy a run, measured once: its own tables
+        import calibration  # it builds on this module's helpers
+
+        files, numbers, text, draw = calibration.tables(name, data)
+        publish(name, out, files, {**numbers, "archives": archives}, text,
+                draw if with_figures else None)
+        return numbers["table"]
     rows = table_rows(name, data)
     decisions = [decide(name, data, rule, results) for rule in g["decide"]]
     within, world_rows = correlations(name, data)
@@ -275,41 +282,50 @@ def report(name, results=RESULTS, with_figures=True, force=False):
     searched = (stats.search_criteria(data) if any(r["kind"] == "search" for r in g["decide"])
                 else [])
     replicated = replication(name, decisions, results)
-    scratch = os.path.join(results, f".{name}.new")
+    files = {"table.csv": rows, "decisions.csv": decisions, "leadlag.csv": leads,
+             "correlations.csv": within + world_rows, "gradients.csv": gradients,
+             "search.csv": searched, "replication.csv": replicated,
+             "perseed.csv": [{"setting": setting, "seed": seed, "step": step,
+                              **{k: stats.value_at(data[setting, seed], k, step)
+                                 for k in ["val_success"] + PHASE}}
+                             for setting in g["settings"] for seed in g["seeds"]
+                             if (setting, seed) in data for step in g["table_steps"]]}
+    numbers = {"decisions": decisions, "correlations": within + world_rows, "leadlag": leads,
+               "gradients": gradients, "search": searched, "replication": replicated,
+               "archives": archives}
+    text = markdown(name, rows, decisions, within, world_rows, leads, gradients, searched,
+                    replicated)
+    publish(name, out, files, numbers, text,
+            (lambda folder: figures(name, data, folder)) if with_figures else None)
+    return rows
+
+
+def publish(name, out, files, numbers, text, draw=None):
+    """Write the csv files, numbers.json, table.md and (draw(folder)) the figures into a scratch
+    folder beside `out`, then move them in: a failure leaves the report in place as it was."""
+    scratch = os.path.join(os.path.dirname(out), f".{name}.new")
     try:
         shutil.rmtree(scratch, ignore_errors=True)
         os.makedirs(scratch)
-        files = {"table.csv": rows, "decisions.csv": decisions, "leadlag.csv": leads,
-                 "correlations.csv": within + world_rows, "gradients.csv": gradients,
-                 "search.csv": searched, "replication.csv": replicated,
-                 "perseed.csv": [{"setting": setting, "seed": seed, "step": step,
-                                  **{k: stats.value_at(data[setting, seed], k, step)
-                                     for k in ["val_success"] + PHASE}}
-                                 for setting in g["settings"] for seed in g["seeds"]
-                                 if (setting, seed) in data for step in g["table_steps"]]}
         for file, table in files.items():
             if table:
                 write_csv(os.path.join(scratch, file), table)
-        numbers = {"decisions": decisions, "correlations": within + world_rows, "leadlag": leads,
-                   "gradients": gradients, "search": searched, "replication": replicated,
-                   "archives": archives}
         with open(os.path.join(scratch, "numbers.json"), "w") as f:
             json.dump(rounded({k: v for k, v in numbers.items() if v}), f, indent=1,
                       sort_keys=True)
             f.write("\n")
         with open(os.path.join(scratch, "table.md"), "w") as f:
-            f.write(markdown(name, rows, decisions, within, world_rows, leads, gradients,
-                             searched, replicated))
-        if with_figures:
-            figures(name, data, scratch)
+            f.write(text)
+        if draw is not None:
+            draw(scratch)
         for file in sorted(os.listdir(scratch)):  # only now: every file was written
             os.replace(os.path.join(scratch, file), os.path.join(out, file))
         os.rmdir(scratch)
     except OSError as e:
         raise ReportError(f"{name}: cannot write the report in {out}: {e.strerror or e}") from None
-    print(f"wrote {out}/table.md, csv files, numbers.json{' and figures' if with_figures else ''} "
-          f"({len(data)} runs)")
-    return rows
+    runs = len(numbers.get("archives", {}))
+    print(f"wrote {out}/table.md, csv files, numbers.json{' and figures' if draw else ''} "
+          f"({runs} runs)")
 
 
 def rounded(x):

@@ -246,6 +246,8 @@ def check_args(a):
     need(a.lora >= 0 and (a.lora_alpha is None or a.lora_alpha > 0),
          "--lora must be >= 0, --lora-alpha > 0")
     need(a.threads is None or a.threads >= 1, "--threads must be >= 1")
+    need(0 <= a.template_prior <= 1 and a.warm_start_seed >= 0,
+         "--template-prior must be in [0, 1] and --warm-start-seed >= 0")
     try:
         envs.make_env(a.env, **env_kwargs(a)).reset(seed=0)
     except ValueError as e:

@@ -21,9 +21,12 @@ parameters.
 Warm start. A random network never writes a valid action, so on first use per world the model is
 trained by behaviour cloning on solver demonstrations (demos.py) and cached in
 .cache/tiny/<world>-<hash>; every later run loads it. The build is the same whatever the run's
---seed (like a pretrained checkpoint, it is part of the model). It saves its progress every
-SAVE_EVERY steps (an interrupted build continues where it stopped), one process builds while others
-wait for it, and the cached files carry checksums: a damaged entry is built again.
+--seed (like a pretrained checkpoint, it is part of the model); --warm-start-seed builds another one
+and --template-prior ALPHA one taught to reason with a template on a share ALPHA of its turns
+(templates.py; its vocabulary adds the templates' words), each in its own folder. It saves its
+progress every SAVE_EVERY steps (an interrupted build continues where it stopped), one process
+builds while others wait for it, and the cached files carry checksums: a damaged entry is built
+again.
 """
 import fcntl
 import hashlib
@@ -42,6 +45,7 @@ from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 import demos
 import envs
 import rollout
+import templates
 
 # bump when demonstrations, tokenizer or default sizes / training settings change: no stale cache
 FORMAT_VERSION = 7
@@ -79,9 +83,9 @@ def prompts(env_name):
 
 # ---------------------------------------------------------------------------------------- tokenizer
 
-def _sample_texts(seeds=range(8)):
+def _sample_texts(seeds=range(8), with_templates=False):
     """Every kind of text the rollout loop writes for tiny: system prompts, user turns,
-    demonstrations, numbers."""
+    demonstrations, numbers; and the template grammar's sentences when asked (templates.py)."""
     texts = [demos.TINY_SYSTEM, CHAT_TEMPLATE, "Try Push from none expects pays", "user assistant"]
     rng = random.Random(0)
     for name in envs.ENVS:
@@ -97,18 +101,20 @@ def _sample_texts(seeds=range(8)):
             texts.append(obs + "\n" + "\n".join(env.actions))
     # turn rewards (two decimals) and actions left
     texts += [f"{k / 10:.2f}" for k in range(-30, 121)] + [str(k) for k in range(101)]
-    return texts
+    # a reasoning starts with the space after "<think>": " Let", as the demonstrations write it
+    return texts + ([" " + t for t in templates.sentences()] if with_templates else [])
 
 
-def build_tokenizer():
+def build_tokenizer(with_templates=False):
     """Word-level tokenizer over the worlds' texts with a character fallback, ChatML chat template,
-    Qwen's specials.
+    Qwen's specials; with_templates adds the template grammar's words (a warm start with a template
+    prior writes them; without one the vocabulary, and so the cache folder, is unchanged).
 
     >>> tok = build_tokenizer(); tok.convert_ids_to_tokens(tok.encode("#_P\\n<think> Up"))
     ['#', '_', 'P', '\\n', '<think>', ' Up']
     """
     pieces = set(string.printable) | set(TAGS) | {" " + tag for tag in TAGS}
-    for text in _sample_texts():
+    for text in _sample_texts(with_templates=with_templates):
         pieces.update(text)  # every character, the grid symbols included
         pieces.update(re.findall(PIECE, text))
     pieces -= set(SPECIAL)
@@ -182,21 +188,27 @@ def checksums(folder):
 
 
 def load_tiny(env_name, env_kwargs=None, cache_dir=".cache/tiny", rebuild=False, warm_start=True,
-              steps=None, seed=0, progress=True, **sizes):
+              steps=None, seed=0, progress=True, template_prior=0.0, **sizes):
     """(model, tokenizer) for `env_name`: warm-started on demonstrations on first use, then loaded
     from the cache.
 
     warm_start=False gives the untrained network (nothing cached); rebuild=True trains again even
-    when cached; steps defaults to WARM_START_STEPS. The folder holds warm_start.json (steps,
-    seconds, losses, checksums). `sizes` go to build_model.
+    when cached; steps defaults to WARM_START_STEPS; `seed` draws the weights and picks the
+    demonstrations (a build seed); `template_prior` is the share of demonstration turns that reason
+    with a template (templates.py). The folder holds warm_start.json (steps, seconds, losses,
+    checksums). `sizes` go to build_model.
     """
     if env_name not in envs.ENVS:
         raise ValueError(f"unknown environment {env_name!r}; valid: {', '.join(sorted(envs.ENVS))}")
+    if not 0 <= template_prior <= 1:
+        raise ValueError(f"template_prior must be in [0, 1], got {template_prior}")
     steps = steps or WARM_START_STEPS
-    tokenizer = build_tokenizer()
+    tokenizer = build_tokenizer(with_templates=template_prior > 0)
     if not warm_start:
         return build_model(tokenizer, seed=seed, **sizes), tokenizer
     settings = dict(steps=steps, seed=seed, **sizes)
+    if template_prior:  # only then: without a prior the key, and the folder, are as before
+        settings.update(template_prior=template_prior, template_pool=templates.pool(env_name))
     folder = cache_folder(cache_dir, env_name, tokenizer, env_kwargs, **settings)
     os.makedirs(cache_dir, exist_ok=True)
     with open(folder + ".lock", "w") as lock:
@@ -212,7 +224,8 @@ def load_tiny(env_name, env_kwargs=None, cache_dir=".cache/tiny", rebuild=False,
             if problem:
                 print(f"the cached tiny warm start in {folder} is damaged ({problem}); "
                       f"building it again")
-        model = _build(folder, tokenizer, env_name, env_kwargs, steps, seed, progress, sizes)
+        model = _build(folder, tokenizer, env_name, env_kwargs, steps, seed, progress, sizes,
+                       template_prior)
         return model, tokenizer
 
 
@@ -234,7 +247,8 @@ def _load_cached(folder):
         return None, str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
 
 
-def _build(folder, tokenizer, env_name, env_kwargs, steps, seed, progress, sizes):
+def _build(folder, tokenizer, env_name, env_kwargs, steps, seed, progress, sizes,
+           template_prior=0.0):
     """Behaviour cloning into `folder`, continuing a saved partial build; progress is saved every
     SAVE_EVERY steps."""
     partial = folder + ".partial.pt"
@@ -275,8 +289,9 @@ def _build(folder, tokenizer, env_name, env_kwargs, steps, seed, progress, sizes
     torch.set_num_threads(min(BUILD_THREADS, os.cpu_count() or 1))
     began = time.time()
     try:
+        pool = templates.pool(env_name) if template_prior else ()
         demos.imitate(model, tokenizer, env_name, env_kwargs, steps=steps, seed=seed, start=start,
-                      state=state, on_step=on_step)
+                      state=state, on_step=on_step, template_prior=template_prior, pool=pool)
     except KeyboardInterrupt:
         done = len(losses) - len(losses) % SAVE_EVERY
         print(f"\nthe warm start stopped at step {len(losses)}; the next run continues from step "
@@ -293,6 +308,7 @@ def _build(folder, tokenizer, env_name, env_kwargs, steps, seed, progress, sizes
     # written last: marks a complete folder
     with open(os.path.join(tmp, "warm_start.json"), "w") as f:
         json.dump({"env": env_name, "env_kwargs": env_kwargs or {}, "steps": steps, "seed": seed,
+                   "template_prior": template_prior,
                    "seconds": time.time() - began, "first_loss": losses[0] if losses else None,
                    "last_loss": losses[-1] if losses else None, "checksums": checksums(tmp)}, f)
     shutil.rmtree(folder, ignore_errors=True)

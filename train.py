@@ -35,6 +35,7 @@ import rollout
 import runs
 import sampler
 import snr_filter
+import templates
 
 VAL_SEED_BASE = 10_000_000  # validation seeds are 10_000_000 + i; training seeds are drawn below it
 PROBE_SEED_BASE = 20_000_000  # the probe set's prompts: 20_000_000 + i, held out like validation's
@@ -108,6 +109,8 @@ class Args:
     rebuild_tiny: bool = arg(False, "tiny: redo the warm start instead of using the cache")
     warm_start: bool = arg(True, "tiny: warm-start on solver demonstrations (off: random weights)")
     tiny_cache: str = arg(".cache/tiny", "tiny: folder of warm-started models")
+    warm_start_seed: int = arg(0, "tiny: the warm start's build seed (weights, demonstrations)")
+    template_prior: float = arg(0.0, "tiny: share of warm-start turns reasoning with a template")
     # diagnosis, validation, output
     mi_every: int = arg(5, "cross-scoring diagnosis at step 1 and every N steps (0 = off)")
     mi_samples: int = arg(64, "samples cross-scored per diagnosis")
@@ -213,7 +216,8 @@ def diagnose(run, episodes, rng):
     """Step 2: cross-score up to mi_samples first-turn reasonings under every group's first prompt
     (Sec. 2.3). Identical prompts (Bandit repeats its 4 layouts; rooms can repeat) count as one.
     diagnosis_logprob_diff: the largest |a sample's score under its own prompt - its sampling
-    log-prob|, 0 up to float rounding when the sampled ids are scored."""
+    log-prob|, 0 up to float rounding when the sampled ids are scored; template_share: the share of
+    those reasonings that are sentences of the world's template pool (templates.py), exact."""
     a = run.args
     picked = [episodes[i] for i in mi_sample(a.groups, a.group_size, a.mi_samples, rng)]
     firsts = [next(e for e in episodes if e.group == g) for g in range(a.groups)]
@@ -228,6 +232,7 @@ def diagnose(run, episodes, rng):
     out = {k: metrics[k] for k in keep if k in metrics}
     out["diagnosis_logprob_diff"] = logprob_diff(scores, [e.group for e in picked],
                                                  [e.first_reasoning_logprob for e in picked])
+    out["template_share"] = templates.template_share([e.first_reasoning for e in picked], a.env)
     return out
 
 
@@ -278,7 +283,8 @@ def probe(run):
     policy does). Logged as probe_<metric> with probe_<metric>_se over the prompts, and, on the
     same samples, the answer's dependence on the reasoning, probe_action_mi (mi.action_dependence:
     each answer a_k -- the rest of the first reply after the reasoning -- scored after every
-    reasoning z_j of its prompt); probe_diagnosis_logprob_diff over both scorings."""
+    reasoning z_j of its prompt); probe_diagnosis_logprob_diff over both scorings;
+    probe_template_share."""
     a = run.args
     if not a.probe_prompts:
         return {}
@@ -314,6 +320,7 @@ def probe(run):
     out = mi.metrics_with_se(scores, owner, lengths, prompt_keys=[e.first_prompt for e in firsts])
     out.update(mi.action_dependence(torch.stack(actions)))
     out["diagnosis_logprob_diff"] = diff
+    out["template_share"] = templates.template_share([e.first_reasoning for e in episodes], a.env)
     return {"probe_" + k: v for k, v in out.items() if not k.endswith("upper_bound")}
 
 

@@ -10,6 +10,7 @@ import torch
 import demos
 import envs
 import rollout
+import templates
 import tiny
 
 
@@ -71,6 +72,31 @@ def test_demonstrations_are_valid_and_imperfect(tok):
     stuck = envs.Sokoban(room="#####\n#X_O#\n#P__#\n#####")  # the box sits in a corner: no solution
     stuck.reset()
     assert envs.solve(stuck) is None and demos.describe(stuck, []) == "Stuck."
+
+
+def test_a_template_prior_replaces_the_reasoning_and_keeps_the_solvers_answer(tok):
+    """With probability ALPHA a turn reasons with a pool sentence and still plays the solver's next
+    1 or 2 moves; without a prior the random stream, and so every demonstration, is as before."""
+    pool = templates.pool("frozenlake")
+    env = envs.make_env("frozenlake")
+    env.reset(seed=3)
+    plan = envs.solve(env)
+    rng = random.Random(2)
+    for _ in range(50):
+        think, actions, valid = envs.parse_response(
+            "<think>" + demos.demonstration(env, rng, noise=1.0, template_prior=1.0, pool=pool),
+            env.actions)
+        assert think in pool and valid and actions == plan[:len(actions)] and len(actions) in (1, 2)
+    turns = [demos.demonstration(env, rng, template_prior=0.3, pool=pool) for _ in range(2000)]
+    share = templates.template_share([t.split(" </think>")[0] for t in turns], "frozenlake")
+    assert abs(share - 0.3) < 4 * (0.3 * 0.7 / 2000) ** 0.5
+    assert len({t.split(" </think>")[0] for t in turns} & set(" " + z for z in pool)) > 40
+    # no prior: the same draws as a demonstration that was never given one
+    a, b = random.Random(7), random.Random(7)
+    assert [demos.demonstration(env, a) for _ in range(30)] == [
+        demos.demonstration(env, b, template_prior=0.0, pool=pool) for _ in range(30)]
+    taught = demos.demonstrations(tok, "frozenlake", range(6), template_prior=1.0, pool=pool)
+    assert all(e.first_reasoning.strip() in pool for e in taught)
 
 
 def test_demo_loss_equals_plain_loop_over_policy_tokens(tok):

@@ -22,7 +22,7 @@ import train
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 OUTPUTS = ("table.md", "table.csv", "decisions.csv", "correlations.csv", "leadlag.csv", "numbers.json",
-           "perseed.csv", "search.csv", "gradients.csv", "replication.csv")
+           "perseed.csv", "search.csv", "gradients.csv", "replication.csv", "policies.csv", "samples.csv")
 
 
 def fake_run(folder, steps, success, mi, val=None, kept=4, opt=2, decomposition=True):

@@ -15,6 +15,7 @@ import grpo
 import mi
 import ppo
 import snr_filter
+import templates
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 THEORY = os.path.join(ROOT, "theory.md")
@@ -235,6 +236,18 @@ def computed_values():
     z2, s2 = mi.mi_zscore_ema({"mi_estimate": 0.3, "marginal_std": 1.5}, s1)
     v.update({"ema.step1.zscore": z1, "ema.step1.std_ema": s1, "ema.step2.std_ema": s2,
               "ema.step2.zscore": z2})
+    # the template prior
+    v["toy.I_XZ"] = mi.mutual_information([[0.5, 0.0, 0.25, 0.25], [0.0, 0.5, 0.25, 0.25]])
+    for world in ("frozenlake", "sokoban"):
+        v[f"{world}.I_task"] = templates.TASK[world]["i_task"]
+        v[f"{world}.log_pool"] = math.log(len(templates.pool(world)))
+    v["frozenlake.H_task_given_X"] = templates.TASK["frozenlake"]["h_given_x"]
+    quarter = templates.truth("frozenlake", 0.25)
+    for key in ("I_XZ", "H_Z_given_X", "H_Z"):
+        v[f"frozenlake.alpha_0.25.{key}"] = quarter[key]
+    v["frozenlake.alpha_0.25.mi_seq_N8"] = quarter["mi_seq_estimate_N8"]
+    v["frozenlake.alpha_1.H_Z"] = templates.truth("frozenlake", 1.0)["H_Z"]
+    v["sokoban.alpha_0.5.mi_seq_N32"] = templates.truth("sokoban", 0.5)["mi_seq_estimate_N32"]
     # 3. the bound
     tight = snr_filter.task_gradient_bound([0.0, 2.0], [[-1.0, 0.0], [1.0, 0.0]])
     v["bound.tight.norm"], v["bound.tight.bound"] = tight

@@ -12,6 +12,7 @@ import torch
 import demos
 import envs
 import rollout
+import templates
 import tiny
 
 SIZES = dict(hidden_size=32, intermediate_size=64)
@@ -157,6 +158,33 @@ def test_cache_is_reused_and_rebuild_retrains(tmp_path, monkeypatch):
         build(tmp_path, seed=1)
     random_model, _ = build(tmp_path, warm_start=False)
     assert len([f for f in tmp_path.iterdir() if f.is_dir()]) == 1 and random_model is not None
+
+
+def test_a_template_prior_builds_its_own_warm_start_and_none_keeps_todays_folder(tmp_path, monkeypatch):
+    imitate, taught = demos.imitate, []
+
+    def recording(*args, **kwargs):
+        taught.append((kwargs["template_prior"], kwargs["pool"]))
+        return imitate(*args, **kwargs)
+
+    monkeypatch.setattr(demos, "imitate", recording)
+    _, plain = build(tmp_path)
+    # no prior: the folder of the key without any template setting, today's
+    assert os.path.isdir(tiny.cache_folder(str(tmp_path), "bandit", tiny.build_tokenizer(), None, steps=4,
+                                           seed=0, **SIZES))
+    model, taught_tokenizer = build(tmp_path, template_prior=0.5)
+    folders = [f for f in tmp_path.iterdir() if f.is_dir()]
+    assert len(folders) == 2 and taught == [(0.0, ()), (0.5, templates.pool("bandit"))]
+    assert " me" in taught_tokenizer.get_vocab() and " me" not in plain.get_vocab()
+    assert model.get_input_embeddings().weight.shape[0] == len(taught_tokenizer)
+    infos = [json.loads((f / "warm_start.json").read_text()) for f in folders]
+    assert sorted(i["template_prior"] for i in infos) == [0.0, 0.5]
+    _, again = build(tmp_path, template_prior=0.5)  # loaded, with the tokenizer it was built with
+    assert len(taught) == 2 and again.get_vocab() == taught_tokenizer.get_vocab()
+    build(tmp_path, template_prior=0.5, seed=1)  # another build seed: another warm start
+    assert len(taught) == 3 and len([f for f in tmp_path.iterdir() if f.is_dir()]) == 3
+    with pytest.raises(ValueError, match="template_prior"):
+        build(tmp_path, template_prior=1.5)
 
 
 @pytest.mark.parametrize("damage", [

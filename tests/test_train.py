@@ -20,6 +20,7 @@ import rollout
 import runs
 import sampler
 import snr_filter
+import templates
 import tiny
 import train
 
@@ -30,7 +31,7 @@ EVERY_STEP = {"step", "train_success", "reward_mean", "reward_std", "kept_ratio"
               "response_length", "skipped", "time_rollout", "time_scoring", "time_update", "time_step",
               "zero_var_success_frac", "zero_var_fail_frac"}
 DIAGNOSIS = {"mi_estimate", "mi_seq_estimate", "mi_zscore", "mi_zscore_ema", "retrieval_acc", "conditional_entropy",
-             "reasoning_entropy", "retrieval_chance"}
+             "reasoning_entropy", "retrieval_chance", "template_share", "probe_template_share"}
 UPDATE = {"pg_loss", "entropy_loss", "clip_frac", "clip_frac_lower", "approx_kl", "grad_norm", "token_entropy"}
 CPU = torch.device("cpu")
 
@@ -363,6 +364,27 @@ def test_the_diagnosis_samples_every_prompt_alike(tmp_path, monkeypatch):
     owners.clear()
     train.diagnose(run, episodes, None)
     assert owners == [[0, 1, 2, 3]]
+
+
+def test_template_share_labels_every_diagnosed_reasoning_exactly(tmp_path, monkeypatch):
+    """Rollouts that reason with a pool sentence, a near miss and a task reasoning: the share of pool
+    sentences among the diagnosed reasonings, in the batch and on the probe set, is exact."""
+    pool = templates.pool("frozenlake")
+    texts = [pool[0], pool[3], pool[0] + " Try Up.", "Goal: 1 Down, 0 Right."]  # two templates of four
+
+    def writer(tokenizer):
+        end, count = rollout.end_of_turn_ids(tokenizer)[0], iter(range(10 ** 6))
+        return lambda prompt_ids, env_list: [rollout.Generation(tokenizer.encode(
+            f" {texts[next(count) % 4]} </think> <answer> Up </answer>", add_special_tokens=False) + [end])
+            for _ in env_list]
+
+    run = make_run(tmp_path, env="frozenlake", groups=2, group_size=4, mi_samples=8, probe_prompts=2,
+                   probe_samples=4)
+    episodes = rollout.play(writer(run.tokenizer), run.tokenizer, "frozenlake", [3, 5], 4, max_turns=1,
+                            **run.prompt)
+    assert train.diagnose(run, episodes, None)["template_share"] == 0.5
+    monkeypatch.setattr(train.sampler, "hf_policy", lambda model, tokenizer, *args, **kwargs: writer(tokenizer))
+    assert train.probe(run)["probe_template_share"] == 0.5
 
 
 # ------------------------------------------------------------------------------------------- Fig. 4

@@ -1,0 +1,187 @@
+"""The template prior: template collapse with ground truth, a warm start whose reasoning is, with
+a known probability, a fluent sentence that says nothing about the input.
+
+A new top-level file because the prior is a concept of its own: it gives the MI diagnosis a policy
+whose input dependence is known by construction. With probability ALPHA a demonstration turn's
+reasoning is replaced by a sentence drawn uniformly from a pool of boilerplate of the kind a
+pretrained model writes ("Let me plan ahead now."), the answer still the solver's move (demos.py).
+The paper's templates are short preambles from a pool of phrases (its Fig. 1) and its collapse
+shortens outputs (Fig. 8): these are 4 to 8 tokens, against about 9 (FrozenLake) and 27 (Sokoban)
+for the task reasoning.
+
+The pool is a full product of three slots (opener x action x ending), so sampling it uniformly is
+three independent uniform choices, which a 2-layer policy can learn; its size n is chosen per world
+so that the template reasoning's entropy log n matches the task reasoning's H(Z_task) over the
+demonstrations' first turns:
+
+    world        I_task = H(f(X))   H(Z_task | X)   H(Z_task)   pool n        log n
+    frozenlake   3.670              0.778           4.448       4 x 7 x 3     4.431
+    sokoban      5.012              0.778           5.790       6 x 11 x 5    5.799
+    bandit       0.693              0.639           1.332       2 x 2 x 1     1.386
+
+in nats, over 40,000 first turns (plug-in estimates; TASK, checked by tests/test_templates.py). The
+task reasoning is f(X), a function of the state (demos.describe), followed with probability 0.2 by
+an independent "Try <move>." (demos.demonstration's noise), so I_task = H(f(X)) and
+H(Z_task | X) = -0.8 log 0.8 - 0.2 log(0.2 / |moves|).
+
+Ground truth. With disjoint supports (no template is a task reasoning), given X = x the reasoning
+is the mixture ALPHA U(pool) + (1 - ALPHA) p_task(z | x); a pool sentence has the same probability
+ALPHA / n under every input, so it adds nothing to I(X;Z), and on task sentences the factor
+(1 - ALPHA) cancels in p(z|x) / p(z):
+
+    I(X;Z)  = (1 - ALPHA) I_task
+    H(Z|X)  = h(ALPHA) + ALPHA log n + (1 - ALPHA) H(Z_task | X),   h = the binary entropy
+    H(Z)    = h(ALPHA) + ALPHA log n + (1 - ALPHA) H(Z_task)        (level when log n = H(Z_task))
+
+The cross-scoring estimate over N prompts cannot exceed log N: under the demonstration distribution
+a task sample's gap is log N - log c, c the number of the N prompts whose f equals its own, and a
+template's is 0, so its expectation is (1 - ALPHA) G(N) with G(N) = sum_f p_f E[log N - log(1 + B)],
+B ~ Binomial(N - 1, p_f) (capped_gap; theory.md, Sec. 2).
+"""
+import collections
+import functools
+import itertools
+import math
+
+import demos
+import envs
+
+OPENERS = ("Let me", "I will", "I should", "I need to", "Now I will", "I want to", "Time to",
+           "I must")
+ACTIONS = ("think", "plan ahead", "focus", "be careful", "stay calm", "look closely",
+           "think it through", "take it slow", "make a plan", "pick a move", "keep going",
+           "do my best", "go step by step")
+ENDINGS = (".", " now.", " first.", " here.", " again.")
+# slots used per world: log(a * b * c) matches the world's H(Z_task) (module docstring)
+POOL_SHAPE = {"frozenlake": (4, 7, 3), "sokoban": (6, 11, 5), "bandit": (2, 2, 1)}
+NOISE = 0.2  # demos.imitate's default: the chance a turn tries a random move
+# the task reasoning of the demonstrations' first turns (task_entropy on TASK_SEEDS, default
+# settings): I_task = H(f(X)), H(Z_task | X), and the capped expectation G(N) at N = 8 and 32
+TASK_SEEDS = range(demos.DEMO_SEEDS, demos.DEMO_SEEDS + 40_000)
+TASK = {"frozenlake": {"i_task": 3.670, "h_given_x": 0.778, "gap": {8: 1.943, 32: 2.948}},
+        "sokoban": {"i_task": 5.012, "h_given_x": 0.778, "gap": {8: 2.025, 32: 3.247}},
+        "bandit": {"i_task": 0.693, "h_given_x": 0.639, "gap": {8: 0.626, 32: 0.677}}}
+
+
+# ---------------------------------------------------------------------------------------- the pool
+
+def sentences():
+    """Every sentence of the grammar (all slots, every world's pool included): the words the tiny
+    tokenizer learns when a warm start has a template prior."""
+    return [f"{o} {a}{e}" for o, a, e in itertools.product(OPENERS, ACTIONS, ENDINGS)]
+
+
+@functools.lru_cache(maxsize=None)
+def pool(env_name):
+    """The world's template pool: the first a openers x b actions x c endings (POOL_SHAPE).
+
+    >>> pool("bandit")
+    ('Let me think.', 'Let me plan ahead.', 'I will think.', 'I will plan ahead.')
+    """
+    if env_name not in POOL_SHAPE:
+        raise ValueError(f"no template pool for world {env_name!r}: {', '.join(POOL_SHAPE)}")
+    a, b, c = POOL_SHAPE[env_name]
+    return tuple(f"{o} {x}{e}" for o, x, e in itertools.product(OPENERS[:a], ACTIONS[:b],
+                                                                 ENDINGS[:c]))
+
+
+@functools.lru_cache(maxsize=None)
+def _members(env_name):
+    return frozenset(pool(env_name))
+
+
+def is_template(reasoning, env_name):
+    """Whether a sampled reasoning is exactly one of the world's pool sentences (the white space
+    around it aside: Z starts with the space after "<think>").
+
+    >>> is_template(" Let me think.", "bandit"), is_template(" Let me think. Try Up.", "bandit")
+    (True, False)
+    """
+    return reasoning.strip() in _members(env_name)
+
+
+def template_share(reasonings, env_name):
+    """The fraction of `reasonings` that are pool sentences (None for none)."""
+    reasonings = list(reasonings)
+    if not reasonings:
+        return None
+    return sum(is_template(z, env_name) for z in reasonings) / len(reasonings)
+
+
+# ------------------------------------------------------------------------------ the ground truth
+
+def binary_entropy(p):
+    """h(p) = -p log p - (1 - p) log(1 - p) in nats, 0 at 0 and 1."""
+    return -sum(q * math.log(q) for q in (p, 1.0 - p) if q > 0)
+
+
+def mixture(alpha, i_task, h_given_x, log_n):
+    """I(X;Z), H(Z|X) and H(Z) of the demonstration distribution at template prior `alpha`, from
+    the task reasoning's I_task and H(Z_task | X) and the pool's log n (module docstring).
+
+    >>> {k: round(v, 4) for k, v in mixture(0.5, 2.0, 1.0, 3.0).items()}
+    {'I_XZ': 1.0, 'H_Z_given_X': 2.6931, 'H_Z': 3.6931}
+    """
+    if not 0 <= alpha <= 1:
+        raise ValueError(f"alpha must be in [0, 1], got {alpha}")
+    given_x = binary_entropy(alpha) + alpha * log_n + (1 - alpha) * h_given_x
+    return {"I_XZ": (1 - alpha) * i_task, "H_Z_given_X": given_x,
+            "H_Z": given_x + (1 - alpha) * i_task}
+
+
+def capped_gap(probs, n_prompts):
+    """G(N) = sum_f p_f E[log N - log(1 + B)], B ~ Binomial(N - 1, p_f): the expected cross-scoring
+    gap of a task sample among N prompts drawn from the demonstration distribution, whose task
+    reasoning f has the distribution `probs` (a task sample scores alike under every prompt with its
+    f and 0 under the others). At most log N; log N - G(N) is what the batch's repeated f cost.
+
+    >>> round(capped_gap([0.5, 0.5], 2), 4)          # half the time the other prompt shares f
+    0.3466
+    """
+    n = n_prompts
+    total = 0.0
+    for p in probs:
+        expected = sum(math.comb(n - 1, k) * p ** k * (1 - p) ** (n - 1 - k) * math.log(1 + k)
+                       for k in range(n))
+        total += p * (math.log(n) - expected)
+    return total
+
+
+def noise_entropy(has_plan, moves, noise=NOISE):
+    """H of the "Try <move>." suffix of one demonstration turn: with a plan, none with probability
+    1 - noise, else one of `moves` moves uniformly; without one, always one of them."""
+    if not has_plan:
+        return math.log(moves)
+    return binary_entropy(noise) + noise * math.log(moves) if noise > 0 else 0.0
+
+
+def task_entropy(env_name, seeds=TASK_SEEDS, env_kwargs=None, noise=NOISE, prompts=(8, 32)):
+    """The task reasoning of the demonstrations' first turns over `seeds` -> {i_task: the plug-in
+    H(f(X)), h_given_x: mean H(Z_task | X = x), h_task: their sum, gap: {N: G(N)}, support: the
+    number of distinct f, samples}."""
+    counts, h_given_x = collections.Counter(), 0.0
+    for seed in seeds:
+        env = envs.make_env(env_name, **(env_kwargs or {}))
+        env.reset(seed=seed)
+        plan = envs.solve(env) or []
+        counts[demos.describe(env, plan)] += 1
+        h_given_x += noise_entropy(bool(plan), len(env.actions), noise)
+    total = sum(counts.values())
+    if not total:
+        raise ValueError("task_entropy needs at least one seed")
+    probs = [c / total for c in counts.values()]
+    i_task = -sum(p * math.log(p) for p in probs)
+    return {"i_task": i_task, "h_given_x": h_given_x / total,
+            "h_task": i_task + h_given_x / total,
+            "gap": {n: capped_gap(probs, n) for n in prompts}, "support": len(counts),
+            "samples": total}
+
+
+def truth(env_name, alpha):
+    """The closed-form numbers of `env_name`'s demonstrations at template prior `alpha`, from the
+    quoted TASK: I(X;Z), H(Z|X), H(Z), and the capped expectation of the cross-scoring estimate
+    (mi_seq_estimate) at each N of TASK."""
+    task = TASK[env_name]
+    out = mixture(alpha, task["i_task"], task["h_given_x"], math.log(len(pool(env_name))))
+    out.update({f"mi_seq_estimate_N{n}": (1 - alpha) * g for n, g in task["gap"].items()})
+    return out

@@ -1,0 +1,135 @@
+"""calibration.py and the calibration grid: the rules on synthetic policies whose answers are known
+(proportional, share, tracks, the samples needed), and the whole measurement end to end on a toy
+registration -- warm starts of a few steps with and without a template prior, train.py's step-1
+diagnosis, the archives, and the report regenerated from them alone."""
+import csv
+import filecmp
+import json
+import math
+import os
+import shutil
+
+import pytest
+
+import calibration
+import demos
+import experiments
+import grids
+import report
+import templates
+import tiny
+import train
+
+
+def row(alpha, build, share, mi, se=0.05, prompts=32, world="frozenlake"):
+    return {"setting": f"{world}-a{alpha:g}-p{prompts}", "world": world, "alpha": alpha,
+            "prompts": prompts, "samples": 8, "build": build, "probe_template_share": share,
+            "probe_mi_estimate": mi, "probe_mi_estimate_se": se,
+            "I_XZ": templates.truth(world, alpha)["I_XZ"]}
+
+
+BUILDS = range(5)
+JITTER = (-0.02, -0.01, 0.0, 0.01, 0.02)  # share around alpha, the same for every alpha
+
+
+def policies(mi):
+    """Five builds at each alpha; the share is alpha + a jitter, the estimate mi(alpha, share)."""
+    return [row(a, b, min(1.0, max(0.0, a + JITTER[b])), mi(a, min(1.0, max(0.0, a + JITTER[b]))))
+            for a in grids.ALPHAS for b in BUILDS]
+
+
+def rule(kind, **kw):
+    return {"kind": kind, "world": "frozenlake", "metric": "probe_mi_estimate", "size": 32, "text": kind, **kw}
+
+
+def test_an_estimate_falling_like_one_minus_the_share_holds_and_a_flat_one_is_contradicted():
+    assert grids.ALPHAS
+    exact = policies(lambda a, share: 2.0 * (1 - share))
+    assert calibration.decide(rule("proportional", tolerance=0.15), exact)["verdict"] == "holds"
+    flat = policies(lambda a, share: 2.0 - 0.1 * share)  # an estimate blind to the templates
+    assert calibration.decide(rule("proportional", tolerance=0.15), flat)["verdict"] == "contradicted"
+    assert calibration.decide(dict(rule("share", tolerance=0.1), metric="probe_template_share"),
+                              exact)["verdict"] == "holds"
+    off = [dict(r, probe_template_share=r["alpha"] / 2) for r in exact]  # learnt half its prior
+    assert calibration.decide(dict(rule("share", tolerance=0.1), metric="probe_template_share"),
+                              off)["verdict"] == "contradicted"
+    three = [r for r in exact if r["build"] < 3]  # no interval from fewer than five builds
+    assert "no interval" in calibration.decide(rule("proportional", tolerance=0.15), three)["verdict"]
+
+
+def test_tracking_is_a_spearman_over_policies_with_a_build_bootstrap():
+    falling = policies(lambda a, share: 2.0 * (1 - share))
+    decided = calibration.decide(rule("tracks", sign=1, threshold=0.8), falling, resamples=200)
+    assert decided["estimate"] == pytest.approx(1.0, abs=0.05) and decided["verdict"] == "holds"
+    rising = policies(lambda a, share: 1.0 + share)  # an entropy: up as the truth goes down
+    decided = calibration.decide(rule("tracks", sign=-1, threshold=0.0), rising, resamples=200)
+    assert decided["estimate"] < -0.9 and decided["verdict"] == "holds"
+    assert calibration.decide(rule("tracks", sign=1, threshold=0.8), rising,
+                              resamples=200)["verdict"] == "contradicted"
+    assert calibration.decide(dict(rule("tracks", sign=1, threshold=0.8), world="sokoban"),
+                              rising)["verdict"] == "not run"
+
+
+def test_the_samples_needed_follow_from_the_difference_and_its_standard_error():
+    rows = policies(lambda a, share: 2.0 * (1 - a) + 0.01 * share)
+    out = {s["metric"]: s for s in calibration.samples(rows)}["probe_mi_estimate"]
+    d = 2.0 * 0.25 + 0.01 * (sum(0.25 + j for j in JITTER) - sum(0.5 + j for j in JITTER)) / 5
+    se = math.sqrt(2) * 0.05
+    assert out["difference"] == pytest.approx(d) and out["se_difference"] == pytest.approx(se)
+    assert out["samples"] == 32 * 8 and out["z"] == pytest.approx(d / se)
+    assert out["samples_needed"] == math.ceil(256 * (calibration.POWER_Z * se / d) ** 2)
+
+
+# ----------------------------------------------------------------------------------- end to end
+
+SMALL = ["--groups", "2", "--group-size", "2", "--max-turns", "1", "--max-new-tokens", "12",
+         "--val-seeds", "1", "--mi-samples", "4", "--probe-samples", "2"]
+
+
+@pytest.fixture
+def toy(tmp_path, monkeypatch):
+    """The calibration on FrozenLake at ALPHA 0 and 1, one build, warm starts of 2 steps."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(tiny, "WARM_START_STEPS", 2)
+    monkeypatch.setattr(demos, "ROUND", 1)  # a batch of demonstrations played a step
+    settings = {f"frozenlake-a{a:g}-p2": ["--env", "frozenlake", "--template-prior", f"{a:g}",
+                                          "--probe-prompts", "2"] for a in (0.0, 1.0)}
+    monkeypatch.setitem(grids.GRIDS, "toy-calibration", dict(
+        grids.GRIDS["calibration"], flags=["--filter", "none", "--tiny-cache", "cache"] + SMALL,
+        settings=settings, seeds=[3],
+        decide=[rule("proportional", tolerance=0.15, size=2), rule("tracks", sign=1, threshold=0.8, size=2)]))
+    return "toy-calibration"
+
+
+def test_the_calibration_runs_end_to_end_and_reports_from_its_archives_alone(toy, tmp_path):
+    runs = grids.runs_of(toy)
+    assert [argv[argv.index("--warm-start-seed") + 1] for _, _, _, argv in runs] == ["3", "3"]
+    for _, _, folder, argv in runs:
+        assert train.main(argv) == 0
+        records = [json.loads(line) for line in open(os.path.join(folder, "metrics.jsonl"))]
+        first = next(r for r in records if r["step"] == 1)
+        assert {"template_share", "probe_template_share", "mi_estimate", "probe_action_mi",
+                "token_entropy", "response_length"} <= set(first)
+        experiments.archive(folder, toy)
+    assert len(os.listdir("cache")) >= 2  # a warm start per prior
+    table = report.report(toy, with_figures=False)
+    assert [(r["alpha"], r["builds"]) for r in table] == [(0.0, 1), (1.0, 1)]
+    policies = list(csv.DictReader(open(os.path.join("results", toy, "policies.csv"))))
+    assert [p["setting"] for p in policies] == list(grids.GRIDS[toy]["settings"])
+    task = templates.TASK["frozenlake"]
+    assert [float(p["I_XZ"]) for p in policies] == [round(task["i_task"], 4), 0.0]
+    assert float(policies[0]["expected_mi_seq_batch"]) == round(task["gap"][8], 4)
+    logged = {r["setting"]: r for r in calibration.policies(toy, report.load(toy))}
+    for p in policies:
+        assert float(p["probe_template_share"]) == round(logged[p["setting"]]["probe_template_share"], 4)
+    numbers = json.load(open(os.path.join("results", toy, "numbers.json")))
+    assert len(numbers["archives"]) == 2 and "I_task = 3.670" in open(
+        os.path.join("results", toy, "table.md")).read()
+    # the run folders are not committed: the archives alone give the same files
+    shutil.rmtree("runs")
+    again = tmp_path / "again"
+    shutil.copytree(os.path.join("results", toy, "runs"), again / toy / "runs")
+    report.report(toy, results=str(again), with_figures=False)
+    for name in sorted(os.listdir(os.path.join("results", toy))):
+        if name != "runs":
+            assert filecmp.cmp(os.path.join("results", toy, name), again / toy / name, shallow=False), name
