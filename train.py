@@ -114,8 +114,7 @@ class Args:
     # diagnosis, validation, output
     mi_every: int = arg(5, "cross-scoring diagnosis at step 1 and every N steps (0 = off)")
     mi_samples: int = arg(64, "samples cross-scored per diagnosis")
-    retokenize: bool = arg(False, "diagnosis: score the decoded texts tokenised again (the "
-                           "official code's way) instead of the sampled ids")
+    retokenize: bool = arg(False, "diagnosis: score re-tokenised text (the official way), not sampled ids")
     probe_prompts: int = arg(8, "fixed held-out prompts diagnosed at every diagnosis (0: off)")
     probe_samples: int = arg(8, "first-turn reasonings sampled per probe prompt (>= 2)")
     grad_decomp_every: int = arg(0, "task / KL-to-start / entropy gradient norms per spread bucket, "

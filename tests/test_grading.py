@@ -18,8 +18,8 @@ import torch
 
 import exercises
 import grpo
+import logprobs
 import mi
-import models
 import ppo
 import rollout
 import sampler
@@ -421,7 +421,7 @@ def test_silent_bug_each_reply_is_sampled_from_its_own_prompt():
     batch = rollout.collate(episodes, rollout.pad_token_id(tokenizer))
     mask = batch["policy_mask"][:, 1:]                                     # [B, T-1]
     with torch.no_grad():
-        logp = models.policy_logprobs(model, batch["input_ids"], mask)[0]   # [B, T-1]
+        logp = logprobs.policy_logprobs(model, batch["input_ids"], mask)[0]  # [B, T-1]
     gap = ((logp - batch["logprobs"][:, 1:]).abs() * mask).amax(1)        # [B]
     assert len({e.first_prompt for e in episodes}) == 3
     assert gap.max() < 1e-4, f"replies scored under their own prompts differ by {gap.tolist()}"

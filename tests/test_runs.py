@@ -18,6 +18,7 @@ import pytest
 import torch
 
 import models
+import checkpoints
 import runs
 import tiny
 import train
@@ -300,7 +301,7 @@ def resume_and_check(monkeypatch, out, argv=()):
     ckpt = runs.recover_checkpoint(out)
     done = runs.checkpoint_step(ckpt) if ckpt else 0
     with open(os.path.join(out, "metrics.jsonl")) as f:
-        kept = [line for line in f if ckpt and runs._step_of(line) <= done]
+        kept = [line for line in f if ckpt and checkpoints._step_of(line) <= done]
     logged, record = [], runs.record
     monkeypatch.setattr(runs, "record", lambda run, m: logged.append(m["step"]) or record(run, m))
     assert train.main(["--resume", out, *argv]) == 0
