@@ -32,10 +32,11 @@ BUILDS = range(5)
 JITTER = (-0.02, -0.01, 0.0, 0.01, 0.02)  # share around alpha, the same for every alpha
 
 
-def policies(mi):
-    """Five builds at each alpha; the share is alpha + a jitter, the estimate mi(alpha, share)."""
-    return [row(a, b, min(1.0, max(0.0, a + JITTER[b])), mi(a, min(1.0, max(0.0, a + JITTER[b]))))
-            for a in grids.ALPHAS for b in BUILDS]
+def policies(mi, learnt=1.0):
+    """Five builds at each alpha; the share is learnt x alpha + a jitter, the estimate
+    mi(alpha, share)."""
+    shares = {(a, b): min(1.0, max(0.0, learnt * a + JITTER[b])) for a in grids.ALPHAS for b in BUILDS}
+    return [row(a, b, shares[a, b], mi(a, shares[a, b])) for a, b in shares]
 
 
 def rule(kind, **kw):
@@ -46,6 +47,9 @@ def test_an_estimate_falling_like_one_minus_the_share_holds_and_a_flat_one_is_co
     assert grids.ALPHAS
     exact = policies(lambda a, share: 2.0 * (1 - share))
     assert calibration.decide(rule("proportional", tolerance=0.15), exact)["verdict"] == "holds"
+    # the share the policy learnt, not its prior: a policy that learnt 0.8 of it falls less
+    short = policies(lambda a, share: 2.0 * (1 - share), learnt=0.8)
+    assert calibration.decide(rule("proportional", tolerance=0.15), short)["verdict"] == "holds"
     flat = policies(lambda a, share: 2.0 - 0.1 * share)  # an estimate blind to the templates
     assert calibration.decide(rule("proportional", tolerance=0.15), flat)["verdict"] == "contradicted"
     assert calibration.decide(dict(rule("share", tolerance=0.1), metric="probe_template_share"),
