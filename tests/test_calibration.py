@@ -116,7 +116,7 @@ def test_the_calibration_runs_end_to_end_and_reports_from_its_archives_alone(toy
                 "token_entropy", "response_length"} <= set(first)
         experiments.archive(folder, toy)
     assert len(os.listdir("cache")) >= 2  # a warm start per prior
-    table = report.report(toy, with_figures=False)
+    table = experiments.write_report(toy, with_figures=False)
     assert [(r["alpha"], r["builds"]) for r in table] == [(0.0, 1), (1.0, 1)]
     policies = list(csv.DictReader(open(os.path.join("results", toy, "policies.csv"))))
     assert [p["setting"] for p in policies] == list(grids.GRIDS[toy]["settings"])
@@ -133,7 +133,7 @@ def test_the_calibration_runs_end_to_end_and_reports_from_its_archives_alone(toy
     shutil.rmtree("runs")
     again = tmp_path / "again"
     shutil.copytree(os.path.join("results", toy, "runs"), again / toy / "runs")
-    report.report(toy, results=str(again), with_figures=False)
+    experiments.write_report(toy, results=str(again), with_figures=False)
     for name in sorted(os.listdir(os.path.join("results", toy))):
         if name != "runs":
             assert filecmp.cmp(os.path.join("results", toy, name), again / toy / name, shallow=False), name
