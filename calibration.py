@@ -4,8 +4,8 @@
 A new top-level file because this report is a thing apart from report.py's: each run there is a
 training curve, each run here is one policy measured once -- a warm start with a template prior
 ALPHA (templates.py), a build seed, a probe size -- whose input dependence is known by construction,
-I(X;Z) = (1 - ALPHA) I_task. report.report calls `tables` for a grid of kind "calibration" and
-writes what it returns (refusals, manifest, scratch folder: report.py).
+I(X;Z) = (1 - ALPHA) I_task. It reads and writes as report.py does (the archives and their manifest,
+the refusal to overwrite a report with less, the scratch folder), with its own tables.
 
 Per policy, the step-1 diagnosis of train.py before its update (in-batch over 8 prompts, probe set
 over 8 or 32) and the warm start's validation success at step 0, beside the closed forms. Over the
@@ -32,7 +32,7 @@ import random
 import report
 import stats
 import templates
-from grids import GRIDS
+from grids import GRIDS, RESULTS
 
 GROUPS = 8  # train.Args.groups: the in-batch estimate's prompts
 POWER_Z = 1.96 + 0.84  # a 5% two-sided test with 80% power
@@ -202,6 +202,16 @@ def variance(xs):
 
 
 # ------------------------------------------------------------------------------------ the report
+
+def write_report(name, results=RESULTS, with_figures=True, force=False):
+    """The calibration's tables, numbers and figure from its archives alone (report.archived,
+    report.publish) -> the summary rows."""
+    data, out, archives = report.archived(name, results, force)
+    files, numbers, text, draw = tables(name, data)
+    report.publish(name, out, files, {**numbers, "archives": archives}, text,
+                   draw if with_figures else None)
+    return numbers["table"]
+
 
 def tables(name, data):
     """(files {csv name: rows}, numbers, table.md text, draw(folder)) of the calibration; the

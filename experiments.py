@@ -22,6 +22,7 @@ import subprocess
 import sys
 import time
 
+import calibration
 import report
 from grids import BUCKET, GRIDS, RESULTS, describe, done, estimate_hours, runs_of
 from plots import read_jsonl
@@ -76,7 +77,15 @@ def run(name, jobs, only=None):
     for _, _, folder, _ in runs_of(name):  # runs finished by an earlier call, archived again
         if finished(folder, steps):
             archive(folder, name)
-    report.report(name)
+    write_report(name)
+
+
+def write_report(name, results=RESULTS, with_figures=True, force=False):
+    """The grid's report: report.report's curves and verdicts, or for a calibration (one policy a
+    run, measured once) calibration.write_report's tables."""
+    kind = GRIDS[name].get("kind")
+    writer = calibration.write_report if kind == "calibration" else report.report
+    return writer(name, results=results, with_figures=with_figures, force=force)
 
 
 def settle(folder, name, steps):
@@ -146,7 +155,7 @@ def main(argv=None):
         else:
             for name in args.grids or GRIDS:
                 if args.grids or os.path.isdir(os.path.join(RESULTS, name, "runs")):
-                    report.report(name, force=args.force)
+                    write_report(name, force=args.force)
                 else:
                     print(f"{name}: not run yet (no {RESULTS}/{name}/runs)")
     except report.ReportError as e:

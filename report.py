@@ -256,10 +256,10 @@ def onsets(data):
 
 # ----------------------------------------------------------------------------------------- the report
 
-def report(name, results=RESULTS, with_figures=True, force=False):
-    """Every table, figure and number of the grid from results/<grid>/runs/ alone -> the table's
-    rows. ReportError when there is nothing to report or less than the report in place had."""
-    g = GRIDS[name]
+def archived(name, results=RESULTS, force=False):
+    """(records by run, the report's folder, the manifest) of a grid's archives; ReportError when
+    there are none, or fewer or shorter ones than the report in place was made from (unless
+    forced)."""
     data = load(name, results)
     out = os.path.join(results, name)
     if not data:
@@ -267,13 +267,16 @@ def report(name, results=RESULTS, with_figures=True, force=False):
     archives = manifest(name, data, results)
     if not force:
         refuse_less(name, archives, results)
-    if g.get("kind") == "calibration":  # one policy a run, measured once: its own tables
-        import calibration  # it builds on this module's helpers
+    return data, out, archives
 
-        files, numbers, text, draw = calibration.tables(name, data)
-        publish(name, out, files, {**numbers, "archives": archives}, text,
-                draw if with_figures else None)
-        return numbers["table"]
+
+def report(name, results=RESULTS, with_figures=True, force=False):
+    """Every table, figure and number of the grid from results/<grid>/runs/ alone -> the table's
+    rows. ReportError when there is nothing to report or less than the report in place had."""
+    g = GRIDS[name]
+    if g.get("kind") == "calibration":  # one policy a run, measured once: not training curves
+        raise ReportError(f"{name}: a calibration; calibration.write_report writes its report")
+    data, out, archives = archived(name, results, force)
     rows = table_rows(name, data)
     decisions = [decide(name, data, rule, results) for rule in g["decide"]]
     within, world_rows = correlations(name, data)

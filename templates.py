@@ -43,7 +43,6 @@ import functools
 import itertools
 import math
 
-import demos
 import envs
 
 OPENERS = ("Let me", "I will", "I should", "I need to", "Now I will", "I want to", "Time to",
@@ -55,9 +54,10 @@ ENDINGS = (".", " now.", " first.", " here.", " again.")
 # slots used per world: log(a * b * c) matches the world's H(Z_task) (module docstring)
 POOL_SHAPE = {"frozenlake": (4, 7, 3), "sokoban": (6, 11, 5), "bandit": (2, 2, 1)}
 NOISE = 0.2  # demos.imitate's default: the chance a turn tries a random move
-# the task reasoning of the demonstrations' first turns (task_entropy on TASK_SEEDS, default
-# settings): I_task = H(f(X)), H(Z_task | X), and the capped expectation G(N) at N = 8 and 32
-TASK_SEEDS = range(demos.DEMO_SEEDS, demos.DEMO_SEEDS + 40_000)
+# the task reasoning of the demonstrations' first turns (task_entropy on the first TASK_TURNS
+# demonstration seeds, default settings): I_task = H(f(X)), H(Z_task | X), and the capped
+# expectation G(N) at N = 8 and 32
+TASK_TURNS = 40_000
 TASK = {"frozenlake": {"i_task": 3.670, "h_given_x": 0.778, "gap": {8: 1.943, 32: 2.948}},
         "sokoban": {"i_task": 5.012, "h_given_x": 0.778, "gap": {8: 2.025, 32: 3.247}},
         "bandit": {"i_task": 0.693, "h_given_x": 0.639, "gap": {8: 0.626, 32: 0.677}}}
@@ -155,10 +155,13 @@ def noise_entropy(has_plan, moves, noise=NOISE):
     return binary_entropy(noise) + noise * math.log(moves) if noise > 0 else 0.0
 
 
-def task_entropy(env_name, seeds=TASK_SEEDS, env_kwargs=None, noise=NOISE, prompts=(8, 32)):
-    """The task reasoning of the demonstrations' first turns over `seeds` -> {i_task: the plug-in
-    H(f(X)), h_given_x: mean H(Z_task | X = x), h_task: their sum, gap: {N: G(N)}, support: the
-    number of distinct f, samples}."""
+def task_entropy(env_name, seeds=None, env_kwargs=None, noise=NOISE, prompts=(8, 32)):
+    """The task reasoning of the demonstrations' first turns over `seeds` (the first TASK_TURNS
+    demonstration seeds) -> {i_task: the plug-in H(f(X)), h_given_x: mean H(Z_task | X = x),
+    h_task: their sum, gap: {N: G(N)}, support: the number of distinct f, samples}."""
+    import demos  # here: the report reads TASK and the pools without torch, which demos needs
+
+    seeds = range(demos.DEMO_SEEDS, demos.DEMO_SEEDS + TASK_TURNS) if seeds is None else seeds
     counts, h_given_x = collections.Counter(), 0.0
     for seed in seeds:
         env = envs.make_env(env_name, **(env_kwargs or {}))

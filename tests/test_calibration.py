@@ -32,10 +32,11 @@ BUILDS = range(5)
 JITTER = (-0.02, -0.01, 0.0, 0.01, 0.02)  # share around alpha, the same for every alpha
 
 
-def policies(mi):
-    """Five builds at each alpha; the share is alpha + a jitter, the estimate mi(alpha, share)."""
-    return [row(a, b, min(1.0, max(0.0, a + JITTER[b])), mi(a, min(1.0, max(0.0, a + JITTER[b]))))
-            for a in grids.ALPHAS for b in BUILDS]
+def policies(mi, learnt=1.0):
+    """Five builds at each alpha; the share is learnt x alpha + a jitter, the estimate
+    mi(alpha, share)."""
+    shares = {(a, b): min(1.0, max(0.0, learnt * a + JITTER[b])) for a in grids.ALPHAS for b in BUILDS}
+    return [row(a, b, shares[a, b], mi(a, shares[a, b])) for a, b in shares]
 
 
 def rule(kind, **kw):
@@ -46,6 +47,9 @@ def test_an_estimate_falling_like_one_minus_the_share_holds_and_a_flat_one_is_co
     assert grids.ALPHAS
     exact = policies(lambda a, share: 2.0 * (1 - share))
     assert calibration.decide(rule("proportional", tolerance=0.15), exact)["verdict"] == "holds"
+    # the share the policy learnt, not its prior: a policy that learnt 0.8 of it falls less
+    short = policies(lambda a, share: 2.0 * (1 - share), learnt=0.8)
+    assert calibration.decide(rule("proportional", tolerance=0.15), short)["verdict"] == "holds"
     flat = policies(lambda a, share: 2.0 - 0.1 * share)  # an estimate blind to the templates
     assert calibration.decide(rule("proportional", tolerance=0.15), flat)["verdict"] == "contradicted"
     assert calibration.decide(dict(rule("share", tolerance=0.1), metric="probe_template_share"),
@@ -112,7 +116,7 @@ def test_the_calibration_runs_end_to_end_and_reports_from_its_archives_alone(toy
                 "token_entropy", "response_length"} <= set(first)
         experiments.archive(folder, toy)
     assert len(os.listdir("cache")) >= 2  # a warm start per prior
-    table = report.report(toy, with_figures=False)
+    table = experiments.write_report(toy, with_figures=False)
     assert [(r["alpha"], r["builds"]) for r in table] == [(0.0, 1), (1.0, 1)]
     policies = list(csv.DictReader(open(os.path.join("results", toy, "policies.csv"))))
     assert [p["setting"] for p in policies] == list(grids.GRIDS[toy]["settings"])
@@ -129,7 +133,7 @@ def test_the_calibration_runs_end_to_end_and_reports_from_its_archives_alone(toy
     shutil.rmtree("runs")
     again = tmp_path / "again"
     shutil.copytree(os.path.join("results", toy, "runs"), again / toy / "runs")
-    report.report(toy, results=str(again), with_figures=False)
+    experiments.write_report(toy, results=str(again), with_figures=False)
     for name in sorted(os.listdir(os.path.join("results", toy))):
         if name != "runs":
             assert filecmp.cmp(os.path.join("results", toy, name), again / toy / name, shallow=False), name

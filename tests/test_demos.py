@@ -91,10 +91,12 @@ def test_a_template_prior_replaces_the_reasoning_and_keeps_the_solvers_answer(to
     share = templates.template_share([t.split(" </think>")[0] for t in turns], "frozenlake")
     assert abs(share - 0.3) < 4 * (0.3 * 0.7 / 2000) ** 0.5
     assert len({t.split(" </think>")[0] for t in turns} & set(" " + z for z in pool)) > 40
-    # no prior: the same draws as a demonstration that was never given one
-    a, b = random.Random(7), random.Random(7)
-    assert [demos.demonstration(env, a) for _ in range(30)] == [
-        demos.demonstration(env, b, template_prior=0.0, pool=pool) for _ in range(30)]
+    # no prior: the draws of the demonstrations before the prior existed (pinned from that code)
+    rng = random.Random(7)
+    answers = [demos.demonstration(env, rng, template_prior=0.0, pool=pool).split("<answer> ")[1][:-10]
+               for _ in range(12)]
+    assert answers == ["Down", "Down", "Up", "Down", "Down", "Right", "Down", "Right", "Up", "Down",
+                       "Down || Down", "Down"]
     taught = demos.demonstrations(tok, "frozenlake", range(6), template_prior=1.0, pool=pool)
     assert all(e.first_reasoning.strip() in pool for e in taught)
 

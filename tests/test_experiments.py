@@ -373,7 +373,7 @@ def test_committed_tables_equal_the_regenerated_ones(tmp_path):
     for name in reported:
         manifest = json.load(open(tmp_path / name / "numbers.json"))["archives"]
         assert manifest and len(os.listdir(tmp_path / name / "runs")) == len(manifest), name
-        report.report(name, results=str(tmp_path), with_figures=False)  # refuses a missing archive
+        experiments.write_report(name, results=str(tmp_path), with_figures=False)  # refuses a missing archive
         for file in OUTPUTS:
             if os.path.isfile(os.path.join(ROOT, "results", name, file)):
                 assert filecmp.cmp(os.path.join(ROOT, "results", name, file), tmp_path / name / file,
