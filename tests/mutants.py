@@ -45,6 +45,7 @@ PPO, GRPO, SNR = "tests/test_ppo.py::", "tests/test_grpo.py::", "tests/test_snr_
 MI, TRAIN, RUNS = "tests/test_mi.py::", "tests/test_train.py::", "tests/test_runs.py::"
 DEMOS = "tests/test_demos.py::"
 TRL, BENCH = "tests/test_trl_ragen.py::", "tests/test_bench.py::"
+EXP = "tests/test_experiments.py::"
 DOCTESTS = "tests/test_doctests.py::test_docstring_examples"
 RESUME = (RUNS + "test_resume_continues_exactly_like_an_uninterrupted_run",
           RUNS + "test_kill_9_of_a_real_run_then_resume_is_exact",
@@ -52,10 +53,10 @@ RESUME = (RUNS + "test_resume_continues_exactly_like_an_uninterrupted_run",
 
 MUTANTS = [
     # ---------------------------------------------------------------------------------- envs.py
-    m("sokoban-solved-bonus-lost", "envs.py", "Sokoban._apply",
+    m("sokoban-solved-bonus-lost", "sokoban.py", "Sokoban._apply",
       "reward += SOLVED_REWARD if solved else 0.0", "reward += 0.0",
       ENVS + "test_push_onto_target_solves"),
-    m("frozenlake-slips-one-way-only", "envs.py", "FrozenLake._apply",
+    m("frozenlake-slips-one-way-only", "frozenlake.py", "FrozenLake._apply",
       "side_a if u < self.success_rate + rest else side_b",
       "side_a if u < self.success_rate + 2 * rest else side_b",
       ENVS + "test_slip_frequencies_match_the_exact_probabilities"),
@@ -147,8 +148,9 @@ MUTANTS = [
       "logits = logits / temperature", "logits = logits",
       SNR + "test_decomposition_equals_plain_backward_loop[0.7]"),
     # ------------------------------------------------------------------------------------ mi.py
-    m("marginal-without-log-n", "mi.py", "collapse_metrics",
-      "marginal = torch.logsumexp(table, dim=1) - log_n", "marginal = torch.logsumexp(table, dim=1)",
+    m("marginal-without-log-n", "mi.py", "matched_and_marginal",
+      "marginal = torch.logsumexp(table, dim=1) - math.log(table.shape[1])",
+      "marginal = torch.logsumexp(table, dim=1)",
       MI + "test_collapse_metrics_worked_example", MI + "test_estimate_never_exceeds_log_n"),
     m("mi-scored-on-matched-pairs-only", "mi.py", "collapse_metrics",
       "estimate = (matched - marginal).mean().item()", "estimate = (matched - matched).mean().item()",
@@ -195,7 +197,7 @@ MUTANTS = [
     # ---------------------------------------------------------------------------------- runs.py
     m("resume-ignores-the-checkpoint", "runs.py", "start",
       "ckpt = recover_checkpoint(a.out)", "ckpt = None", *RESUME),
-    m("restored-log-drops-the-checkpoints-step", "runs.py", "restore_metrics",
+    m("restored-log-drops-the-checkpoints-step", "checkpoints.py", "restore_metrics",
       "kept = [line for line in lines if _step_of(line) <= step]",
       "kept = [line for line in lines if _step_of(line) < step]",
       RUNS + "test_resume_continues_exactly_like_an_uninterrupted_run"),
@@ -203,7 +205,7 @@ MUTANTS = [
       'need(0 < a.top_p <= 1, f"--top-p must be in (0, 1], got {a.top_p}")',
       'need(0 <= a.top_p <= 1, f"--top-p must be in (0, 1], got {a.top_p}")',
       RUNS + "test_bad_arguments_print_one_line_exit_2_and_leave_nothing[argv2---top-p]"),
-    m("old-checkpoint-never-recovered", "runs.py", "recover_checkpoint",
+    m("old-checkpoint-never-recovered", "checkpoints.py", "recover_checkpoint",
       'if not os.path.isdir(final) and os.path.isfile(os.path.join(old, "complete")):',
       "if False:",
       RUNS + "test_recovery_picks_the_newest_complete_checkpoint"),
@@ -212,7 +214,7 @@ MUTANTS = [
       'if os.environ.get("HF_HUB_OFFLINE", "0") not in ("0", "", "false", "False"):', "if False:",
       RUNS + "test_bad_arguments_print_one_line_exit_2_and_leave_nothing"
              "[argv18-not in the local Hugging Face cache]"),
-    m("update-scores-at-temperature-1", "models.py", "_head_logprobs",
+    m("update-scores-at-temperature-1", "logprobs.py", "_head_logprobs",
       "logits = head(hidden).float() / temperature", "logits = head(hidden).float()",
       TRAIN + "test_policy_logprobs_score_the_policy_at_its_sampling_temperature"),
     m("checkpointing-whatever-the-memory", "models.py", "memory_plan",
@@ -233,8 +235,8 @@ MUTANTS = [
       DOCTESTS + "[plots]"),
     # ----------------------------------------------------------------------------- trl_ragen.py
     m("trl-top-p-not-passed", "trl_ragen.py", "build_trainer",
-      "rollout_func=func, callbacks=list(callbacks), filter=a.filter, top_p=a.top_p,",
-      "rollout_func=func, callbacks=list(callbacks), filter=a.filter,",
+      "top_p=a.top_p, top_k=a.top_k, prob_mode=a.filter_prob_mode,",
+      "top_k=a.top_k, prob_mode=a.filter_prob_mode,",
       TRL + "test_top_p_decides_the_kept_groups"),
     m("trl-masked-rows-keep-their-advantages", "trl_ragen.py", "RagenGRPOTrainer.drop_groups",
       'out["advantages"] = out["advantages"] * rows', "pass",
@@ -245,8 +247,33 @@ MUTANTS = [
       'flags += ["--groups", "0", "--group-size", "2", "--max-turns", "2", "--probe-prompts", "2",',
       BENCH + "test_quick_mode_reports_a_result[bench_gpu.py-gpu]"),
     # ------------------------------------------------ experiments.py, grids.py, stats.py, report.py
-    # (their mutants go here once their rewrite settles: the report reading its archives, the
-    # decision rules, the intervals, the onset rule)
+    m("interval-from-two-runs", "stats.py", "interval",
+      "if len(xs) < MIN_RUNS:", "if len(xs) < 2:",
+      EXP + "test_no_interval_from_fewer_than_five_runs"),
+    m("optimiser-count-ties-to-the-earlier-step", "stats.py", "value_on",
+      "return sum(exact) / len(exact)", "return exact[0]",
+      EXP + "test_a_value_at_a_count_of_optimiser_steps_is_interpolated_within_a_limit"),
+    m("optimiser-count-without-a-distance-limit", "stats.py", "value_on",
+      "if not below or not above or above[0][0] - below[-1][0] > gap:",
+      "if not below or not above:",
+      EXP + "test_a_value_at_a_count_of_optimiser_steps_is_interpolated_within_a_limit"),
+    m("onset-on-one-point", "stats.py", "onset",
+      "if all(moved[i:i + SUSTAIN]):", "if moved[i]:",
+      EXP + "test_the_onset_is_a_sustained_move_in_the_series_own_noise_units"),
+    m("correlations-by-run-not-by-seed", "report.py", "correlations",
+      "m, half, n = stats.interval(stats.by_seed({k: rho([k]) for k in points}))",
+      "m, half, n = stats.interval([rho([k]) for k in points])",
+      EXP + "test_correlations_by_seed_within_worlds_and_pooled"),
+    m("report-overwrites-with-less", "report.py", "archived",
+      "if not force:", "if False:",
+      EXP + "test_the_report_never_overwrites_a_report_with_less"),
+    m("an-archive-not-read", "report.py", "load",
+      "if not os.path.isfile(path):", "if not os.path.isfile(path) or seed == 0:",
+      EXP + "test_decision_rules_are_paired_differences_over_seeds",
+      EXP + "test_committed_tables_equal_the_regenerated_ones"),
+    m("unfinished-run-archived", "experiments.py", "settle",
+      "if finished(folder, steps):", "if True:",
+      EXP + "test_ctrl_c_stops_the_runs_and_archives_only_what_finished"),
 ]
 
 
