@@ -87,8 +87,8 @@ PLANTED = {
     "experiment": [
         ("exercises.py", '"verdict": "undecided"}',
          '"verdict": "filter" if last_val[0] > last_val[1] else "control"}'),
-        ("exercises.py", "steps = [r for r in filtered if r[\"step\"] >= 1]",
-         "steps = [r for r in filtered if r[\"step\"] >= 2]"),               # drops step 1
+        ("exercises.py", '"kept_spread_gap": first[0]["mean_score_kept"] - first[1]["mean_score_kept"],',
+         '"kept_spread_gap": first[1]["mean_score_kept"] - first[0]["mean_score_kept"],'),  # the sign
     ],
     "silent_bug": [],  # the planted defect itself is its wrong version (DEFECTS)
 }
@@ -127,9 +127,10 @@ def variant(texts, monkeypatch):
     texts[file] (the module's source as a whole: a student or planted version)."""
     for file, text in texts.items():
         module = importlib.import_module(file[:-3])
-        names = {node.name for node in ast.parse(text).body if isinstance(node, ast.FunctionDef)
+        solution = source(file)  # the regions are found in the solution: a planted defect hides its own
+        names = {node.name for node in ast.parse(solution).body if isinstance(node, ast.FunctionDef)
                  and any(node.lineno <= b + 1 <= node.end_lineno
-                         for _, b, _ in exercises.regions(text))}
+                         for _, b, _ in exercises.regions(solution))}
         scope = {"__name__": module.__name__, "__file__": module.__file__}
         exec(compile(text, module.__file__, "exec"), scope)
         for name in names:
