@@ -319,4 +319,4 @@ def test_the_committed_silent_bug_runs_show_it_in_the_mi_not_in_the_entropy():
     assert 0.8 < mean["defect"]["reasoning_entropy"] / mean["healthy"]["reasoning_entropy"] < 1.25
     for healthy, defect in zip(rows["healthy"], rows["defect"]):
         assert healthy["retrieval_acc"] > 2 * healthy["retrieval_chance"] and healthy["mi_estimate"] > .5
-        assert defect["retrieval_acc"] < defect["retrieval_chance"] and defect["mi_estimate"] < 0
+        assert defect["retrieval_acc"] <= defect["retrieval_chance"] and defect["mi_estimate"] < 0
