@@ -123,14 +123,16 @@ def failing(names=None):
 
 
 def variant(texts, monkeypatch):
-    """Give every top-level function that holds a solution region the code compiled from
-    texts[file] (the module's source as a whole: a student or planted version)."""
+    """Give every top-level function that holds a solution region (in the solution's source) the
+    code compiled from texts[file] (the module's source as a whole: a student or planted
+    version)."""
     for file, text in texts.items():
         module = importlib.import_module(file[:-3])
         solution = source(file)  # the regions are found in the solution: a planted defect hides its own
         names = {node.name for node in ast.parse(solution).body if isinstance(node, ast.FunctionDef)
                  and any(node.lineno <= b + 1 <= node.end_lineno
                          for _, b, _ in exercises.regions(solution))}
+        assert names, file  # a variant that swaps nothing would pass every check
         scope = {"__name__": module.__name__, "__file__": module.__file__}
         exec(compile(text, module.__file__, "exec"), scope)
         for name in names:
