@@ -187,6 +187,7 @@ def test_blanking_one_exercise_fails_its_grade_and_no_other(name, monkeypatch):
     assert failing() == {name}
 
 
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # a wrong version's NaN is the point
 @pytest.mark.parametrize("name, index", [(n, i) for n, ps in PLANTED.items()
                                          for i in range(len(ps))])
 def test_each_planted_mistake_fails_its_exercise(name, index, monkeypatch):
@@ -253,6 +254,12 @@ def test_check_grades_hidden_tests_and_writes_json(tmp_path, monkeypatch, capsys
     assert out["score"] == 2 and out["max_score"] == 6 and [t["score"] for t in out["tests"]] == [0, 2]
     monkeypatch.delenv("EXERCISES_HIDDEN")
     assert exercises.main(["check", "topk", "bound"]) == 0
+    (hidden / "test_hidden_typo.py").write_text(
+        "import pytest\n\n@pytest.mark.exercise('gea')\ndef test_typo():\n    pass\n")
+    capsys.readouterr()
+    assert exercises.main(["check", "gae", "--hidden", str(hidden)]) == 2   # a teacher's typo
+    err = capsys.readouterr().err
+    assert "unknown exercise 'gea'" in err and len(err.strip().splitlines()) == 1
 
 
 def solution_lines():
