@@ -13,6 +13,8 @@ one line, runs only its named tests and puts the line back:
 
     caught    every named test failed
     survived  a named test passed with the bug in place: the test does not check what it claims
+    timeout   the named tests ran past --timeout seconds (the process group killed): the bug hangs
+              the suite, which a CI limit catches, so it counts with the caught, shown apart
     rotted    the line is no longer in its function (the code moved on): update the mutant
 
 A curated list rather than a generated one (mutmut, cosmic-ray): those mutate every operator of
@@ -25,6 +27,7 @@ import argparse
 import ast
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -320,18 +323,27 @@ def scratch_copy():
     return copy
 
 
-def run_tests(folder, tests):
-    """pytest on `tests` in `folder` -> (exit code, the node ids that failed)."""
+def run_tests(folder, tests, timeout=None):
+    """pytest on `tests` in `folder` -> (exit code, the node ids that failed, its output); the exit
+    code is None when it ran past `timeout` seconds (its whole process group is killed: the tests
+    start train.py processes of their own)."""
     env = {**os.environ, "PYTHONDONTWRITEBYTECODE": "1", "HF_HUB_OFFLINE": "1"}
-    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-rfE", "--no-header", *tests],
-                          cwd=folder, capture_output=True, text=True, env=env)
-    failed = {line.split()[1] for line in done.stdout.splitlines()
-              if line.startswith(("FAILED ", "ERROR "))}
-    return done.returncode, failed, done.stderr + done.stdout  # pytest's report last
+    proc = subprocess.Popen([sys.executable, "-m", "pytest", "-q", "-rfE", "--no-header", *tests],
+                            cwd=folder, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=env, start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        return None, set(), err + out
+    failed = {line.split()[1] for line in out.splitlines() if line.startswith(("FAILED ", "ERROR "))}
+    return proc.returncode, failed, err + out  # pytest's report last
 
 
-def check(folder, mutant):
-    """'caught', 'survived (...)' or 'rotted (...)' for one mutant, the folder left as it was."""
+def check(folder, mutant, timeout):
+    """'caught', 'timeout', 'survived (...)' or 'rotted (...)' for one mutant, the folder left as
+    it was."""
     path = os.path.join(folder, mutant.file)
     with open(path) as f:
         original = f.read()
@@ -341,10 +353,12 @@ def check(folder, mutant):
     try:
         with open(path, "w") as f:
             f.write(changed)
-        code, failed, _ = run_tests(folder, mutant.tests)
+        code, failed, _ = run_tests(folder, mutant.tests, timeout)
     finally:
         with open(path, "w") as f:
             f.write(original)
+    if code is None:
+        return "timeout"
     if code not in (0, 1):
         return f"rotted (pytest exit code {code}: a named test is gone?)"
     passed = [t for t in mutant.tests if t not in failed]
@@ -355,12 +369,17 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("-k", default="", help="only the mutants whose name or file holds this")
     parser.add_argument("--list", action="store_true", help="list the mutants, run nothing")
+    parser.add_argument("--timeout", type=float, default=600,
+                        help="seconds a mutant's tests may run before they count as hung")
     args = parser.parse_args(argv)
     chosen = [mu for mu in MUTANTS if args.k in f"{mu.name} {mu.file}"]
     if args.list:
         for mu in chosen:
             print(f"{mu.name}: {mu.file}:{mu.function}\n    " + "\n    ".join(mu.tests))
         return 0
+    if args.timeout <= 0:
+        print("--timeout must be > 0 seconds", file=sys.stderr)
+        return 2
     if not chosen:
         print(f"no mutant's name or file holds {args.k!r}", file=sys.stderr)
         return 2
@@ -375,13 +394,14 @@ def main(argv=None):
             return 1
         results = []
         for mu in chosen:
-            results.append(check(folder, mu))
+            results.append(check(folder, mu, args.timeout))
             print(f"{results[-1]:>8}  {mu.name}  ({mu.file}:{mu.function})", flush=True)
     finally:
         shutil.rmtree(folder, ignore_errors=True)
-    caught = results.count("caught")
-    print(f"{caught} of {len(chosen)} mutants caught in {time.time() - began:.0f} s")
-    return 0 if caught == len(chosen) else 1
+    caught, hung = results.count("caught"), results.count("timeout")
+    print(f"{caught + hung} of {len(chosen)} mutants caught ({hung} by timing out after "
+          f"{args.timeout:.0f} s) in {time.time() - began:.0f} s")
+    return 0 if caught + hung == len(chosen) else 1
 
 
 if __name__ == "__main__":

@@ -1,0 +1,80 @@
+"""The mutation check's own machinery (tests/mutants.py): every mutant still applies to the code
+as it is and names tests that exist, a mutant changes one line of one function, and a hung mutant
+is stopped, its processes with it."""
+import ast
+import importlib.util
+import os
+import textwrap
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+spec = importlib.util.spec_from_file_location("mutants", os.path.join(HERE, "mutants.py"))
+mutants = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(mutants)
+
+
+def test_every_mutant_applies_once_and_names_tests_that_exist():
+    assert len(mutants.MUTANTS) >= 30
+    names = [mu.name for mu in mutants.MUTANTS]
+    assert len(set(names)) == len(names)
+    defined = {}
+    for mu in mutants.MUTANTS:
+        with open(os.path.join(ROOT, mu.file)) as f:
+            source = f.read()
+        changed = mutants.mutate(source, mu)
+        assert changed is not None, f"{mu.name} rotted: its line is not once in {mu.function}"
+        assert changed != source and mu.tests, mu.name
+        for test in mu.tests:
+            path, _, function = test.partition("::")
+            if path not in defined:
+                with open(os.path.join(ROOT, path)) as f:
+                    defined[path] = {node.name for node in ast.walk(ast.parse(f.read()))
+                                     if isinstance(node, ast.FunctionDef)}
+            assert function.split("[")[0] in defined[path], f"{mu.name}: no test {test}"
+
+
+def test_a_mutant_changes_one_line_of_its_function_only():
+    source = textwrap.dedent("""\
+        def f(x):
+            return x + 1
+
+
+        class C:
+            def g(self, x):
+                return x + 1
+        """)
+    mu = mutants.Mutant("plus-minus", "x.py", "C.g", "x + 1", "x - 1", ())
+    changed = mutants.mutate(source, mu).splitlines()
+    assert changed[1] == "    return x + 1" and changed[6] == "        return x - 1"
+    assert sum(a != b for a, b in zip(changed, source.splitlines())) == 1
+    assert mutants.mutate(source, mu._replace(function="h")) is None  # no such function
+    assert mutants.mutate(source, mu._replace(old="x * 2")) is None  # no such line
+
+
+def test_a_hung_mutant_is_stopped_with_the_processes_it_started(tmp_path):
+    pid_file = tmp_path / "child.pid"
+    (tmp_path / "test_hang.py").write_text(textwrap.dedent(f"""\
+        import subprocess, sys, time
+        def test_hang():
+            child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+            open({str(pid_file)!r}, "w").write(str(child.pid))
+            time.sleep(600)
+        """))
+    code, failed, _ = mutants.run_tests(str(tmp_path), ["test_hang.py"], timeout=5)
+    assert code is None and failed == set()
+    child = int(pid_file.read_text())
+    assert not alive(child), "the hung test's own child process outlived the timeout"
+
+
+def alive(pid):
+    """Whether `pid` runs after a grace of 5 s (a killed process left unreaped is a zombie: dead)."""
+    for _ in range(50):
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                if f.read().rsplit(")", 1)[1].split()[0] == "Z":
+                    return False
+        except FileNotFoundError:
+            return False
+        time.sleep(0.1)
+    return True
