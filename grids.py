@@ -11,8 +11,8 @@ A rule ("paired") compares a - b, paired over the seeds both have, at an environ
 number of cumulative optimiser steps; it holds when the 95% interval over at least 5 seeds lies on
 the predicted side of 0, is contradicted on the other side, else undecided. "leadlag": the step at
 which `a` starts to move (stats.onset) comes before the step at which `b` does. "gradients": a Fig. 4
-statistic per run (stats.gradient_stat) on the predicted side of 0. "search": the regime search's
-criteria, run by run.
+statistic per run (stats.gradient_stat) on the predicted side of 0. "search": a search's criteria
+(stats.CRITERIA: a collapse regime, or a growing template share), run by run.
 """
 import os
 
@@ -235,6 +235,38 @@ GRIDS = {
         seconds={s: CALIBRATION_SECONDS[s.split("-")[0]] for s in calibration_settings()},
         decide=calibration_rules()),
 }
+# The template-collapse search: from a warm start that reasons with a template on 10% of its turns,
+# does RL make templates take over? The paper's mechanism names the knobs: where reward spread is
+# low (FrozenLake slipping 2/3 of its moves: many zero-spread groups) the regularisers drive the
+# update -- an entropy bonus, or a KL term pulling towards a template-rich reference (a warm start
+# with ALPHA = 1, --reference-template-prior). Not searched: how reliable the task reasoning is for
+# the answer (the demonstrations' noise is fixed). Estimate: 8 runs x 100 steps, 3 s a step, 10 s
+# with the entropy bonus of 0.3 (its collapse samples every token up to the limit), 2 at a time: 0.5
+# h, plus the warm starts at ALPHA 0.1 and 1 (about 5 minutes each).
+TEMPLATE_KNOBS = {"ent0.001": [], "ent0.3": ["--entropy-coef", "0.3"],
+                  "klref0.1": ["--reference-template-prior", "1", "--kl-coef", "0.1"],
+                  "klref0.5": ["--reference-template-prior", "1", "--kl-coef", "0.5"]}
+GRIDS["template-search"] = dict(
+    claim="A search, not a claim: is there a regime in which RL makes reasoning templates take "
+          "over (the probe set's template share grows) from a warm start with ALPHA = 0.1? "
+          "FrozenLake, no filter, 100 steps, one seed; the official entropy bonus (0.001) or the "
+          "collapse grids' 0.3, a KL term (k3) to a template-rich reference at 0.1 or 0.5, each "
+          "on the plain lake and on one slipping 2/3 of its moves.",
+    flags=["--env", "frozenlake", "--template-prior", "0.1", "--filter", "none"],
+    world="frozenlake",
+    settings={**TEMPLATE_KNOBS,
+              **{f"slip-{k}": ["--success-rate", "0.3333"] + v for k, v in TEMPLATE_KNOBS.items()}},
+    seeds=[0], steps=100, table_steps=[0, 25, 50, 75, 100],
+    seconds={s: 10.0 for s in ("ent0.3", "slip-ent0.3")},
+    decide=[dict(kind="search", criteria="template", text=(
+        "a setting is a template-collapse regime when the probe set's template share of its "
+        "last two diagnoses is at least 0.2 above its first diagnosis's (probe MI, H(Z) and "
+        "validation shown beside it). If one is found, the next pre-registration is a 5-seed "
+        "grid in it: none, Top-P, Top-K, the random control, and Top-K at equal optimiser "
+        "steps, with template_share, MI and entropy curves and the onset of MI against that of "
+        "validation success; if none is found, that is the result: no template collapse from "
+        "ALPHA = 0.1 in 100 steps at these knobs."))])
+
 # Whole programme: 2.5 + 1.1 + 1.0 (+ 0.15 warm starts) + 0.3 + 1.1 = about 6.2 h of the 2-core
 # machine (gradients was added after collapse-env had run, before its own runs).
 # Cut to fit: no filter is not rerun at equal optimiser steps; the softmax Top-P variant only at

@@ -10,6 +10,7 @@ plus its value head, so no copy of the base exists.
 """
 
 import contextlib
+import dataclasses
 import difflib
 import json
 import os
@@ -47,11 +48,14 @@ def load(a, device, source, env_kwargs):
         critic_params += lora_params(policy, "critic") if a.lora else []
     reference_model = None
     # the reference is the initial policy, loaded again from its source (the KL term's, and the
-    # gradient decomposition's KL column)
+    # gradient decomposition's KL column), or a warm start with another template share
     if (a.kl_coef > 0 or a.grad_decomp_every) and not a.lora:
-        reference_model = (
-            load_policy(a, a.model, device, env_kwargs)[0].eval().requires_grad_(False)
-        )
+        prior = a.template_prior if a.reference_template_prior is None else a.reference_template_prior
+        reference_model, ref_tokenizer, _ = load_policy(dataclasses.replace(a, template_prior=prior),
+                                                        a.model, device, env_kwargs)
+        reference_model.eval().requires_grad_(False)
+        if ref_tokenizer.get_vocab() != tokenizer.get_vocab():  # the KL term compares token ids
+            raise ModelError("the KL reference's vocabulary differs from the policy's")
     policy_params = lora_params(policy, "default") if a.lora else list(policy.parameters())
     optimizers = [torch.optim.AdamW(policy_params, lr=a.lr, weight_decay=0.0)]
     if critic is not None:

@@ -147,7 +147,7 @@ def decide(name, data, rule, results=RESULTS):
 
 def search(data, rule):
     """The regime search's rule, run by run: which settings showed a collapse regime."""
-    runs = stats.search_criteria(data)
+    runs = stats.CRITERIA[rule.get("criteria", "collapse")](data)
     found = [f"{r['setting']}-s{r['seed']}" for r in runs if r["regime"]]
     verdict = ("not run" if not runs else
                f"regime found: {', '.join(found)}" if found else "no regime found")
@@ -282,8 +282,8 @@ def report(name, results=RESULTS, with_figures=True, force=False):
     within, world_rows = correlations(name, data)
     leads = onsets(data)
     gradients = gradient_table(name, data)
-    searched = (stats.search_criteria(data) if any(r["kind"] == "search" for r in g["decide"])
-                else [])
+    searched = [row for rule in g["decide"] if rule["kind"] == "search"
+                for row in stats.CRITERIA[rule.get("criteria", "collapse")](data)]
     replicated = replication(name, decisions, results)
     files = {"table.csv": rows, "decisions.csv": decisions, "leadlag.csv": leads,
              "correlations.csv": within + world_rows, "gradients.csv": gradients,
@@ -394,10 +394,10 @@ def markdown(name, rows, decisions, within, world_rows, leads, gradients, search
                          f"{fmt(r['new_estimate'])} ({span(r['new_low'], r['new_high'])}) | "
                          f"{r['new_verdict']} | {r['replicated']} |")
     if searched:
-        keys = ["zero_var_fail_frac", "probe_mi_first", "probe_mi_last_two", "val_best",
-                "val_last", "train_success"]
-        lines += ["", "The search's criteria, run by run (train_success: the run's mean, for how "
-                      "often rollouts failed whatever their rewards' spread):", "",
+        keys = [k for k in searched[0] if k not in ("setting", "seed", "regime")]
+        note = (" (train_success: the run's mean, for how often rollouts failed whatever their "
+                "rewards' spread)" if "train_success" in keys else "")
+        lines += ["", f"The search's criteria, run by run{note}:", "",
                   "| setting | seed | " + " | ".join(keys) + " | regime |",
                   "|---|---|" + "---|" * (len(keys) + 1)]
         for r in searched:

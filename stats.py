@@ -209,9 +209,38 @@ def search_criteria(data):
         row = {"setting": setting, "seed": seed, "zero_var_fail_frac": sum(fails) / len(fails),
                "probe_mi_first": probes[0], "probe_mi_last_two": sum(probes[-2:]) / 2,
                "val_best": max(vals), "val_last": vals[-1],
-               "train_success": sum(train) / len(train)}
+               "train_success": sum(train) / len(train) if train else None}
         row["regime"] = (row["zero_var_fail_frac"] >= 0.5
                          and row["probe_mi_last_two"] <= row["probe_mi_first"] / 2
                          and row["val_last"] <= row["val_best"] - 0.1)
         rows.append(row)
     return rows
+
+
+def template_criteria(data, growth=0.2):
+    """Each run's numbers for the template-collapse search: the probe set's template share at the
+    first diagnosis and over the last two (a regime when it grew by at least `growth`), with the
+    probe MI, H(Z) and validation beside it, and the mean share of zero-spread groups -> rows."""
+    rows = []
+    for (setting, seed), records in sorted(data.items()):
+        records = sorted(records, key=lambda r: r["step"])
+        series = {k: [r[k] for r in records if k in r] for k in
+                  ("probe_template_share", "probe_mi_estimate", "probe_reasoning_entropy",
+                   "val_success", "zero_var_success_frac", "zero_var_fail_frac")}
+        if len(series["probe_template_share"]) < 3 or not series["val_success"]:
+            continue
+        row = {"setting": setting, "seed": seed}
+        for key, name in (("probe_template_share", "template"), ("probe_mi_estimate", "probe_mi"),
+                          ("probe_reasoning_entropy", "probe_H_Z")):
+            row[f"{name}_first"] = series[key][0] if series[key] else None
+            row[f"{name}_last_two"] = sum(series[key][-2:]) / 2 if series[key] else None
+        zero = [a + b for a, b in zip(series["zero_var_success_frac"], series["zero_var_fail_frac"])]
+        row.update(val_best=max(series["val_success"]), val_last=series["val_success"][-1],
+                   zero_var_frac=sum(zero) / len(zero) if zero else None)
+        row["regime"] = row["template_last_two"] - row["template_first"] >= growth - 1e-9
+        rows.append(row)
+    return rows
+
+
+CRITERIA = {"collapse": search_criteria, "template": template_criteria}  # a search rule's criteria
+

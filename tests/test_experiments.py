@@ -292,6 +292,31 @@ def test_the_regime_search_needs_all_three_criteria_and_shows_them_run_by_run():
     assert report.search({}, {"text": "rule"})["verdict"] == "not run"
 
 
+def test_the_template_search_asks_for_a_growth_of_the_template_share():
+    """A run is a template-collapse regime when the probe set's template share of its last two
+    diagnoses is at least 0.2 above its first diagnosis's; MI, H(Z) and validation stand beside it."""
+    def records(last, mi_last=1.0):
+        out = [{"step": 0, "val_success": 0.8}]
+        for s in range(1, 21):
+            r = {"step": s, "zero_var_success_frac": 0.3, "zero_var_fail_frac": 0.2}
+            if s % 5 == 0 or s == 1:
+                late = s >= 15
+                r.update(probe_template_share=last if late else 0.1,
+                         probe_mi_estimate=mi_last if late else 1.0, probe_reasoning_entropy=2.0)
+            if s % 10 == 0:
+                r["val_success"] = 0.7
+            out.append(r)
+        return out
+    data = {("grew", 0): records(0.3, mi_last=0.4), ("short", 0): records(0.29)}
+    rows = {r["setting"]: r for r in stats.template_criteria(data)}
+    assert [s for s, r in rows.items() if r["regime"]] == ["grew"]
+    assert rows["grew"]["probe_mi_last_two"] == 0.4 and rows["grew"]["zero_var_frac"] == 0.5
+    assert rows["short"]["template_last_two"] == 0.29 and rows["short"]["val_best"] == 0.8
+    rule = {"text": "rule", "criteria": "template"}
+    assert report.search(data, rule)["verdict"] == "regime found: grew-s0"
+    assert report.search(data, {"text": "rule"})["verdict"] == "no regime found"  # the collapse search's
+
+
 # ------------------------------------------------------------------------------------------ the report
 
 def test_the_table_is_a_t_interval_over_seeds(grid):
