@@ -325,20 +325,26 @@ def scratch_copy():
 
 def run_tests(folder, tests, timeout=None):
     """pytest on `tests` in `folder` -> (exit code, the node ids that failed, its output); the exit
-    code is None when it ran past `timeout` seconds (its whole process group is killed: the tests
-    start train.py processes of their own)."""
+    code is None when it ran past `timeout` seconds."""
     env = {**os.environ, "PYTHONDONTWRITEBYTECODE": "1", "HF_HUB_OFFLINE": "1"}
-    proc = subprocess.Popen([sys.executable, "-m", "pytest", "-q", "-rfE", "--no-header", *tests],
-                            cwd=folder, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env=env, start_new_session=True)
+    code, out, err = run_group([sys.executable, "-m", "pytest", "-q", "-rfE", "--no-header", *tests],
+                               folder, env, timeout)
+    failed = {line.split()[1] for line in out.splitlines() if line.startswith(("FAILED ", "ERROR "))}
+    return code, failed, err + out  # pytest's report last
+
+
+def run_group(command, folder, env, timeout):
+    """`command` in `folder` -> (exit code, stdout, stderr); past `timeout` seconds its whole process
+    group is killed (the tests start train.py processes of their own) and the code is None."""
+    proc = subprocess.Popen(command, cwd=folder, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env=env, start_new_session=True)
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         out, err = proc.communicate()
-        return None, set(), err + out
-    failed = {line.split()[1] for line in out.splitlines() if line.startswith(("FAILED ", "ERROR "))}
-    return proc.returncode, failed, err + out  # pytest's report last
+        return None, out, err
+    return proc.returncode, out, err
 
 
 def check(folder, mutant, timeout):

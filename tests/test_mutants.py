@@ -4,6 +4,7 @@ is stopped, its processes with it."""
 import ast
 import importlib.util
 import os
+import sys
 import textwrap
 import time
 
@@ -54,17 +55,16 @@ def test_a_mutant_changes_one_line_of_its_function_only():
 
 def test_a_hung_mutant_is_stopped_with_the_processes_it_started(tmp_path):
     pid_file = tmp_path / "child.pid"
-    (tmp_path / "test_hang.py").write_text(textwrap.dedent(f"""\
+    hang = textwrap.dedent(f"""\
         import subprocess, sys, time
-        def test_hang():
-            child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
-            open({str(pid_file)!r}, "w").write(str(child.pid))
-            time.sleep(600)
-        """))
-    code, failed, _ = mutants.run_tests(str(tmp_path), ["test_hang.py"], timeout=5)
-    assert code is None and failed == set()
+        child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+        open({str(pid_file)!r}, "w").write(str(child.pid))
+        time.sleep(600)
+        """)
+    code, _, _ = mutants.run_group([sys.executable, "-c", hang], str(tmp_path), dict(os.environ), 5)
+    assert code is None
     child = int(pid_file.read_text())
-    assert not alive(child), "the hung test's own child process outlived the timeout"
+    assert not alive(child), "the hung command's own child process outlived the timeout"
 
 
 def alive(pid):
