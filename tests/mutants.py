@@ -347,6 +347,12 @@ def run_group(command, folder, env, timeout):
     return proc.returncode, out, err
 
 
+def caught_by(test, failed):
+    """Whether the named test failed: itself, or (a parametrized test named without its
+    parameters) any of its cases."""
+    return any(f == test or f.startswith(test + "[") for f in failed)
+
+
 def check(folder, mutant, timeout):
     """'caught', 'timeout', 'survived (...)' or 'rotted (...)' for one mutant, the folder left as
     it was."""
@@ -367,7 +373,7 @@ def check(folder, mutant, timeout):
         return "timeout"
     if code not in (0, 1):
         return f"rotted (pytest exit code {code}: a named test is gone?)"
-    passed = [t for t in mutant.tests if t not in failed]
+    passed = [t for t in mutant.tests if not caught_by(t, failed)]
     return "caught" if not passed else f"survived ({', '.join(passed)} passed)"
 
 

@@ -53,6 +53,15 @@ def test_a_mutant_changes_one_line_of_its_function_only():
     assert mutants.mutate(source, mu._replace(old="x * 2")) is None  # no such line
 
 
+def test_a_parametrized_test_named_without_parameters_is_caught_by_any_failing_case():
+    failed = {"tests/test_ppo.py::test_gae[0]", "tests/test_ppo.py::test_kl"}
+    assert mutants.caught_by("tests/test_ppo.py::test_gae", failed)
+    assert mutants.caught_by("tests/test_ppo.py::test_gae[0]", failed)
+    assert mutants.caught_by("tests/test_ppo.py::test_kl", failed)
+    assert not mutants.caught_by("tests/test_ppo.py::test_gae[1]", failed)
+    assert not mutants.caught_by("tests/test_ppo.py::test_ga", failed)  # another test's prefix
+
+
 def test_a_hung_mutant_is_stopped_with_the_processes_it_started(tmp_path):
     pid_file = tmp_path / "child.pid"
     hang = textwrap.dedent(f"""\
