@@ -11,7 +11,7 @@ working tree as it is, never touched) to a scratch folder, runs the named tests 
 unchanged (they must pass: else a failure would prove nothing), then for each mutant changes the
 one line, runs only its named tests and puts the line back:
 
-    caught    every named test failed
+    caught    every named test failed (one named without its parameters: one of its cases)
     survived  a named test passed with the bug in place: the test does not check what it claims
     timeout   the named tests ran past --timeout seconds (the process group killed): the bug hangs
               the suite, which a CI limit catches, so it counts with the caught, shown apart
@@ -70,9 +70,9 @@ MUTANTS = [
     m("no-format-penalty", "rollout.py", "play",
       "reward = 0.0 if valid else FORMAT_PENALTY", "reward = 0.0",
       ROLLOUT + "test_the_first_pieces_are_acted_on_and_any_invalid_one_costs_the_penalty"),
-    m("reward-on-the-last-token-not-the-last-sampled", "rollout.py", "collate",
+    m("only-the-last-turns-reward-trained-on", "rollout.py", "collate",
       'batch["token_rewards"][b, sampled[-1] if sampled else n - 1] = e.total_reward',
-      'batch["token_rewards"][b, n - 1] = e.total_reward',
+      'batch["token_rewards"][b, sampled[-1] if sampled else n - 1] = e.turn_rewards[-1]',
       ROLLOUT + "test_collate_right_pads"),
     # ------------------------------------------------------------------------------- sampler.py
     m("sampling-temperature-ignored", "sampler.py", "hf_policy",
@@ -228,6 +228,9 @@ MUTANTS = [
     m("warm-start-cache-never-read", "tiny.py", "load_tiny",
       "if not rebuild:", "if rebuild:",
       RUNS + "test_the_same_result_whether_the_warm_start_was_built_or_loaded"),
+    m("warm-start-built-without-waiting-for-the-lock", "tiny.py", "load_tiny",
+      "fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)", "pass",
+      "tests/test_tiny.py::test_one_process_builds_while_another_waits"),
     # --------------------------------------------------------------------------------- demos.py
     m("demonstrations-without-noise", "demos.py", "demonstration",
       "if not plan or rng.random() < noise:", "if not plan:",
