@@ -62,6 +62,15 @@ def test_a_parametrized_test_named_without_parameters_is_caught_by_any_failing_c
     assert not mutants.caught_by("tests/test_ppo.py::test_ga", failed)  # another test's prefix
 
 
+def test_failed_ids_keep_parameters_with_spaces():
+    report = ("FAILED tests/test_runs.py::test_bad[argv18-not in the cache] - AssertionError: x - y\n"
+              "ERROR tests/test_mi.py::test_kl\n"
+              "FAILED tests/test_ppo.py::test_gae[0]\n"
+              "1 failed, 2 passed\n")
+    assert mutants.failed_ids(report) == {"tests/test_runs.py::test_bad[argv18-not in the cache]",
+                                          "tests/test_mi.py::test_kl", "tests/test_ppo.py::test_gae[0]"}
+
+
 def test_a_hung_mutant_is_stopped_with_the_processes_it_started(tmp_path):
     pid_file = tmp_path / "child.pid"
     hang = textwrap.dedent(f"""\

@@ -325,6 +325,23 @@ def test_resume_continues_exactly_like_an_uninterrupted_run(tmp_path, monkeypatc
     same_metrics(records(straight), records(broken))
 
 
+@pytest.mark.parametrize("with_copy", [True, False])
+def test_the_log_is_cut_back_to_its_checkpoints_step_exactly(tmp_path, capsys, with_copy):
+    """restore_metrics keeps every line up to the checkpoint's step, that step's included, and drops
+    the later ones; a clean log is not called damaged, with the checkpoint's copy or without one (a
+    checkpoint of an older version)."""
+    lines = [json.dumps({"step": s, "loss": s / 10}) + "\n" for s in range(4)]
+    log, ckpt = tmp_path / "metrics.jsonl", tmp_path / "ckpt"
+    log.write_text("".join(lines) + '{"step": 4, "lo')  # a kill's half-written line at the end
+    ckpt.mkdir()
+    (ckpt / "complete").write_text(json.dumps({"step": 2}))
+    if with_copy:
+        (ckpt / "metrics.jsonl").write_text("".join(lines[:3]))
+    checkpoints.restore_metrics(str(log), str(ckpt))
+    assert log.read_text() == "".join(lines[:3])
+    assert "damaged" not in capsys.readouterr().out
+
+
 def test_resume_keeps_the_runs_settings_and_leaves_a_finished_run_alone(tmp_path, capsys):
     out = str(tmp_path / "run")
     assert train.main(SMALL + ["--steps", "2", "--out", out, "--mi-every", "0"]) == 0

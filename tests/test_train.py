@@ -208,6 +208,23 @@ def test_the_update_trains_on_policy_loss_and_drgrpo_divides_by_the_budget(tmp_p
     assert stats["pg_loss"] == pytest.approx(-(adv * tokens).mean().item() / (2 * 8), abs=1e-6)
 
 
+@pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-mean"])
+def test_micro_batch_weights_recompose_the_mini_batchs_aggregate(agg):
+    """Summing weight x aggregate(micro-batch) over the micro-batches of a mini-batch -- one of
+    several in the batch -- gives the mini-batch's aggregate (a sequence without tokens counts in
+    neither)."""
+    g = torch.Generator().manual_seed(0)
+    mask = (torch.rand(12, 9, generator=g) < 0.6).float()                             # [B, T]
+    mask[4] = 0
+    values = torch.randn(12, 9, generator=g)                                          # [B, T]
+    mini_batch = [1, 4, 6, 7, 10]  # the batch's other rows are other mini-batches
+    micro = [[1, 4], [6], [7, 10]]
+    parts = sum(train.micro_batch_weight(mask, mini_batch, rows, agg)
+                * ppo.aggregate(values[rows], mask[rows], agg) for rows in micro)
+    assert float(parts) == pytest.approx(float(ppo.aggregate(values[mini_batch], mask[mini_batch], agg)),
+                                         abs=1e-6)
+
+
 @pytest.mark.parametrize("algo", ["ppo", "grpo"])
 def test_the_update_equals_a_plain_full_batch_step(tmp_path, algo):
     """update_policy (length-sorted micro-batches of their own width, no attention mask, log-probs
