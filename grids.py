@@ -239,13 +239,14 @@ GRIDS = {
 # does RL make templates take over? The paper's mechanism names the knobs: where reward spread is
 # low (FrozenLake slipping 2/3 of its moves: many zero-spread groups) the regularisers drive the
 # update -- an entropy bonus, or a KL term pulling towards a template-rich reference (a warm start
-# with ALPHA = 1, --reference-template-prior). Not searched: how reliable the task reasoning is for
+# with ALPHA = 1, --kl-template-prior; named --reference-template-prior at bb3df25, where the
+# search ran). Not searched: how reliable the task reasoning is for
 # the answer (the demonstrations' noise is fixed). Estimate: 8 runs x 100 steps, 3 s a step, 10 s
 # with the entropy bonus of 0.3 (its collapse samples every token up to the limit), 2 at a time: 0.5
 # h, plus the warm starts at ALPHA 0.1 and 1 (about 5 minutes each).
 TEMPLATE_KNOBS = {"ent0.001": [], "ent0.3": ["--entropy-coef", "0.3"],
-                  "klref0.1": ["--reference-template-prior", "1", "--kl-coef", "0.1"],
-                  "klref0.5": ["--reference-template-prior", "1", "--kl-coef", "0.5"]}
+                  "klref0.1": ["--kl-template-prior", "1", "--kl-coef", "0.1"],
+                  "klref0.5": ["--kl-template-prior", "1", "--kl-coef", "0.5"]}
 GRIDS["template-search"] = dict(
     claim="A search, not a claim: is there a regime in which RL makes reasoning templates take "
           "over (the probe set's template share grows) from a warm start with ALPHA = 0.1? "
@@ -272,7 +273,7 @@ GRIDS["template-search"] = dict(
 # any of its runs. The mechanism's prediction: the KL term's gradient does not shrink with reward
 # spread, so an update made of high-spread groups is driven less by the pull towards templates.
 # Estimate: 25 runs x 100 steps x 3.5 s / 2 = 1.2 h.
-TEMPLATE_REGIME = ["--env", "frozenlake", "--template-prior", "0.1", "--reference-template-prior",
+TEMPLATE_REGIME = ["--env", "frozenlake", "--template-prior", "0.1", "--kl-template-prior",
                    "1", "--kl-coef", "0.1"]
 GRIDS["template-collapse"] = dict(
     claim="Sec. 2-3 in a template-collapse regime: with a KL term (0.1, k3) pulling a warm start "

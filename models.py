@@ -50,7 +50,7 @@ def load(a, device, source, env_kwargs):
     # the reference is the initial policy, loaded again from its source (the KL term's, and the
     # gradient decomposition's KL column), or a warm start with another template share
     if (a.kl_coef > 0 or a.grad_decomp_every) and not a.lora:
-        prior = a.template_prior if a.reference_template_prior is None else a.reference_template_prior
+        prior = a.template_prior if a.kl_template_prior is None else a.kl_template_prior
         reference_model, ref_tokenizer, _ = load_policy(dataclasses.replace(a, template_prior=prior),
                                                         a.model, device, env_kwargs)
         reference_model.eval().requires_grad_(False)

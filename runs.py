@@ -248,10 +248,10 @@ def check_args(a):
     need(a.threads is None or a.threads >= 1, "--threads must be >= 1")
     need(0 <= a.template_prior <= 1 and a.warm_start_seed >= 0,
          "--template-prior must be in [0, 1] and --warm-start-seed >= 0")
-    need(a.reference_template_prior is None or (0 <= a.reference_template_prior <= 1
-                                                 and a.model == "tiny" and not a.lora
-                                                 and (a.reference_template_prior > 0) == (a.template_prior > 0)),
-         "--reference-template-prior must be in [0, 1], with --model tiny, no --lora, and > 0 "
+    prior = a.kl_template_prior
+    need(prior is None or (0 <= prior <= 1 and a.model == "tiny" and not a.lora
+                           and (prior > 0) == (a.template_prior > 0)),
+         "--kl-template-prior must be in [0, 1], with --model tiny, no --lora, and > 0 "
          "exactly when --template-prior is (the two warm starts must share a vocabulary)")
     try:
         envs.make_env(a.env, **env_kwargs(a)).reset(seed=0)

@@ -111,8 +111,8 @@ class Args:
     tiny_cache: str = arg(".cache/tiny", "tiny: folder of warm-started models")
     warm_start_seed: int = arg(0, "tiny: the warm start's build seed (weights, demonstrations)")
     template_prior: float = arg(0.0, "tiny: share of warm-start turns reasoning with a template")
-    reference_template_prior: float = arg(
-        None, "tiny: the KL reference's template share (a warm start of its own; default: the policy's)")
+    kl_template_prior: float = arg(
+        None, "tiny: template share of the KL reference's warm start (default: the policy's)")
     # diagnosis, validation, output
     mi_every: int = arg(5, "cross-scoring diagnosis at step 1 and every N steps (0 = off)")
     mi_samples: int = arg(64, "samples cross-scored per diagnosis")

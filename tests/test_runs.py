@@ -105,8 +105,8 @@ def test_help_is_one_line_per_flag_with_its_default(capsys):
     (["--save-every", "-2"], "--save-every must be >= 0"),
     (["--template-prior", "1.5"], "--template-prior must be in [0, 1]"),
     (["--warm-start-seed", "-1"], "--warm-start-seed >= 0"),
-    (["--reference-template-prior", "1"], "share a vocabulary"),  # the policy's prior is 0
-    (["--template-prior", "0.1", "--reference-template-prior", "1", "--lora", "4"], "no --lora"),
+    (["--kl-template-prior", "1"], "share a vocabulary"),  # the policy's prior is 0
+    (["--template-prior", "0.1", "--kl-template-prior", "1", "--lora", "4"], "no --lora"),
     # what cannot run or cannot mean anything, each with its reason
     (["--steps", "99999999999999999999999"], "four months"),
     (["--groups", "100000000"], "in memory"),

@@ -477,7 +477,7 @@ def test_fig4_kl_is_measured_against_the_initial_policy_without_a_kl_term(tmp_pa
 @pytest.mark.parametrize("reference_prior, built", [(None, [0.1, 0.1]), (1.0, [0.1, 1.0])])
 def test_the_kl_reference_is_the_warm_start_with_the_template_share_asked_for(tmp_path, monkeypatch,
                                                                               reference_prior, built):
-    """--reference-template-prior: the KL term pulls towards a warm start of its own (a template-rich
+    """--kl-template-prior: the KL term pulls towards a warm start of its own (a template-rich
     reference), else towards the policy's own warm start."""
     load_tiny, priors = tiny.load_tiny, []
 
@@ -487,7 +487,7 @@ def test_the_kl_reference_is_the_warm_start_with_the_template_share_asked_for(tm
 
     monkeypatch.setattr(tiny, "load_tiny", recording)
     run = make_run(tmp_path, env="frozenlake", kl_coef=0.1, template_prior=0.1,
-                   reference_template_prior=reference_prior)
+                   kl_template_prior=reference_prior)
     assert priors == built and run.reference_model is not run.policy
 
 
