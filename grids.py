@@ -240,10 +240,10 @@ GRIDS = {
 # low (FrozenLake slipping 2/3 of its moves: many zero-spread groups) the regularisers drive the
 # update -- an entropy bonus, or a KL term pulling towards a template-rich reference (a warm start
 # with ALPHA = 1, --kl-template-prior; named --reference-template-prior at bb3df25, where the
-# search ran). Not searched: how reliable the task reasoning is for
-# the answer (the demonstrations' noise is fixed). Estimate: 8 runs x 100 steps, 3 s a step, 10 s
-# with the entropy bonus of 0.3 (its collapse samples every token up to the limit), 2 at a time: 0.5
-# h, plus the warm starts at ALPHA 0.1 and 1 (about 5 minutes each).
+# search ran). Not searched: how reliable the task reasoning is for the answer (the demonstrations'
+# noise is fixed). Estimate: 8 runs x 100 steps, 3 s a step, 10 s with the entropy bonus of 0.3 (its
+# collapse samples every token up to the limit), 2 at a time: 0.5 h, plus the warm starts at ALPHA
+# 0.1 and 1 (about 5 minutes each).
 TEMPLATE_KNOBS = {"ent0.001": [], "ent0.3": ["--entropy-coef", "0.3"],
                   "klref0.1": ["--kl-template-prior", "1", "--kl-coef", "0.1"],
                   "klref0.5": ["--kl-template-prior", "1", "--kl-coef", "0.5"]}

@@ -243,4 +243,3 @@ def template_criteria(data, growth=0.2):
 
 
 CRITERIA = {"collapse": search_criteria, "template": template_criteria}  # a search rule's criteria
-
