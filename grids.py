@@ -329,7 +329,9 @@ PHASE = ["probe_mi_estimate", "probe_reasoning_entropy", "probe_conditional_entr
 # spread of a series can be 0 by chance): validation success's binomial standard error at p = 1/2
 # over the 64 validation seeds; for the probe metrics their own logged standard error takes its place
 ONSET = {"probe_mi_estimate": (-1, 0.01), "val_success": (-1, 0.0625),
-         "probe_conditional_entropy": (1, 0.01), "token_entropy": (1, 0.005)}
+         "probe_conditional_entropy": (1, 0.01), "token_entropy": (1, 0.005),
+         "probe_template_share": (1, 0.0625)}  # a share of the 8 x 8 probe samples: as success
+TEMPLATE = ["probe_template_share", "template_share"]  # reported where the runs logged them
 
 
 def runs_of(name):

@@ -25,7 +25,7 @@ import zlib
 
 import stats
 from grids import (BUCKET, COMMON, DIAGNOSTICS, GROUP_SIZE, GRIDS, METRICS, ONSET, PHASE, RESULTS,
-                   WINDOW, done, runs_of, world_of)
+                   TEMPLATE, WINDOW, done, runs_of, world_of)
 
 FIRST_REPORT = "round3"  # results/round3/<grid>/: the first report, whose archives were never kept
 
@@ -184,7 +184,7 @@ def table_rows(name, data):
         complete = sum(done(r, g["steps"]) for r in runs)
         for step in g["table_steps"]:
             row = {"setting": setting, "step": step, "runs": len(runs), "finished": complete}
-            for key in METRICS:
+            for key in METRICS + logged(data, TEMPLATE):
                 row[key], row[key + "_ci95"], _ = stats.interval(
                     [stats.value_at(r, key, step) for r in runs])
             rows.append(row)
@@ -206,6 +206,12 @@ def gradient_table(name, data):
                     [sum(x[bucket][key] for x in d) / len(d) for d in runs])
             rows.append(row)
     return rows
+
+
+def logged(data, keys):
+    """The keys that some run logged: the template share exists only in runs with a template
+    prior, and a grid without one keeps its tables as they were."""
+    return [k for k in keys if any(k in r for records in data.values() for r in records)]
 
 
 def merged(records):
@@ -250,7 +256,8 @@ def correlations(name, data, resamples=1000, seed=0):
 
 def onsets(data):
     """Per run: the step at which each ONSET series starts to move (stats.onset)."""
-    return [{"setting": setting, "seed": seed, **{k: stats.onset(records, k) for k in ONSET}}
+    return [{"setting": setting, "seed": seed,
+             **{k: stats.onset(records, k) for k in logged(data, ONSET)}}
             for (setting, seed), records in sorted(data.items())]
 
 
@@ -290,7 +297,7 @@ def report(name, results=RESULTS, with_figures=True, force=False):
              "search.csv": searched, "replication.csv": replicated,
              "perseed.csv": [{"setting": setting, "seed": seed, "step": step,
                               **{k: stats.value_at(data[setting, seed], k, step)
-                                 for k in ["val_success"] + PHASE}}
+                                 for k in ["val_success"] + PHASE + logged(data, TEMPLATE[:1])}}
                              for setting in g["settings"] for seed in g["seeds"]
                              if (setting, seed) in data for step in g["table_steps"]]}
     numbers = {"decisions": decisions, "correlations": within + world_rows, "leadlag": leads,
@@ -361,9 +368,11 @@ def span(low, high):
 def markdown(name, rows, decisions, within, world_rows, leads, gradients, searched, replicated):
     """table.md: the tables above, in the order a reader checks a claim."""
     g = GRIDS[name]
-    shown = ["val_success", "probe_mi_estimate", "probe_reasoning_entropy",
-             "probe_conditional_entropy", "probe_action_mi", "token_entropy", "kept_ratio",
-             "zero_var_fail_frac", "optimizer_steps_total"]
+    shown = ["val_success"] + [k for k in TEMPLATE[:1] if k in rows[0]] + [
+        "probe_mi_estimate", "probe_reasoning_entropy", "probe_conditional_entropy",
+        "probe_action_mi", "token_entropy", "kept_ratio", "zero_var_fail_frac",
+        "optimizer_steps_total"]
+    moving = [k for k in ONSET if leads and k in leads[0]]
     lines = [f"# {name}", "", g["claim"], "",
              f"Flags: `{' '.join(g['flags'] + COMMON)}`; seeds {g['seeds']}; {g['steps']} steps. "
              f"Mean ± half-width of the 95% t interval over seeds (n - 1 degrees of freedom; no "
@@ -421,10 +430,10 @@ def markdown(name, rows, decisions, within, world_rows, leads, gradients, search
               f"{stats.BASELINE} points); the onset is the first step {stats.THRESHOLD:g} units "
               f"away in the collapse's direction at {stats.SUSTAIN} points in a row (stats.onset; "
               f"-: never).", "",
-              "| setting | seed | " + " | ".join(ONSET) + " |", "|---|---|" + "---|" * len(ONSET)]
+              "| setting | seed | " + " | ".join(moving) + " |", "|---|---|" + "---|" * len(moving)]
     for r in leads:
         lines.append(f"| {r['setting']} | {r['seed']} | " + " | ".join(
-            "-" if r[k] is None else str(r[k]) for k in ONSET) + " |")
+            "-" if r[k] is None else str(r[k]) for k in moving) + " |")
     if gradients:
         lines += ["", "## Gradient norms by reward-spread bucket (Fig. 4)", "",
                   "Buckets from the lowest spread (1) to the highest; each run's mean over its "
@@ -439,7 +448,8 @@ def markdown(name, rows, decisions, within, world_rows, leads, gradients, search
 
 
 def figures(name, data, out):
-    """curves.png: validation success, probe MI, H(Z) and token entropy against environment steps,
+    """curves.png: validation success, the probe template share (where logged), probe MI, H(Z) and
+    token entropy against environment steps,
     optimiser steps and trajectories trained on (each seed a thin line, the setting's mean over
     seeds a thick one against environment steps); perseed.png: every seed's probe MI, H(Z),
     H(Z|X) and token entropy, a row per setting; scatter.png: diagnostics against success."""
@@ -450,10 +460,12 @@ def figures(name, data, out):
 
     settings = list(GRIDS[name]["settings"])
     colors = {s: plt.cm.tab10(i % 10) for i, s in enumerate(settings)}
-    keys = ["val_success", "probe_mi_estimate", "probe_reasoning_entropy", "token_entropy"]
+    keys = ["val_success"] + logged(data, TEMPLATE[:1]) + ["probe_mi_estimate",
+                                                           "probe_reasoning_entropy", "token_entropy"]
     axes_x = [("step", "environment steps"), ("optimizer_steps_total", "optimiser steps"),
               ("trajectories_total", "trajectories trained on")]
-    fig, axes = plt.subplots(len(keys), len(axes_x), figsize=(13, 11), squeeze=False)
+    fig, axes = plt.subplots(len(keys), len(axes_x), figsize=(13, 2.75 * len(keys)),
+                             squeeze=False)
     for i, key in enumerate(keys):
         for j, (x, label) in enumerate(axes_x):
             ax = axes[i][j]

@@ -25,7 +25,7 @@ OUTPUTS = ("table.md", "table.csv", "decisions.csv", "correlations.csv", "leadla
            "perseed.csv", "search.csv", "gradients.csv", "replication.csv", "policies.csv", "samples.csv")
 
 
-def fake_run(folder, steps, success, mi, val=None, kept=4, opt=2, decomposition=True):
+def fake_run(folder, steps, success, mi, val=None, kept=4, opt=2, decomposition=True, template=None):
     """A metrics.jsonl whose metrics change over the steps: train success and token entropy drift,
     validation (every 10 steps) and the diagnoses (step 1, every 5) follow `val` and `mi`."""
     os.makedirs(folder)
@@ -45,6 +45,8 @@ def fake_run(folder, steps, success, mi, val=None, kept=4, opt=2, decomposition=
             if s % 5 == 0 and s or s == 1:
                 r.update(mi_estimate=mi(s), probe_mi_estimate=mi(s), probe_mi_estimate_se=0.01,
                          probe_reasoning_entropy=1.0, probe_conditional_entropy=1.0 - mi(s))
+                if template:
+                    r["probe_template_share"] = template(s)
             if s % 10 == 0:
                 r["val_success"] = val(s)
             f.write(json.dumps(r) + "\n")
@@ -336,6 +338,27 @@ def test_the_table_is_a_t_interval_over_seeds(grid):
     assert f"| a | 20 | 5 (5) | {a['val_success']:.3f} ± {a['val_success_ci95']:.3f} |" in text
     for name in ("curves", "perseed", "scatter"):
         assert os.path.isfile(os.path.join("results", "toy", f"{name}.png"))
+
+
+def test_the_template_share_is_reported_only_where_runs_logged_it(grid):
+    toy_runs(grid)
+    report.report(grid, with_figures=False)
+    text = open(os.path.join("results", grid, "table.md")).read()
+    assert "probe_mi_estimate" in text and "template_share" not in text
+    shutil.rmtree("runs")
+    shutil.rmtree(os.path.join("results", grid))
+    for setting, seed, folder, _ in grids.runs_of(grid):  # level until step 20, then +0.02 a step
+        fake_run(folder, 40, 0.5, lambda s: 0.5, template=lambda s: 0.1 + 0.02 * max(0, s - 20))
+        experiments.archive(folder, grid)
+    rows = report.report(grid, with_figures=False)
+    assert rows[-1]["probe_template_share"] == pytest.approx(0.1)  # b at step 20
+    text = open(os.path.join("results", grid, "table.md")).read()
+    assert "| val_success | probe_template_share | probe_mi_estimate |" in text
+    leads = json.load(open(os.path.join("results", grid, "numbers.json")))["leadlag"]
+    # the baseline (steps 1, 10, 20) is level, so the noise is the floor 0.0625: 0.2 at step 30 is
+    # 3.2 units, and 0.4 at step 40 keeps it there; the MI never moves
+    assert [r["probe_template_share"] for r in leads] == [30] * 10
+    assert all(r["probe_mi_estimate"] is None for r in leads)
 
 
 def test_report_regenerates_the_same_tables_from_the_archives_alone(grid, tmp_path):
