@@ -449,10 +449,10 @@ def markdown(name, rows, decisions, within, world_rows, leads, gradients, search
 
 def figures(name, data, out):
     """curves.png: validation success, the probe template share (where logged), probe MI, H(Z) and
-    token entropy against environment steps,
-    optimiser steps and trajectories trained on (each seed a thin line, the setting's mean over
-    seeds a thick one against environment steps); perseed.png: every seed's probe MI, H(Z),
-    H(Z|X) and token entropy, a row per setting; scatter.png: diagnostics against success."""
+    token entropy against environment steps, optimiser steps and trajectories trained on (each seed
+    a thin line, the setting's mean over seeds a thick one against environment steps);
+    perseed.png: every seed's probe MI, H(Z), H(Z|X) and token entropy, a row per setting;
+    scatter.png: diagnostics against success."""
     import matplotlib
 
     matplotlib.use("Agg")
