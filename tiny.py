@@ -28,6 +28,7 @@ progress every SAVE_EVERY steps (an interrupted build continues where it stopped
 builds while others wait for it, and the cached files carry checksums: a damaged entry is built
 again.
 """
+import contextlib
 import fcntl
 import hashlib
 import json
@@ -211,12 +212,8 @@ def load_tiny(env_name, env_kwargs=None, cache_dir=".cache/tiny", rebuild=False,
         settings.update(template_prior=template_prior, template_pool=templates.pool(env_name))
     folder = cache_folder(cache_dir, env_name, tokenizer, env_kwargs, **settings)
     os.makedirs(cache_dir, exist_ok=True)
-    with open(folder + ".lock", "w") as lock:
-        try:
-            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
-            print(f"waiting for another process that is building the tiny warm start in {folder}")
-            fcntl.flock(lock, fcntl.LOCK_EX)
+    with _locked(folder + ".lock", f"waiting for another process that is building the tiny warm "
+                                   f"start in {folder}"):
         if not rebuild:
             model, problem = _load_cached(folder)
             if model is not None:
@@ -224,9 +221,30 @@ def load_tiny(env_name, env_kwargs=None, cache_dir=".cache/tiny", rebuild=False,
             if problem:
                 print(f"the cached tiny warm start in {folder} is damaged ({problem}); "
                       f"building it again")
-        model = _build(folder, tokenizer, env_name, env_kwargs, steps, seed, progress, sizes,
-                       template_prior)
+        # Two builds side by side on fewer cores than their threads (each spins BUILD_THREADS
+        # threads at every barrier) ran more than 15 times slower than one after the other on 2
+        # cores: there, builds of different warm starts take turns.
+        turns = (os.cpu_count() or 1) < 2 * BUILD_THREADS
+        with _locked(os.path.join(cache_dir, "build.lock") if turns else None,
+                     "waiting for another warm start's build to end (too few cores for two)"):
+            model = _build(folder, tokenizer, env_name, env_kwargs, steps, seed, progress, sizes,
+                           template_prior)
         return model, tokenizer
+
+
+@contextlib.contextmanager
+def _locked(path, waiting):
+    """Hold an exclusive lock on the file `path` (None: no lock), saying `waiting` if it is held."""
+    if path is None:
+        yield
+        return
+    with open(path, "w") as lock:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            print(waiting)
+            fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
 
 
 def _load_cached(folder):

@@ -248,6 +248,28 @@ def test_an_interrupted_warm_start_continues_where_it_stopped(tmp_path, monkeypa
     assert all(torch.equal(p, q) for p, q in zip(straight.parameters(), resumed.parameters()))
 
 
+def test_builds_of_different_warm_starts_take_turns_on_few_cores(tmp_path, capsys, monkeypatch):
+    import fcntl
+    monkeypatch.setattr(os, "cpu_count", lambda: 2 * tiny.BUILD_THREADS - 1)
+    lock = open(tmp_path / "build.lock", "w")
+    fcntl.flock(lock, fcntl.LOCK_EX)  # another warm start is being built
+    result = {}
+    waiter = threading.Thread(target=lambda: result.update(model=build(tmp_path)[0]))
+    waiter.start()
+    said = ""
+    while waiter.is_alive() and "waiting for another warm start's build" not in said:
+        said += capsys.readouterr().out
+        time.sleep(0.01)
+    assert waiter.is_alive() and "waiting for another warm start's build" in said
+    lock.close()
+    waiter.join()
+    assert result["model"] is not None
+    monkeypatch.setattr(os, "cpu_count", lambda: 2 * tiny.BUILD_THREADS)  # enough cores: no turns
+    os.remove(tmp_path / "build.lock")
+    build(tmp_path, seed=1)
+    assert not os.path.exists(tmp_path / "build.lock")
+
+
 def test_one_process_builds_while_another_waits(tmp_path, capsys):
     folder = tiny.cache_folder(str(tmp_path), "bandit", tiny.build_tokenizer(), None, steps=4, seed=0, **SIZES)
     import fcntl
