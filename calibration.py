@@ -32,7 +32,7 @@ import random
 import report
 import stats
 import templates
-from grids import GRIDS, RESULTS
+from grids import ALPHAS, GRIDS, RESULTS
 
 GROUPS = 8  # train.Args.groups: the in-batch estimate's prompts
 POWER_Z = 1.96 + 0.84  # a 5% two-sided test with 80% power
@@ -126,7 +126,18 @@ def within(intervals, tolerance):
 
 
 def decide(rule, rows, resamples=1000):
-    """One rule's row: estimate, interval, n, the per-ALPHA (or per-build) values, verdict."""
+    """One rule's row: estimate, interval, n, the per-ALPHA (or per-build) values, verdict; no
+    verdict while a registered ALPHA has not run (the rule is over all of them)."""
+    out = judge(rule, rows, resamples)
+    ran = {r["alpha"] for r in rows if r["world"] == rule["world"]}
+    missing = [f"{a:g}" for a in ALPHAS if a not in ran]
+    if ran and missing:
+        out["verdict"] = f"incomplete: ALPHA {', '.join(missing)} not run"
+    return out
+
+
+def judge(rule, rows, resamples):
+    """decide's row from the policies that ran."""
     size = rule.get("size", 32)
     picked = [r for r in rows if r["world"] == rule["world"] and r["prompts"] == size
               and r.get(rule["metric"]) is not None]

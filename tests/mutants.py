@@ -285,6 +285,13 @@ MUTANTS = [
     m("unfinished-run-archived", "experiments.py", "settle",
       "if finished(folder, steps):", "if True:",
       EXP + "test_ctrl_c_stops_the_runs_and_archives_only_what_finished"),
+    m("calibration-verdict-over-some-alphas", "calibration.py", "decide",
+      "if ran and missing:", "if False:",
+      "tests/test_calibration.py::"
+      "test_an_estimate_falling_like_one_minus_the_share_holds_and_a_flat_one_is_contradicted"),
+    m("template-share-left-out-of-the-table", "report.py", "table_rows",
+      "for key in METRICS + logged(data, TEMPLATE):", "for key in METRICS:",
+      EXP + "test_the_template_share_is_reported_only_where_runs_logged_it"),
 ]
 
 

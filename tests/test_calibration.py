@@ -59,6 +59,9 @@ def test_an_estimate_falling_like_one_minus_the_share_holds_and_a_flat_one_is_co
                               off)["verdict"] == "contradicted"
     three = [r for r in exact if r["build"] < 3]  # no interval from fewer than five builds
     assert "no interval" in calibration.decide(rule("proportional", tolerance=0.15), three)["verdict"]
+    part = [r for r in exact if r["alpha"] < 1]  # a registered ALPHA still to run: no verdict yet
+    decided = calibration.decide(rule("proportional", tolerance=0.15), part)
+    assert decided["verdict"] == "incomplete: ALPHA 1 not run" and decided["estimate"] is not None
 
 
 def test_tracking_is_a_spearman_over_policies_with_a_build_bootstrap():
