@@ -129,7 +129,8 @@ def decide(rule, rows, resamples=1000):
     """One rule's row: estimate, interval, n, the per-ALPHA (or per-build) values, verdict; no
     verdict while a registered ALPHA has not run (the rule is over all of them)."""
     out = judge(rule, rows, resamples)
-    ran = {r["alpha"] for r in rows if r["world"] == rule["world"]}
+    ran = {r["alpha"] for r in rows
+           if r["world"] == rule["world"] and r["prompts"] == rule.get("size", 32)}
     missing = [f"{a:g}" for a in ALPHAS if a not in ran]
     if ran and missing:
         out["verdict"] = f"incomplete: ALPHA {', '.join(missing)} not run"

@@ -62,6 +62,8 @@ def test_an_estimate_falling_like_one_minus_the_share_holds_and_a_flat_one_is_co
     part = [r for r in exact if r["alpha"] < 1]  # a registered ALPHA still to run: no verdict yet
     decided = calibration.decide(rule("proportional", tolerance=0.15), part)
     assert decided["verdict"] == "incomplete: ALPHA 1 not run" and decided["estimate"] is not None
+    other_size = part + [dict(r, prompts=8) for r in exact if r["alpha"] == 1]  # not this rule's
+    assert calibration.decide(rule("proportional", tolerance=0.15), other_size)["verdict"] == decided["verdict"]
 
 
 def test_tracking_is_a_spearman_over_policies_with_a_build_bootstrap():
