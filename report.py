@@ -179,12 +179,13 @@ def replication(name, decisions, results=RESULTS):
 def table_rows(name, data):
     """Per setting and table step, each METRIC's mean over the seeds with its 95% interval."""
     g, rows = GRIDS[name], []
+    metrics = METRICS + logged(data, TEMPLATE)
     for setting in g["settings"]:
         runs = [r for (s, _), r in sorted(data.items()) if s == setting]
         complete = sum(done(r, g["steps"]) for r in runs)
         for step in g["table_steps"]:
             row = {"setting": setting, "step": step, "runs": len(runs), "finished": complete}
-            for key in METRICS + logged(data, TEMPLATE):
+            for key in metrics:
                 row[key], row[key + "_ci95"], _ = stats.interval(
                     [stats.value_at(r, key, step) for r in runs])
             rows.append(row)
@@ -256,8 +257,8 @@ def correlations(name, data, resamples=1000, seed=0):
 
 def onsets(data):
     """Per run: the step at which each ONSET series starts to move (stats.onset)."""
-    return [{"setting": setting, "seed": seed,
-             **{k: stats.onset(records, k) for k in logged(data, ONSET)}}
+    keys = logged(data, ONSET)
+    return [{"setting": setting, "seed": seed, **{k: stats.onset(records, k) for k in keys}}
             for (setting, seed), records in sorted(data.items())]
 
 

@@ -225,8 +225,9 @@ def load_tiny(env_name, env_kwargs=None, cache_dir=".cache/tiny", rebuild=False,
         # threads at every barrier) ran more than 15 times slower than one after the other on 2
         # cores: there, builds of different warm starts take turns.
         turns = (os.cpu_count() or 1) < 2 * BUILD_THREADS
-        with _locked(os.path.join(cache_dir, "build.lock") if turns else None,
-                     "waiting for another warm start's build to end (too few cores for two)"):
+        waiting = "waiting for another warm start's build to end (too few cores for two)"
+        with (_locked(os.path.join(cache_dir, "build.lock"), waiting) if turns
+              else contextlib.nullcontext()):
             model = _build(folder, tokenizer, env_name, env_kwargs, steps, seed, progress, sizes,
                            template_prior)
         return model, tokenizer
@@ -234,10 +235,7 @@ def load_tiny(env_name, env_kwargs=None, cache_dir=".cache/tiny", rebuild=False,
 
 @contextlib.contextmanager
 def _locked(path, waiting):
-    """Hold an exclusive lock on the file `path` (None: no lock), saying `waiting` if it is held."""
-    if path is None:
-        yield
-        return
+    """Hold an exclusive lock on the file `path`, saying `waiting` if it is held."""
     with open(path, "w") as lock:
         try:
             fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)

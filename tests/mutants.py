@@ -290,7 +290,7 @@ MUTANTS = [
       "tests/test_calibration.py::"
       "test_an_estimate_falling_like_one_minus_the_share_holds_and_a_flat_one_is_contradicted"),
     m("template-share-left-out-of-the-table", "report.py", "table_rows",
-      "for key in METRICS + logged(data, TEMPLATE):", "for key in METRICS:",
+      "metrics = METRICS + logged(data, TEMPLATE)", "metrics = METRICS",
       EXP + "test_the_template_share_is_reported_only_where_runs_logged_it"),
 ]
 
