@@ -48,6 +48,7 @@ from checkpoints import (CheckpointError, atomic_write, checkpoint_step, recover
 RESUMABLE = ("steps", "val_every", "save_every", "plot", "threads")  # what a resumed run may change
 # past these a run cannot finish or cannot fit: no step here takes under a second (10**7 s is four
 # months), and a step holds all its episodes, transcripts included, in memory at once
+TINY_THREADS = 2  # --threads for the tiny policy on a CPU, whatever the machine: results depend on it
 MAX_STEPS = 10 ** 7
 MAX_EPISODES = 2 ** 16
 MAX_GROUP_SIZE = 1000  # rollouts of one prompt, rollout.play's own limit
@@ -411,8 +412,8 @@ def resolve_defaults(a, device):
     a.max_new_tokens = a.max_new_tokens or (64 if tiny else 400)
     a.dtype = a.dtype or ("bfloat16" if device.type == "cuda" else "float32")
     a.lora_alpha = a.lora_alpha or (2.0 * a.lora if a.lora else None)
-    if a.threads is None and device.type == "cpu":  # 2 whatever the machine: results depend on it
-        a.threads = min(2, os.cpu_count() or 1) if tiny else (os.cpu_count() or 1)
+    if a.threads is None and device.type == "cpu":
+        a.threads = min(TINY_THREADS, os.cpu_count() or 1) if tiny else (os.cpu_count() or 1)
     if a.threads:
         torch.set_num_threads(a.threads)
     if a.micro_batch is None and device.type == "cpu":

@@ -92,7 +92,8 @@ def one_row(args):
     if device.type == "cuda" and args.budget_gb:
         total = torch.cuda.get_device_properties(device).total_memory
         torch.cuda.set_per_process_memory_fraction(min(1.0, args.budget_gb * 2**30 / total))
-    model, tokenizer = qwen_shaped(args.size, device)
+    # --quick proves the script runs: "tiny" shapes and bench_memory's quick vocabulary of 4,096
+    model, tokenizer = qwen_shaped(args.size, device, 4096 if args.quick else VOCAB)
     flags = [
         "--env",
         "sokoban",

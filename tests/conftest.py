@@ -3,7 +3,13 @@ import os
 import sys
 
 import pytest
-import torch
+
+# The suite runs one worker a core (pytest -n auto). A process under test may take more threads
+# than its share of the cores (train.py's tiny default is 2), and OpenMP threads that busy-wait at
+# every barrier then made the suite twice as slow as in one process: passive waiting lets them
+# sleep. Set before torch loads its OpenMP runtime, which reads it once.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+import torch  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -11,9 +17,15 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")  # tests never touch the network
 
 
 @pytest.fixture(autouse=True)
-def one_thread():
+def one_thread(monkeypatch):
     """Tiny matrices: one thread is faster than several fighting over shared cores, and results do
-    not depend on the machine's core count."""
+    not depend on the machine's core count. A run or a warm-start build under test takes one too
+    (train.py's tiny default and tiny.BUILD_THREADS are 2): the suite runs one worker a core."""
+    import runs
+    import tiny
+
+    monkeypatch.setattr(runs, "TINY_THREADS", 1)
+    monkeypatch.setattr(tiny, "BUILD_THREADS", 1)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     yield

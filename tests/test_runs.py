@@ -114,7 +114,7 @@ def test_help_is_one_line_per_flag_with_its_default(capsys):
     (["--group-size", "5000"], "--group-size must be <= 1000"),
     (["--group-size", "1"], "zero reward spread: --filter topp has nothing to rank"),
     (["--group-size", "1", "--filter", "none", "--algo", "grpo"], "advantage is always 0"),
-    (["--room-size", "200"], "--room-size sets it"),
+    (["--room-size", "70"], "--room-size sets it"),  # the first prompt alone does not fit
     (["--room-size", "60"], "context of 4096 tokens"),  # the first turn fits, five do not
     (["--env", "frozenlake", "--lake-size", "100"], "--lake-size sets it"),
     (["--max-new-tokens", "100000000"], "a reply cannot be longer than the model's context"),
@@ -493,7 +493,8 @@ def test_recovery_picks_the_newest_complete_checkpoint(tmp_path):
 
 
 def test_kill_9_of_a_real_run_then_resume_is_exact(tmp_path, monkeypatch):
-    common = SMALL + ["--algo", "ppo", "--mi-every", "2", "--val-every", "0", "--steps", "6"]
+    # --threads: the killed run is another process, which the test's one-thread default misses
+    common = SMALL + ["--algo", "ppo", "--mi-every", "2", "--val-every", "0", "--steps", "6", "--threads", "1"]
     straight, killed = str(tmp_path / "straight"), str(tmp_path / "killed")
     proc = subprocess.Popen([sys.executable, "train.py"] + common + ["--out", killed], cwd=ROOT,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
