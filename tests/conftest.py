@@ -20,12 +20,11 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")  # tests never touch the network
 def one_thread(monkeypatch):
     """Tiny matrices: one thread is faster than several fighting over shared cores, and results do
     not depend on the machine's core count. A run or a warm-start build under test takes one too
-    (train.py's tiny default and tiny.BUILD_THREADS are 2): the suite runs one worker a core."""
-    import runs
-    import tiny
-
-    monkeypatch.setattr(runs, "TINY_THREADS", 1)
-    monkeypatch.setattr(tiny, "BUILD_THREADS", 1)
+    (train.py's tiny default and tiny.BUILD_THREADS are 2): the suite runs one worker a core.
+    Only where the test imported them: a pure test does not depend on them."""
+    for module, name in (("runs", "TINY_THREADS"), ("tiny", "BUILD_THREADS")):
+        if module in sys.modules:
+            monkeypatch.setattr(sys.modules[module], name, 1)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     yield
