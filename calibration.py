@@ -128,20 +128,18 @@ def within(intervals, tolerance):
 def decide(rule, rows, resamples=1000):
     """One rule's row: estimate, interval, n, the per-ALPHA (or per-build) values, verdict; no
     verdict while a registered ALPHA has not run (the rule is over all of them)."""
-    out = judge(rule, rows, resamples)
-    ran = {r["alpha"] for r in rows
-           if r["world"] == rule["world"] and r["prompts"] == rule.get("size", 32)}
+    mine = [r for r in rows if r["world"] == rule["world"] and r["prompts"] == rule.get("size", 32)]
+    out = judge(rule, mine, resamples)
+    ran = {r["alpha"] for r in mine}
     missing = [f"{a:g}" for a in ALPHAS if a not in ran]
     if ran and missing:
         out["verdict"] = f"incomplete: ALPHA {', '.join(missing)} not run"
     return out
 
 
-def judge(rule, rows, resamples):
-    """decide's row from the policies that ran."""
-    size = rule.get("size", 32)
-    picked = [r for r in rows if r["world"] == rule["world"] and r["prompts"] == size
-              and r.get(rule["metric"]) is not None]
+def judge(rule, mine, resamples):
+    """decide's row from the rule's world and probe size's policies that ran."""
+    picked = [r for r in mine if r.get(rule["metric"]) is not None]
     out = {"rule": rule["text"], "estimate": None, "low": None, "high": None,
            "n": len({r["build"] for r in picked}), "verdict": "not run", "values": ""}
     if not picked:
