@@ -12,6 +12,8 @@ import shutil
 import subprocess
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 from scipy.stats import t
 
 import experiments
@@ -186,6 +188,13 @@ def test_spearman_is_scipys_with_ties():
     xs, ys = [1, 2, 2, 3, 5, 5, 5, 0], [0.3, 0.1, 0.1, 0.9, 0.4, 0.8, 0.8, 0.2]
     assert stats.spearman(xs, ys) == pytest.approx(spearmanr(xs, ys).statistic, abs=1e-12)
     assert stats.spearman([1, 1, 1], [1, 2, 3]) is None
+
+
+@given(st.lists(st.integers(0, 5), min_size=1, max_size=40))
+def test_ranks_are_scipys_average_ranks(xs):
+    from scipy.stats import rankdata
+
+    assert stats.ranks(xs).tolist() == rankdata(xs).tolist()  # few values: many ties
 
 
 # ---------------------------------------------------------------------------------------- decisions
