@@ -1,49 +1,88 @@
-"""Every benchmark's --quick mode still runs: exit status 0 and a last `RESULT <name> <finite
-number>` line; bench_gpu's number is the fraction of its rows that ran, so its one quick row must
-have run (1.000, not 0.000).
+"""Every benchmark's --quick mode still runs: its main() returns and prints a last `RESULT <name>
+<finite number>` line; bench_gpu's number is the fraction of its rows that ran, so its one quick row
+must have run (1.000, not 0.000).
 
+The quick modes run in the test's own process: a fresh interpreter would spend more time importing
+torch and transformers than the quick mode spends running. What a script reassigns in the project's
+modules (bench_gpu swaps models.load_policy, bench_step the update's pieces) is put back afterwards.
 No timing is asserted: the numbers depend on the machine.
 """
+import contextlib
 import importlib.util
 import math
 import os
-import subprocess
 import sys
 
 import pytest
 import torch
 
-BENCH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench")
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+BENCH = os.path.join(ROOT, "bench")
 
 
-def run_quick(script, python=sys.executable):
-    out = subprocess.run([python, os.path.join(BENCH, script), "--quick", "--threads", "1"], capture_output=True,
-                         text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"})
-    assert out.returncode == 0, out.stderr[-3000:]
-    last = out.stdout.strip().splitlines()[-1].split()
-    assert len(last) == 3 and last[0] == "RESULT", out.stdout[-2000:]
-    assert math.isfinite(float(last[2])), last
-    return last[1], float(last[2])
+def load(script):
+    spec = importlib.util.spec_from_file_location(script[:-3], os.path.join(BENCH, script))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@contextlib.contextmanager
+def project_modules_restored():
+    """Every attribute of the project's and bench's modules as it was before; a module first
+    imported inside is forgotten, so the next import loads it afresh."""
+    def ours(module):
+        path = getattr(module, "__file__", None)
+        return bool(path) and os.path.dirname(os.path.abspath(path)) in (ROOT, BENCH)
+
+    saved = {module: dict(vars(module)) for module in list(sys.modules.values()) if ours(module)}
+    path = list(sys.path)
+    try:
+        yield
+    finally:
+        sys.path[:] = path
+        for module, attributes in saved.items():
+            vars(module).update(attributes)
+        for name, module in list(sys.modules.items()):
+            if ours(module) and module not in saved:
+                del sys.modules[name]
+
+
+def run_quick(script, monkeypatch, capsys):
+    """main() of `script` with --quick, as when run as a script -> its last line, split."""
+    monkeypatch.setattr(sys, "argv", [script, "--quick", "--threads", "1"])
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with project_modules_restored():
+        sys.path.insert(0, BENCH)  # as when run as a script: the bench's siblings import
+        assert load(script).main() in (None, 0)
+    return capsys.readouterr().out.strip().splitlines()[-1].split()
 
 
 @pytest.mark.parametrize("script, name", [("bench_cross_scores.py", "cross_scores"), ("bench_rollout.py", "rollout"),
                                           ("bench_filter.py", "filter"), ("bench_memory.py", "memory"),
                                           ("bench_gpu.py", "gpu"), ("bench_step.py", "step"),
                                           ("bench_trl.py", "trl"), ("bench_retokenize.py", "retokenize")])
-def test_quick_mode_reports_a_result(script, name):
-    reported, value = run_quick(script)
-    assert reported == name
+def test_quick_mode_reports_a_result(script, name, monkeypatch, capsys):
+    last = run_quick(script, monkeypatch, capsys)
+    assert len(last) == 3 and last[0] == "RESULT", last
+    assert last[1] == name and math.isfinite(float(last[2])), last
     if name == "gpu":  # rows that ran / rows run: the quick row failing prints 0.000
-        assert value == 1.0
+        assert float(last[2]) == 1.0
 
+
+def test_a_quick_mode_leaves_the_project_as_it_found_it(monkeypatch, capsys):
+    """bench_gpu swaps models.load_policy for its in-memory model; later tests must get the real one."""
+    import models
+
+    load_policy = models.load_policy
+    run_quick("bench_gpu.py", monkeypatch, capsys)
+    assert models.load_policy is load_policy and sys.modules["models"] is models
 
 
 def test_the_gpu_bench_refuses_a_cpu_unless_asked(monkeypatch, capsys):
     """Without a GPU a 0.5B row would run for hours on the CPU, saying nothing: one line and exit 2,
     unless --cpu asks for it (--quick, above, stays a CPU check)."""
-    spec = importlib.util.spec_from_file_location("bench_gpu", os.path.join(BENCH, "bench_gpu.py"))
-    bench_gpu = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench_gpu)
+    bench_gpu = load("bench_gpu.py")
     rows = []
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     monkeypatch.setattr(bench_gpu, "one_row", lambda args: rows.append(args.size) or {"exit_code": 0})
