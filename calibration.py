@@ -180,9 +180,9 @@ def judge(rule, mine, resamples):
 def samples(rows):
     """How many samples tell ALPHA = 0.25 from 0.5, per world, probe size and metric (module
     docstring)."""
-    out = []
-    for (world, prompts, alpha), group in cells(rows).items():
-        other = cells(rows).get((world, prompts, 0.5))
+    out, by_cell = [], cells(rows)
+    for (world, prompts, alpha), group in by_cell.items():
+        other = by_cell.get((world, prompts, 0.5))
         if alpha != 0.25 or not other:
             continue
         for metric in SAMPLED:
