@@ -105,6 +105,16 @@ def refuse_less(name, now, results=RESULTS):
 
 # ---------------------------------------------------------------------------------------- decisions
 
+def side(low, high, sign):
+    """A rule's verdict from its 95% interval: "holds" when the whole interval lies on the predicted
+    side of 0 (sign +1: above, -1: below), "contradicted" on the other side, else "undecided"."""
+    if min(low * sign, high * sign) > 0:
+        return "holds"
+    if max(low * sign, high * sign) < 0:
+        return "contradicted"
+    return "undecided"
+
+
 def decide(name, data, rule, results=RESULTS):
     """One rule's row: the estimate with its 95% interval over seeds, n, the per-seed values and the
     verdict (no interval, and so no verdict, from fewer than stats.MIN_RUNS seeds)."""
@@ -134,12 +144,8 @@ def decide(name, data, rule, results=RESULTS):
         verdict = "not run" if not values else "no values"
     elif half is None:
         verdict = f"{n} runs: no interval"
-    elif (m - half) * rule["sign"] > 0:
-        verdict = "holds"
-    elif (m + half) * rule["sign"] < 0:
-        verdict = "contradicted"
     else:
-        verdict = "undecided"
+        verdict = side(m - half, m + half, rule["sign"])
     return {"rule": rule["text"], "estimate": m, "low": None if half is None else m - half,
             "high": None if half is None else m + half, "n": n, "verdict": verdict,
             "values": " ".join("-" if v is None else f"{v:.3f}" for v in values.values())}

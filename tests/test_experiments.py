@@ -218,6 +218,13 @@ def test_decision_rules_are_paired_differences_over_seeds(grid):
     assert d["n"] == 3 and d["low"] is None and d["verdict"] == "3 runs: no interval"
 
 
+def test_a_verdict_needs_the_whole_interval_on_one_side():
+    """A rule predicting a fall (sign -1) once read an interval across 0 as "holds"."""
+    assert report.side(-0.18, 0.57, -1) == report.side(-0.18, 0.57, 1) == "undecided"
+    assert report.side(-0.47, -0.16, -1) == "holds" and report.side(-0.47, -0.16, 1) == "contradicted"
+    assert report.side(0.05, 0.66, 1) == "holds" and report.side(0.05, 0.66, -1) == "contradicted"
+
+
 def test_lead_lag_compares_the_onsets_run_by_run(grid):
     def records(mi_drop, val_drop):
         return [{"step": s, "val_success": 0.9 if s < val_drop else 0.1} for s in range(0, 101, 10)] + [
