@@ -152,10 +152,8 @@ def judge(rule, mine, resamples):
                                   [by[k]["I_XZ"] for k in keys])
 
         low, high = stats.cluster_bootstrap(list(by), rho, random.Random(0), resamples)
-        t, sign = rule["threshold"], rule["sign"]
-        verdict = ("no interval" if low is None else
-                   "holds" if (low > t if sign > 0 else high < t) else
-                   "contradicted" if (high < t if sign > 0 else low > t) else "undecided")
+        t = rule["threshold"]
+        verdict = "no interval" if low is None else report.side(low - t, high - t, rule["sign"])
         out.update(estimate=rho(list(by)), low=low, high=high, verdict=verdict)
         return out
     share = "template_share" if not rule["metric"].startswith("probe_") else "probe_template_share"
