@@ -243,10 +243,12 @@ def correlations(name, data, resamples=1000, seed=0):
     within, world_rows = [], []
     rng = random.Random(seed)
     for diagnostic in DIAGNOSTICS:
+        xy = {k: ([r[diagnostic] for r in rs if diagnostic in r],  # each run's points, once
+                  [r["val_success"] for r in rs if diagnostic in r]) for k, rs in points.items()}
+
         def rho(keys):
-            pairs = [(r[diagnostic], r["val_success"]) for k in keys for r in points[k]
-                     if diagnostic in r]
-            return stats.spearman([x for x, _ in pairs], [y for _, y in pairs])
+            return stats.spearman([x for k in keys for x in xy[k][0]],
+                                  [y for k in keys for y in xy[k][1]])
 
         m, half, n = stats.interval(stats.by_seed({k: rho([k]) for k in points}))
         within.append({"scope": "within runs, by seed", "world": "each", "diagnostic": diagnostic,
