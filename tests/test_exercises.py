@@ -67,6 +67,9 @@ PLANTED = {
          "    returns = (advantages + values) * on"),
         ("ppo.py", "next_value = torch.where(on[:, t], values[:, t], next_value)",
          "next_value = values[:, t]"),                                       # masked V leaks in
+        ("ppo.py", "returns = (advantages + values) * on",                   # [1, B, T]
+         "advantages, values, on = advantages[None], values[None], on[None]\n"
+         "    returns = (advantages + values) * on"),
     ],
     "clip_loss": [
         ("ppo.py", "ratio.clamp(1.0 - clip_low, 1.0 + clip_high)",

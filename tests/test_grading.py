@@ -1,7 +1,8 @@
 """The grading tests of exercises.py: each test grades one exercise (@pytest.mark.exercise) and
 calls no other exercise's code -- where a graded function calls one, the test puts a stand-in there
 (mock.patch), so one unfinished exercise never fails another's grade. Expected values are closed
-forms or numbers worked out by hand (in the comments), never a second implementation. No fixtures:
+forms or numbers worked out by hand (in the comments), never a second implementation; a tensor
+answer must have the expected shape too (same, not torch.allclose, which broadcasts). No fixtures:
 tests/test_exercises.py calls these functions directly to check that each exercise fails alone.
 
     python exercises.py check            # all of them, one row per exercise
@@ -34,6 +35,13 @@ TEMPLATE = [[1 / 3] * 3] * 3                          # H(Z) = H(Z|X) = log 3
 
 def close(a, b, tol=1e-6):
     return abs(float(a) - float(b)) <= tol
+
+
+def same(actual, expected, **tolerance):
+    """torch.allclose, for tensors of one shape: allclose alone broadcasts, so an answer of shape
+    [1, B, T] would pass for one of shape [B, T]."""
+    assert actual.shape == expected.shape, f"shape {list(actual.shape)}, not {list(expected.shape)}"
+    return torch.allclose(actual, expected, **tolerance)
 
 
 # ------------------------------------------------------------------------------------- chain_rule
@@ -83,9 +91,9 @@ def no_retrieval(scores, owner, k=1, prompt_keys=None):
 def test_mi_estimate_matched_and_marginal_by_hand():
     table = torch.tensor([[-1., -3.], [-4., -2.]])
     matched, marginal = mi.matched_and_marginal(table, torch.tensor([0, 1]))
-    assert torch.allclose(matched, torch.tensor([-1., -2.]))
+    assert same(matched, torch.tensor([-1., -2.]))
     by_hand = [math.log((math.exp(-1) + math.exp(-3)) / 2), math.log((math.exp(-4) + math.exp(-2)) / 2)]
-    assert torch.allclose(marginal, torch.tensor(by_hand))
+    assert same(marginal, torch.tensor(by_hand))
 
 
 @pytest.mark.exercise("mi_estimate")
@@ -158,7 +166,7 @@ def test_retrieval_identical_prompts_count_as_one_target():
     keys = ["x", "y", "x"]
     scores = torch.tensor([[-1., -3., -1.], [-4., -2., -4.], [-2., -2., -2.]])
     credit = mi.retrieval_credit(scores, [2, 1, 0], prompt_keys=keys)
-    assert torch.allclose(credit, torch.tensor([1., 1., 2 / 3], dtype=torch.float64))
+    assert same(credit, torch.tensor([1., 1., 2 / 3], dtype=torch.float64))
 
 
 # ------------------------------------------------------------------------------------------ bound
@@ -238,11 +246,10 @@ def test_topk_counts_every_group_but_keeps_only_groups_with_spread():
 def test_gae_skips_observation_tokens():
     r, v, m = torch.tensor([[0., 0., 1.]]), torch.tensor([[.2, 9., .6]]), torch.tensor([[1, 0, 1]])
     adv, ret = ppo.gae(r, v, m, whiten=False)
-    assert torch.allclose(adv, torch.tensor([[.8, 0., .4]])) and torch.allclose(ret, torch.tensor(
-        [[1., 0., 1.]]))
+    assert same(adv, torch.tensor([[.8, 0., .4]])) and same(ret, torch.tensor([[1., 0., 1.]]))
     # lambda = 0.5: A_2 = 1 - .6 = .4; A_0 = (0 + .6 - .2) + .5 * .4 = .6
-    assert torch.allclose(ppo.gae(r, v, m, lam=.5, whiten=False)[0], torch.tensor([[.6, 0., .4]]))
-    assert torch.allclose(ppo.gae(r, v, m)[0], torch.tensor([[.7071068, 0., -.7071068]]))
+    assert same(ppo.gae(r, v, m, lam=.5, whiten=False)[0], torch.tensor([[.6, 0., .4]]))
+    assert same(ppo.gae(r, v, m)[0], torch.tensor([[.7071068, 0., -.7071068]]))
 
 
 @pytest.mark.exercise("gae")
@@ -250,8 +257,7 @@ def test_gae_discounts():
     # gamma .9: A_1 = 1 - .5 = .5; A_0 = (0 + .9 * .5 - .5) + .9 * .5 = .4
     adv, ret = ppo.gae(torch.tensor([[0., 1.]]), torch.tensor([[.5, .5]]), torch.ones(1, 2),
                        gamma=.9, whiten=False)
-    assert torch.allclose(adv, torch.tensor([[.4, .5]])) and torch.allclose(ret, torch.tensor(
-        [[.9, 1.]]))
+    assert same(adv, torch.tensor([[.4, .5]])) and same(ret, torch.tensor([[.9, 1.]]))
 
 
 @pytest.mark.exercise("gae")
@@ -262,8 +268,8 @@ def test_gae_each_row_ends_its_own_episode():
     values = torch.tensor([[.5, .5, 0.], [3., 1., 1.]])
     mask = torch.tensor([[1, 1, 0], [1, 1, 1]])
     adv, ret = ppo.gae(rewards, values, mask, whiten=False)
-    assert torch.allclose(adv, torch.tensor([[.5, .5, 0.], [-1., 1., 1.]]))   # return-to-go - V
-    assert torch.allclose(ret, torch.tensor([[1., 1., 0.], [2., 2., 2.]]))
+    assert same(adv, torch.tensor([[.5, .5, 0.], [-1., 1., 1.]]))   # return-to-go - V
+    assert same(ret, torch.tensor([[1., 1., 0.], [2., 2., 2.]]))
 
 
 # -------------------------------------------------------------------------------------- clip_loss
@@ -293,10 +299,10 @@ def test_clip_loss_by_hand():
     # r 1: -1; r 4, A 1: -1.28 (clip high); r 4, A -1: 4 capped at 3; r .5, A 1: -.5;
     # r .5, A -1: .8 (clip low); r 2, A -1: 2 (below the cap); r 1.1: -1.1
     expected = torch.tensor([[-1., -1.28, 3., -.5, .8, 2., -1.1]])
-    assert torch.allclose(loss, expected, atol=1e-6)
+    assert same(loss, expected, atol=1e-6)
     assert close(stats["clip_frac"], 2 / 7) and close(stats["clip_frac_lower"], 1 / 7)
     no_cap, _ = per_token_loss(RATIO.log(), ADV, clip_c=None)
-    assert torch.allclose(no_cap[0, 2], torch.tensor(4.))
+    assert same(no_cap[0, 2], torch.tensor(4.))
 
 
 @pytest.mark.exercise("clip_loss")
@@ -304,7 +310,7 @@ def test_clip_loss_other_clip_values():
     loss, _ = per_token_loss(RATIO.log(), ADV, clip_low=.1, clip_high=.5, clip_c=1.5)
     # r 4, A 1: -1.5; r 4, A -1: 4 capped at 1.5; r .5, A -1: .9; r 2, A -1: 2 capped at 1.5
     expected = torch.tensor([[-1., -1.5, 1.5, -.5, .9, 1.5, -1.1]])
-    assert torch.allclose(loss, expected, atol=1e-6)
+    assert same(loss, expected, atol=1e-6)
 
 
 @pytest.mark.exercise("clip_loss")
@@ -314,7 +320,7 @@ def test_clip_loss_gradient_is_zero_exactly_where_clipped():
     loss.sum().backward()
     # d(-A r)/d log r = -A r where unclipped; 0 where a clip or the cap binds
     expected = torch.tensor([[-1., 0., 0., -.5, 0., 2., -1.1]])
-    assert torch.allclose(logp.grad, expected, atol=1e-6)
+    assert same(logp.grad, expected, atol=1e-6)
 
 
 # ------------------------------------------------------------------------------------------- grpo
@@ -323,13 +329,13 @@ def test_clip_loss_gradient_is_zero_exactly_where_clipped():
 def test_grpo_group_advantages_by_hand():
     adv = grpo.group_advantages(torch.tensor([[1., 0., 0., 0.], [2., 2., 2., 2.]]))
     # mean 1/4, unbiased std 1/2: (3/4, -1/4) / (1/2 + 1e-6)
-    assert torch.allclose(adv[0], torch.tensor([1.5, -.5, -.5, -.5]), atol=1e-5)
+    assert same(adv[0], torch.tensor([1.5, -.5, -.5, -.5]), atol=1e-5)
     assert torch.equal(adv[1], torch.zeros(4)), "no spread: exactly 0, never NaN"
     two = grpo.group_advantages(torch.tensor([[0., 1.]]))                 # unbiased std 0.7071
-    assert torch.allclose(two, torch.tensor([[-.7071063, .7071063]]), atol=1e-6)
+    assert same(two, torch.tensor([[-.7071063, .7071063]]), atol=1e-6)
     dr = grpo.group_advantages(torch.tensor([[1., 0., 0., 0.], [5., 5., 5., 5.]]),
                                normalize_std=False)
-    assert torch.allclose(dr, torch.tensor([[.75, -.25, -.25, -.25], [0., 0., 0., 0.]]))
+    assert same(dr, torch.tensor([[.75, -.25, -.25, -.25], [0., 0., 0., 0.]]))
     assert torch.equal(grpo.group_advantages(torch.tensor([[3.], [7.]])), torch.zeros(2, 1))
 
 
