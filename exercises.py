@@ -18,27 +18,36 @@ Signatures, docstrings and the code around a region are unchanged, so the copy i
 everything that calls no stub. The silent-bug exercise is the one exception: its region becomes a
 planted defect, markers removed (finding it is the exercise). The copy's tests/ holds only the
 grading tests and conftest.py (the project's own tests check the solution, some against a
-re-implementation of it), and the reference runs of the experiment stay out.
+re-implementation of it), and the reference runs of the experiment stay out. The copy's
+assignment.txt names its exercises: what `check` grades there by default.
 
 Grading. A grading test carries @pytest.mark.exercise("name"). `check` runs exactly the tests of the
-chosen exercises (default: all) from tests/test_grading.py and from a folder of hidden tests
-(--hidden DIR or $EXERCISES_HIDDEN), in this process, and prints one row per exercise: name, points,
+chosen exercises (default: all, or a copy's assignment) from tests/test_grading.py and from a folder
+of hidden tests (--hidden DIR or $EXERCISES_HIDDEN), and prints one row per exercise: name, points,
 passed or FAILED, and the first failure in one line. An exercise passes when it has at least one
 test and all of them pass; its points are all or nothing. Exit 0 only when every checked exercise
 passes; --json FILE writes the result in the Gradescope autograder format. The experiment exercise
 is graded on the run folders in --runs DIR (or $EXERCISE_RUNS; default runs/exercise when it exists,
 else the committed reference runs).
+
+The grader does not trust the code it grades: each exercise runs in a process of its own, with a
+time limit (--timeout, 300 s), and this process only reads what that one reports. A test that
+hangs, or code that ends its process (os._exit, a crash), fails that exercise with the reason in
+its row; the rows and the JSON file are written whatever the code does.
 """
 import argparse
 import ast
 import contextlib
+import importlib
 import io
 import json
+import multiprocessing
 import os
 import re
 import shutil
 import subprocess
 import sys
+import time
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
 GRADING_TESTS = os.path.join("tests", "test_grading.py")
@@ -48,6 +57,13 @@ STUDENT_TESTS = ("tests/conftest.py", GRADING_TESTS)  # the only files of tests/
 INSTRUCTOR_ONLY = ("results/exercises/experiment/", "results/exercises/silent_bug/defect/")
 EXPERIMENT_RUNS = ("topk", "random")  # the experiment's two run folders: the filter, its control
 MARKER = re.compile(r"^(\s*)# (BEGIN|END) SOLUTION (\w+)\s*$")
+ASSIGNMENT = "assignment.txt"  # a student copy's exercises, one a line: what check grades there
+TIMEOUT = 300.0  # seconds an exercise's tests may take together (check --timeout)
+# Each exercise is graded in a process forked from this one (where fork exists): it inherits these
+# libraries of the grading tests instead of loading them again (seconds each time). Never a module
+# of the project: those hold the student's code, which runs only in the forked processes.
+PRELOAD = ("numpy", "torch", "pytest", "transformers.models.qwen2.modeling_qwen2",
+           "transformers.tokenization_utils_fast")
 
 # name: points, what to read first, the task in one line. The order is the paper's.
 EXERCISES = {
@@ -237,6 +253,15 @@ def where(name, places):
     return ", ".join(dict.fromkeys(f"{file}:{func}" for file, func, _, _ in places)) or "-"
 
 
+def assigned(root=ROOT):
+    """The exercises a student copy assigns (its assignment.txt); every exercise elsewhere."""
+    path = os.path.join(root, ASSIGNMENT)
+    if not os.path.isfile(path):
+        return list(EXERCISES)
+    with open(path, encoding="utf-8") as f:
+        return check_names(f.read().split())
+
+
 def list_exercises(root=ROOT):
     places = solution_map(root)
     total = 0
@@ -245,6 +270,8 @@ def list_exercises(root=ROOT):
         print(f"{name:<12} {points:>2} pts  {where(name, places.get(name, []))}  "
               f"(read first: {read}) -- {task}")
     print(f"{len(EXERCISES)} exercises, {total} points")
+    if os.path.isfile(os.path.join(root, ASSIGNMENT)):
+        print(f"assigned in this copy: {', '.join(assigned(root))}")
 
 
 def tracked_files(root):
@@ -257,7 +284,7 @@ def tracked_files(root):
 
 def make(out_dir, only=(), root=ROOT):
     """Write the student copy into out_dir (which must not exist, or be empty)."""
-    chosen = set(check_names(list(only)))
+    chosen = [name for name in EXERCISES if name in check_names(list(only))]  # the paper's order
     out_dir = os.path.abspath(out_dir)
     if os.path.exists(out_dir) and (not os.path.isdir(out_dir) or os.listdir(out_dir)):
         raise UsageError(f"{out_dir} exists and is not an empty folder")
@@ -280,40 +307,60 @@ def make(out_dir, only=(), root=ROOT):
         else:
             shutil.copy2(src, dst)
         copied += 1
-    print(f"wrote {out_dir}: {copied} files, exercises {', '.join(sorted(chosen))} to do; "
+    with open(os.path.join(out_dir, ASSIGNMENT), "w", encoding="utf-8") as f:
+        f.write("".join(name + "\n" for name in chosen))
+    print(f"wrote {out_dir}: {copied} files, exercises {', '.join(chosen)} to do; "
           f"grade with: cd {out_dir} && python exercises.py check")
 
 
 class Grades:
-    """A pytest plugin: which exercise each collected test grades, and its first failure."""
+    """A pytest plugin, in the process grading one exercise: it sends (over `conn`) how many tests
+    grade the exercise and the tests marked with an unknown one, then the name of each test as it
+    starts; it keeps the first failure and the tests that finished."""
 
-    def __init__(self, names):
-        self.names, self.tests, self.failures = names, {}, {}
-        self.unknown, self.broken = [], None  # tests of unknown exercises; a collection error
+    def __init__(self, name, conn):
+        self.name, self.conn = name, conn
+        self.tests, self.finished, self.failure, self.broken = [], set(), None, None
 
     def pytest_collection_modifyitems(self, session, config, items):
-        kept = []
+        kept, unknown = [], []
         for item in items:
             mark = item.get_closest_marker("exercise")
             name = mark.args[0] if mark and mark.args else None
             if name is not None and name not in EXERCISES:
-                self.unknown.append(f"{item.nodeid} grades an unknown exercise {name!r}")
-            if name in self.names:
-                self.tests.setdefault(name, []).append(item.nodeid)
+                unknown.append(f"{item.nodeid} grades an unknown exercise {name!r}")
+            if name == self.name:
                 kept.append(item)
         config.hook.pytest_deselected(items=[i for i in items if i not in kept])
         items[:] = kept
+        self.tests = [item.nodeid for item in kept]
+        self.conn.send(("collected", len(kept), unknown))
 
     def pytest_collectreport(self, report):  # e.g. a module that no longer imports
         if report.failed and self.broken is None:
             self.broken = f"{report.nodeid or 'collection'}: {one_line(report)}"
 
+    def pytest_runtest_logstart(self, nodeid, location):
+        self.conn.send(("running", nodeid))
+
     def pytest_runtest_logreport(self, report):
-        if report.failed:
-            name = next((n for n, ids in self.tests.items() if report.nodeid in ids), None)
-            if name is not None and name not in self.failures:
-                test = report.nodeid.split("::")[-1]
-                self.failures[name] = f"{test}: {one_line(report)}"
+        if report.failed and self.failure is None:
+            self.failure = f"{test_name(report.nodeid)}: {one_line(report)}"
+        if report.when == "teardown":
+            self.finished.add(report.nodeid)
+
+    def verdict(self):
+        """'' when the exercise passed, else the reason in one line."""
+        if self.broken or self.failure:
+            return self.broken or self.failure
+        if not self.tests:
+            return "no grading test found"
+        unfinished = [t for t in self.tests if t not in self.finished]  # the session was stopped
+        return f"{test_name(unfinished[0])}: did not finish" if unfinished else ""
+
+
+def test_name(nodeid):
+    return nodeid.split("::")[-1]
 
 
 def one_line(report):
@@ -324,36 +371,98 @@ def one_line(report):
     return text if len(text) <= 160 else text[:157] + "..."
 
 
-def check(names=(), hidden=None, runs=None, json_path=None, root=ROOT):
-    """Grade the chosen exercises; returns the exit code (0: all passed)."""
-    import pytest  # only here: list and make do not need it
+def grade_here(name, paths, root, conn):
+    """In the process of its own that grades exercise `name`: run its tests, send the verdict."""
+    import pytest
 
-    names = check_names(list(names))
-    hidden = hidden or os.environ.get("EXERCISES_HIDDEN")
-    if hidden and not os.path.isdir(hidden):
+    grades = Grades(name, conn)
+    # pytest's own plugins only (no installed one reorders or reseeds the tests); not the one that
+    # collects garbage at exit to find unraisable exceptions (seconds with torch loaded)
+    os.environ["PYTEST_DISABLE_PLUGIN_AUTOLOAD"] = "1"
+    log = io.StringIO()
+    with contextlib.redirect_stdout(log), contextlib.redirect_stderr(log):
+        pytest.main(["-q", "-p", "no:cacheprovider", "-p", "no:unraisableexception",
+                     "--rootdir", root, *paths], plugins=[grades])
+    conn.send(("verdict", grades.verdict()))
+
+
+def grade(name, paths, root, timeout):
+    """Grade exercise `name` in a process of its own, stopped after `timeout` seconds ->
+    (its number of tests, '' or why it failed, the tests marked with an unknown exercise)."""
+    context = multiprocessing.get_context(
+        "fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn")
+    receive, send = context.Pipe(duplex=False)
+    child = context.Process(target=grade_here, args=(name, paths, root, send))
+    child.start()
+    send.close()  # the child holds the only sending end: when it ends, receiving ends too
+    deadline, tests, unknown, running = time.monotonic() + timeout, 0, [], None
+    try:
+        while True:
+            if not receive.poll(max(0.0, deadline - time.monotonic())):
+                verdict = f"timed out after {timeout:g} s"
+                break
+            kind, *data = receive.recv()  # EOFError: the process ended without a verdict
+            if kind == "verdict":
+                return tests, data[0], unknown
+            if kind == "collected":
+                tests, unknown = data
+            else:
+                running = test_name(data[0])
+    except EOFError:
+        child.join()
+        verdict = f"its process ended (exit code {child.exitcode}) before reporting"
+    finally:
+        child.kill()
+        child.join()
+        receive.close()
+    return tests, f"{running}: {verdict}" if running else verdict, unknown
+
+
+def hidden_folder(hidden):
+    """The folder of hidden tests as an absolute path, each of its .py files compiled first: a
+    teacher's syntax error is bad input, not the student's failure."""
+    if not os.path.isdir(hidden):
         raise UsageError(f"hidden tests folder {hidden} does not exist")
+    for folder, _, files in os.walk(hidden):
+        for file in sorted(f for f in files if f.endswith(".py")):
+            path = os.path.join(folder, file)
+            try:
+                with open(path, "rb") as f:
+                    compile(f.read(), path, "exec")
+            except SyntaxError as e:
+                raise UsageError(f"hidden test {path}, line {e.lineno}: {e.msg}")
+    return os.path.abspath(hidden)
+
+
+def check(names=(), hidden=None, runs=None, json_path=None, timeout=TIMEOUT, root=ROOT):
+    """Grade the chosen exercises, each in a process of its own; returns the exit code (0: all
+    passed)."""
+    names = check_names(list(names) or assigned(root))
+    if not 0 < timeout < float("inf"):
+        raise UsageError(f"--timeout must be a positive number of seconds, not {timeout:g}")
+    hidden = hidden or os.environ.get("EXERCISES_HIDDEN")
+    paths = [os.path.join(root, GRADING_TESTS)] + ([hidden_folder(hidden)] if hidden else [])
     if runs:
         if not os.path.isdir(runs):
             raise UsageError(f"runs folder {runs} does not exist")
         os.environ["EXERCISE_RUNS"] = os.path.abspath(runs)
-    grades = Grades(names)
-    paths = [os.path.join(root, GRADING_TESTS)] + ([os.path.abspath(hidden)] if hidden else [])
-    log = io.StringIO()
-    with contextlib.redirect_stdout(log), contextlib.redirect_stderr(log):
-        pytest.main(["-q", "-p", "no:cacheprovider", "--rootdir", root, *paths],
-                    plugins=[grades])
-    if grades.unknown:
-        raise UsageError(grades.unknown[0])
+    if json_path:
+        with open(json_path, "w") as f:  # an unwritable path stops here, before any grading
+            json.dump({}, f)
+    for module in PRELOAD:
+        with contextlib.suppress(ImportError):
+            importlib.import_module(module)
     rows, score, best = [], 0, 0
     for name in names:
         points = EXERCISES[name][0]
-        ran = grades.tests.get(name, [])
-        message = grades.broken or grades.failures.get(name, "" if ran else "no grading test found")
+        tests, message, unknown = grade(name, paths, root, timeout)
+        if unknown:
+            raise UsageError(unknown[0])
         passed = not message
         score, best = score + points * passed, best + points
-        rows.append((name, points, passed, len(ran), message))
+        rows.append((name, points, passed, tests, message))
         print(f"{name:<12} {points * passed:>2}/{points:<2} {'passed' if passed else 'FAILED':<6} "
-              f"{len(ran):>2} tests  {message}")
+              f"{tests:>2} tests  {message}", flush=True)
     done = sum(r[2] for r in rows)
     print(f"total        {score}/{best} points, {done}/{len(rows)} exercises passed")
     if json_path:
@@ -382,6 +491,8 @@ def main(argv=None):
     p.add_argument("--hidden", help="a folder of hidden grading tests ($EXERCISES_HIDDEN)")
     p.add_argument("--runs", help="the experiment's run folders ($EXERCISE_RUNS)")
     p.add_argument("--json", help="write the result here (Gradescope's results.json format)")
+    p.add_argument("--timeout", type=float, default=TIMEOUT, metavar="SECONDS",
+                   help=f"the time an exercise's tests may take together (default {TIMEOUT:g})")
     try:
         a = parser.parse_args(sys.argv[1:] if argv is None else argv)
         if a.command == "list":
@@ -389,9 +500,9 @@ def main(argv=None):
         elif a.command == "make":
             make(a.dir, a.only)
         else:
-            return check(a.names, a.hidden, a.runs, a.json)
+            return check(a.names, a.hidden, a.runs, a.json, a.timeout)
         return 0
-    except (UsageError, ValueError) as e:
+    except (UsageError, ValueError, OSError) as e:  # OSError: a folder or file it cannot write
         print(f"error: {e}", file=sys.stderr)
         return 2
 
@@ -410,7 +521,7 @@ def experiment_answers(filtered, control):
                         more reward spread the filter's groups had than a random set as large
       val_difference    the last val_success of the filter run minus the control's
       verdict           "filter", "control" or "undecided": which run kept more of the warm
-                        start's success, as far as one seed of each can tell (DESIGN.md, Sec. 7)
+                        start's success, as far as one seed of each can tell (a claim takes 5 seeds)
     """
     # BEGIN SOLUTION experiment
     first = [next(r for r in rows if r["step"] == 1) for rows in (filtered, control)]

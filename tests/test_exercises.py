@@ -3,18 +3,24 @@
 An exercise is "blanked" or "planted" in this process: its functions get the code compiled from
 the student source (exercises.student_source) or from the solution with a plausible mistake
 (PLANTED), through their __code__, and the grading tests (tests/test_grading.py) are called
-directly. One subprocess grades a real student copy made by `make`.
+directly. Hostile code is patched in here too: `check` forks each exercise's process from this one.
+Two subprocesses grade real student copies made by `make`.
 """
 import ast
+import errno
 import importlib
 import json
+import multiprocessing
 import os
+import shutil
 import subprocess
 import sys
 
 import pytest
 
 import exercises
+import grpo
+import ppo
 import test_grading
 
 ROOT = exercises.ROOT
@@ -263,6 +269,93 @@ def test_check_grades_hidden_tests_and_writes_json(tmp_path, monkeypatch, capsys
     assert exercises.main(["check", "gae", "--hidden", str(hidden)]) == 2   # a teacher's typo
     err = capsys.readouterr().err
     assert "unknown exercise 'gea'" in err and len(err.strip().splitlines()) == 1
+
+
+def hangs(*args, **kwargs):
+    while True:
+        pass
+
+
+def ends_its_process(*args, **kwargs):
+    os._exit(0)
+
+
+def stops_the_session(*args, **kwargs):
+    raise KeyboardInterrupt  # pytest stops: no test fails, and the rest never run
+
+
+@pytest.mark.skipif("fork" not in multiprocessing.get_all_start_methods(),
+                    reason="the patched functions reach the graded process by fork")
+def test_check_survives_code_that_hangs_or_ends_its_process(tmp_path, monkeypatch, capsys):
+    """Each exercise is graded in a process of its own, with a time limit: a gae that never
+    returns times out, a clip_loss that ends its process fails, so does a grpo that stops the test
+    session before any test fails; the next exercise is graded as usual, and the rows and the
+    JSON file come all the same."""
+    monkeypatch.setattr(ppo, "gae", hangs)
+    monkeypatch.setattr(ppo, "clipped_policy_loss", ends_its_process)
+    monkeypatch.setattr(grpo, "group_advantages", stops_the_session)
+    result = tmp_path / "results.json"
+    argv = ["check", "gae", "clip_loss", "grpo", "topk", "--timeout", "2", "--json", str(result)]
+    assert exercises.main(argv) == 1
+    rows = capsys.readouterr().out.splitlines()
+    assert rows[0].split()[:3] == ["gae", "0/4", "FAILED"] and rows[0].endswith(
+        "test_gae_skips_observation_tokens: timed out after 2 s")
+    assert rows[1].split()[:3] == ["clip_loss", "0/4", "FAILED"] and rows[1].endswith(
+        "test_clip_loss_by_hand: its process ended (exit code 0) before reporting")
+    assert rows[2].split()[:3] == ["grpo", "0/4", "FAILED"] and rows[2].endswith(
+        "test_grpo_group_advantages_by_hand: did not finish")
+    assert rows[3].split()[:3] == ["topk", "2/2", "passed"] and "2/14 points" in rows[4]
+    out = json.loads(result.read_text())
+    assert [(t["name"], t["status"]) for t in out["tests"]] == [
+        ("gae", "failed"), ("clip_loss", "failed"), ("grpo", "failed"), ("topk", "passed")]
+    assert out["score"] == 2 and "timed out" in out["tests"][0]["output"]
+
+
+def test_a_broken_hidden_test_or_an_unwritable_path_is_bad_input(tmp_path, monkeypatch, capsys):
+    """A teacher's hidden test that does not compile, a --json path that cannot be written, a time
+    limit of 0, a copy into a read-only folder: one line on stderr and exit 2, before any
+    grading."""
+    hidden = tmp_path / "hidden"
+    hidden.mkdir()
+    (hidden / "test_hidden_gae.py").write_text("import ppo\n\ndef test_gae(:\n    pass\n")
+    read_only = tmp_path / "read_only"
+    read_only.mkdir()
+    read_only.chmod(0o555)
+    if os.geteuid() == 0:  # root writes anywhere: refuse as the kernel refuses everyone else
+        def refuse(path, *args, **kwargs):
+            raise PermissionError(errno.EACCES, "Permission denied", path)
+        monkeypatch.setattr(exercises.os, "makedirs", refuse)
+    cases = [(["check", "gae", "--hidden", str(hidden)], "test_hidden_gae.py, line 3"),
+             (["check", "gae", "--json", str(tmp_path)], "Is a directory"),
+             (["check", "gae", "--timeout", "0"], "--timeout"),
+             (["make", str(read_only / "hw")], "Permission denied")]
+    for argv, reason in cases:
+        assert exercises.main(argv) == 2, argv
+        captured = capsys.readouterr()
+        assert captured.out == "" and captured.err.startswith("error: "), argv
+        assert len(captured.err.strip().splitlines()) == 1 and reason in captured.err, captured.err
+    assert os.listdir(read_only) == []
+
+
+def test_a_copy_of_some_exercises_grades_them_only(tmp_path, capsys):
+    """`make --only gae`: the copy grades gae alone (not the experiment, whose reference runs it
+    leaves out), and exits 0 once gae passes."""
+    copy = tmp_path / "hw"
+    assert exercises.main(["make", str(copy), "--only", "gae"]) == 0
+    assert (copy / "assignment.txt").read_text() == "gae\n"
+    stubbed = exercises.student_source(source("ppo.py"), {"gae"}, "ppo.py")
+    assert (copy / "ppo.py").read_text() == stubbed != source("ppo.py")
+    exercises.list_exercises(str(copy))
+    assert capsys.readouterr().out.splitlines()[-1] == "assigned in this copy: gae"
+    shutil.copy(os.path.join(ROOT, "ppo.py"), copy / "ppo.py")  # the student solves it
+    done = subprocess.run([sys.executable, "exercises.py", "check", "--json", "result.json"],
+                          cwd=copy, capture_output=True, text=True,
+                          env={**os.environ, "EXERCISE_RUNS": ""})
+    assert done.returncode == 0, done.stdout + done.stderr[-2000:]
+    rows = done.stdout.splitlines()
+    assert [row.split()[:3] for row in rows] == [["gae", "4/4", "passed"],
+                                                  ["total", "4/4", "points,"]]
+    assert json.loads((copy / "result.json").read_text())["max_score"] == 4
 
 
 def solution_lines():
