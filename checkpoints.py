@@ -130,7 +130,7 @@ def restore_metrics(path, ckpt):
     copy = os.path.join(ckpt, "metrics.jsonl") if ckpt else None
     saved = open(copy).read() if copy and os.path.isfile(copy) else None
     problems = log_damage(lines, step)
-    if saved is not None and "".join(kept) != saved:
+    if saved is not None and (problems or "".join(kept) != saved):
         problems = problems or ["it differs from the checkpoint's copy"]
         print(f"{path} is damaged ({'; '.join(problems)}): rewrote its steps up to {step} from "
               f"the checkpoint's copy")
@@ -159,6 +159,14 @@ def log_damage(lines, step):
     if len(set(kept)) < len(kept):
         problems.append("a step is logged twice")
     return problems
+
+
+def last_logged_step(path):
+    """The highest step the metrics log at `path` records (0: none, or no log)."""
+    if not os.path.isfile(path):
+        return 0
+    with open(path) as f:
+        return max((s for s in map(_step_of, f) if s != float("inf")), default=0)
 
 
 def _step_of(line):

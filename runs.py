@@ -24,6 +24,8 @@ import contextlib
 import dataclasses
 import fcntl
 import functools
+import hashlib
+import importlib.util
 import json
 import math
 import os
@@ -42,10 +44,12 @@ import models
 import rollout
 import snr_filter
 import tiny
-from checkpoints import (CheckpointError, atomic_write, checkpoint_step, recover_checkpoint,
-                         restore, restore_metrics, save_checkpoint)
+from checkpoints import (CheckpointError, atomic_write, checkpoint_step, last_logged_step,
+                         recover_checkpoint, restore, restore_metrics, save_checkpoint)
 
-RESUMABLE = ("steps", "val_every", "save_every", "plot", "threads")  # what a resumed run may change
+# what a resumed run may change
+RESUMABLE = ("steps", "val_every", "save_every", "plot", "threads", "report_to")
+REPORT_TO = ("none", "tensorboard", "wandb", "trackio")  # TRL's names for the trackers
 # past these a run cannot finish or cannot fit: no step here takes under a second (10**7 s is four
 # months), and a step holds all its episodes, transcripts included, in memory at once
 TINY_THREADS = 2  # --threads for the tiny policy on a CPU, whatever the machine: results depend on it
@@ -55,12 +59,69 @@ MAX_GROUP_SIZE = 1000  # rollouts of one prompt, rollout.play's own limit
 # a diagnosis scores every sample under every prompt, each a forward pass over a reasoning of tens
 # of tokens: 2**24 of them are 10**8 - 10**9 tokens through the model at every diagnosis
 MAX_SCORED = 2 ** 24
+# past these a run only diverges, stalls or hangs: a step of Adam moves every weight by about --lr
+# (0.1 already swamps weights of size 0.02); the task term of the loss is of order 1, so a
+# regulariser 10 times larger alone trains the policy; below a temperature of 0.001 sampling is
+# greedy in effect and the log-probs of the tokens not chosen overflow; a map of 128 x 128 is a
+# prompt of 16,384 cells a turn (the tiny policy's context is 4,096 tokens, Qwen2.5's 32,768)
+MAX_EPOCHS = 100
+MAX_LR = 0.1
+MAX_COEF = 10.0
+MIN_TEMPERATURE = 1e-3
+MAX_MAP = 128
 PHASES = {"collect_rollouts": "rollouts", "diagnose": "the MI diagnosis", "validate": "validation",
           "update_policy": "the update", "decompose_gradients": "the gradient decomposition"}
 
 
 class UsageError(Exception):
     """Bad input from the user: one line on stderr, exit code 2."""
+
+
+class Diverged(Exception):
+    """A loss, gradient norm, log-prob or sampling distribution that is not finite (nan or inf) at
+    `step`: the run stops there, before the update that would spread it into the weights."""
+
+    def __init__(self, what, step):
+        super().__init__(what)
+        self.what, self.step = what, step
+
+
+@contextlib.contextmanager
+def finite_sampling(step):
+    """torch.multinomial's error on a distribution that is not finite, as Diverged at `step`."""
+    try:
+        yield
+    except RuntimeError as e:
+        if "probability tensor contains" not in str(e):
+            raise
+        raise Diverged("the sampling distribution", step) from None
+
+
+def finite(value, what, step):
+    """`value` (a number or a tensor) if every element is finite; else Diverged at `step`."""
+    if not bool(torch.isfinite(torch.as_tensor(value)).all()):
+        raise Diverged(what, step)
+    return value
+
+
+def diverged(e, a, done, created):
+    """The one line of a run that diverged at step e.step after `done` steps: its likely cause
+    and what is kept. A new run that completed no step leaves its folder as it found it (as a
+    failed start): the same command can run again."""
+    said = (f"the run diverged at step {e.step}: {e.what} is not finite (nan or inf), most likely "
+            f"from too large a --lr ({a.lr:g}), --temperature ({a.temperature:g}) or coefficient "
+            f"(--entropy-coef {a.entropy_coef:g}, --kl-coef {a.kl_coef:g})")
+    if not done and not getattr(a, "resume", None):
+        shutil.rmtree(a.out, ignore_errors=True)
+        if not created:  # an empty folder it was given (check_folder): empty again
+            os.makedirs(a.out)
+        gone = "removed" if created else "emptied"
+        return f"{said}; no step was completed, so {a.out} is {gone}: run again with a lower --lr"
+    ckpt = recover_checkpoint(a.out)
+    kept = f" and the checkpoint of step {checkpoint_step(ckpt)}" if ckpt else ""
+    again = "--resume keeps these settings, so start" if hasattr(a, "resume") else "Start"
+    return (f"{said}; {a.out} keeps the log of step{'s 1-' if done > 1 else ' '}{done}{kept}. "
+            f"{again} anew (another --out) with a lower --lr")
 
 
 def main(Args, train, validate, argv):
@@ -86,6 +147,10 @@ def main(Args, train, validate, argv):
     except (UsageError, CheckpointError, models.ModelError) as e:
         close(run)  # the progress bar ends its line first
         print(f"error: {e}", file=sys.stderr)
+        return 2
+    except Diverged as e:
+        close(run)
+        print(f"error: {diverged(e, run.args, run.step, run.created)}", file=sys.stderr)
         return 2
     except torch.OutOfMemoryError as e:
         close(run)
@@ -161,12 +226,32 @@ def parse_args(Args, argv):
                              f"--{allowed})")
         args = Args(**{**saved, **{k: given[k] for k in changed}, "resume": args.resume,
                        "out": args.resume})
-    if "control_of" in given and args.filter not in snr_filter.CONTROLS:
-        raise UsageError(f"--control-of {given['control_of']} sets the count of a control "
-                         f"(--filter random or bottom); --filter {args.filter} chooses its own "
-                         f"groups")
+    check_ignored(args, given)
     check_args(args)
     return args
+
+
+def check_ignored(a, given):
+    """A flag given on the command line (`given`: the flags given, as from build_parser with
+    defaults=False) that the chosen filter or world would ignore: one line, not a silent no-op."""
+    control = a.filter in snr_filter.CONTROLS
+    counted = getattr(a, "control_of", None) if control else a.filter  # whose count is kept
+    sets = "it sets what --filter {0} keeps (or a control's count, with --control-of {0})"
+    filtering = {"control_of": (control, "it sets the count of a control (--filter random or "
+                                         "bottom)"),
+                 "top_p": (counted == "topp", sets.format("topp")),
+                 "filter_prob_mode": (counted == "topp", sets.format("topp")),
+                 "top_k": (counted == "topk", sets.format("topk")),
+                 "include_zero": (a.filter != "none", "--filter none keeps every group")}
+    worlds = {"room_size": "sokoban", "num_boxes": "sokoban", "lake_size": "frozenlake",
+              "success_rate": "frozenlake", "high_prob": "bandit"}
+    for k in given:
+        world = worlds.get(k, a.env)
+        ok, why = filtering.get(k) or (world == a.env, f"it is --env {world}'s")
+        if not ok:
+            value = "" if isinstance(given[k], bool) else f" {given[k]}"
+            chosen = f"--filter {a.filter}" if k in filtering else f"--env {a.env}"
+            raise UsageError(f"--{k.replace('_', '-')}{value} is ignored with {chosen}: {why}")
 
 
 def read_config(folder, Args):
@@ -221,7 +306,9 @@ def check_args(a):
          f"more, or --algo ppo --filter none)")
     need(a.max_turns >= 1 and a.max_actions_per_turn >= 1,
          "--max-turns and --max-actions-per-turn must be >= 1")
-    need(a.mini_batch_size >= 1 and a.epochs >= 1, "--mini-batch-size and --epochs must be >= 1")
+    need(a.mini_batch_size >= 1, "--mini-batch-size must be >= 1")
+    need(1 <= a.epochs <= MAX_EPOCHS, f"--epochs must be in 1..{MAX_EPOCHS}, got {a.epochs} (the "
+         f"paper's runs make 1; each pass moves the policy further from its samples)")
     batch = a.groups * a.group_size
     need(0 <= a.optimizer_steps <= batch,
          f"--optimizer-steps must be in 0..{batch}, got {a.optimizer_steps}: a mini-batch holds at "
@@ -229,16 +316,28 @@ def check_args(a):
     check_diagnosis(a, need)
     need(all(x is None or x >= 1 for x in (a.micro_batch, a.rollout_batch)),
          "--micro-batch and --rollout-batch must be >= 1")
-    need(all(x is None or x > 0 for x in (a.lr, a.critic_lr)), "learning rates must be > 0")
+    for name in ("lr", "critic_lr"):
+        value = getattr(a, name)
+        need(value is None or 0 < value <= MAX_LR, f"--{name.replace('_', '-')} must be in (0, "
+             f"{MAX_LR}], got {value} (an Adam step moves every weight by about the rate)")
     need(0 <= a.lam <= 1, f"--lam must be in [0, 1], got {a.lam}")
     need(a.gamma == 1, f"--gamma {a.gamma}: only 1 is supported; the episode's rewards all sit on "
                        f"its last token, so a discount would count tokens, not turns")
     need(0 < a.clip_low < 1 and a.clip_high > 0, "need 0 < --clip-low < 1 and --clip-high > 0")
     need(a.clip_c == 0 or a.clip_c > 1, f"--clip-c must be > 1 (or 0 = off), got {a.clip_c}")
     need(a.value_clip > 0 and a.grad_clip > 0, "--value-clip and --grad-clip must be > 0")
-    need(a.kl_coef >= 0 and a.entropy_coef >= 0, "--kl-coef and --entropy-coef must be >= 0")
-    need(a.temperature > 0 and a.val_temperature >= 0 and 0 < a.sample_top_p <= 1,
-         "need --temperature > 0, --val-temperature >= 0, --sample-top-p in (0, 1]")
+    for name in ("kl_coef", "entropy_coef"):
+        value = getattr(a, name)
+        need(0 <= value <= MAX_COEF, f"--{name.replace('_', '-')} must be in [0, {MAX_COEF:g}], "
+             f"got {value} (the task term is of order 1: a larger regulariser alone trains the "
+             f"policy)")
+    for name in ("temperature", "val_temperature"):
+        value, greedy = getattr(a, name), name == "val_temperature"
+        need(value >= MIN_TEMPERATURE or (greedy and value == 0),
+             f"--{name.replace('_', '-')} {value:g}: below {MIN_TEMPERATURE:g} sampling is greedy "
+             f"in effect and its log-probs overflow; use --{name.replace('_', '-')} "
+             f"{MIN_TEMPERATURE:g} or more{' (or 0: greedy)' if greedy else ''}")
+    need(0 < a.sample_top_p <= 1, f"--sample-top-p must be in (0, 1], got {a.sample_top_p}")
     need(a.max_new_tokens is None or a.max_new_tokens >= 1, "--max-new-tokens must be >= 1")
     need(a.val_seeds >= 1, "--val-seeds must be >= 1")
     for name in ("mi_every", "val_every", "grad_decomp_every", "save_every"):
@@ -246,7 +345,13 @@ def check_args(a):
         need(value >= 0, f"--{name.replace('_', '-')} must be >= 0 (0 = never), got {value}")
     need(a.lora >= 0 and (a.lora_alpha is None or a.lora_alpha > 0),
          "--lora must be >= 0, --lora-alpha > 0")
-    need(a.threads is None or a.threads >= 1, "--threads must be >= 1")
+    need(a.report_to in REPORT_TO, f"--report-to must be one of {', '.join(REPORT_TO)}")
+    need(a.report_to == "none" or importlib.util.find_spec(a.report_to),  # the package's name
+         f"--report-to {a.report_to}: {a.report_to} is not installed (pip install "
+         f"{a.report_to})")
+    cores = os.cpu_count() or 1
+    need(a.threads is None or 1 <= a.threads <= cores, f"--threads must be in 1..{cores}, the "
+         f"machine's cores, got {a.threads} (more threads than cores only wait for each other)")
     need(0 <= a.template_prior <= 1 and a.warm_start_seed >= 0,
          "--template-prior must be in [0, 1] and --warm-start-seed >= 0")
     prior = a.kl_template_prior
@@ -254,6 +359,9 @@ def check_args(a):
                            and (prior > 0) == (a.template_prior > 0)),
          "--kl-template-prior must be in [0, 1], with --model tiny, no --lora, and > 0 "
          "exactly when --template-prior is (the two warm starts must share a vocabulary)")
+    need(a.room_size <= MAX_MAP and a.lake_size <= MAX_MAP,
+         f"--room-size and --lake-size must be <= {MAX_MAP}, got {a.room_size}, {a.lake_size} (a "
+         f"larger map is a prompt of more than {MAX_MAP ** 2:,} cells a turn)")
     try:
         envs.make_env(a.env, **env_kwargs(a)).reset(seed=0)
     except ValueError as e:
@@ -313,6 +421,31 @@ def check_fits(a, policy, tokenizer, prompt):
                          f"of {context} tokens")
 
 
+def check_lora_targets(a, policy=None):
+    """--lora-targets names modules of the policy that LoRA can adapt (peft matches a name to the
+    end of a module's); `policy` None: a Hugging Face model, its layers built without weights."""
+    if not a.lora or a.lora_targets == "all-linear":
+        return
+    if policy is None:
+        if os.path.isfile(os.path.join(a.model, "policy.json")):
+            return  # a checkpoint: its adapters come with it
+        try:
+            from transformers import AutoConfig, AutoModelForCausalLM
+            with torch.device("meta"):
+                policy = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(a.model))
+        except Exception:  # a model that cannot be loaded: models.load says why
+            return
+    names = [n for n, m in policy.named_modules()
+             if isinstance(m, (torch.nn.Linear, torch.nn.Embedding))]
+    missing = [t for t in a.lora_targets.split(",")
+               if not any(n == t or n.endswith("." + t) for n in names)]
+    if missing:
+        known = sorted({n.rsplit(".", 1)[-1] for n in names})
+        raise UsageError(f"--lora-targets {a.lora_targets}: the policy has no layer named "
+                         f"{', '.join(missing)}; its layers: {', '.join(known[:8])} (or "
+                         f"all-linear)")
+
+
 def env_kwargs(a):
     return {"sokoban": dict(dim_room=(a.room_size, a.room_size), num_boxes=a.num_boxes),
             "frozenlake": dict(size=a.lake_size, success_rate=a.success_rate),
@@ -343,6 +476,8 @@ class Run:
     log: object = None
     bar: object = None
     lock: object = None
+    created: bool = False  # this process made the run folder
+    tracker: object = None  # --report-to's (Tracker), or None
 
 
 def start(a):
@@ -352,7 +487,11 @@ def start(a):
     resolve_defaults(a, device)
     check_folder(a)
     if a.model == "tiny":  # before a warm start is built for a world whose prompts cannot fit
-        check_fits(a, *tiny.load_tiny(a.env, env_kwargs(a), warm_start=False), tiny.prompts(a.env))
+        policy, tokenizer = tiny.load_tiny(a.env, env_kwargs(a), warm_start=False)
+        check_lora_targets(a, policy)
+        check_fits(a, policy, tokenizer, tiny.prompts(a.env))
+    else:
+        check_lora_targets(a)
     created, lock, ckpt = False, None, None
     try:
         if a.resume:
@@ -367,7 +506,7 @@ def start(a):
         if not a.resume:  # made only now: a start killed while the models load leaves no folder
             created = open_folder(a)
             lock = lock_folder(a.out)
-        run.lock = lock
+        run.lock, run.created = lock, created
         seed_everything(a.seed)  # after the models: whether a warm start was built or loaded
         if ckpt:
             run.step, run.state = restore(run, ckpt)
@@ -378,6 +517,7 @@ def start(a):
         run.last = last_metrics(os.path.join(a.out, "metrics.jsonl"))
         write_config(a)
         run.log = open(os.path.join(a.out, "metrics.jsonl"), "a")
+        run.tracker = None if a.report_to == "none" else Tracker(a, run.step)
         if a.steps > 0:
             from tqdm import tqdm
             run.bar = tqdm(total=a.steps, initial=run.step, desc=a.out, dynamic_ncols=True)
@@ -432,15 +572,18 @@ def resolve_defaults(a, device):
 # ----------------------------------------------------------------------------------- the run folder
 
 def check_folder(a):
-    """Before anything loads: the folder of a resumed run exists; --out of a new run holds no run
-    and could be made (it is made only once the models are loaded: open_folder)."""
-    if a.resume:
+    """Before anything loads: the folder of a resumed run exists; --out of a new run is new or
+    empty and could be made (it is made only once the models are loaded: open_folder)."""
+    if getattr(a, "resume", None):  # trl_ragen.py's runs are never resumed
         if not os.path.isdir(a.out):
             raise UsageError(f"--resume {a.out}: no such run folder")
         return
     if any(os.path.isfile(os.path.join(a.out, f)) for f in ("config.json", "metrics.jsonl")):
-        raise UsageError(f"--out {a.out} already holds a run: continue it with --resume {a.out}, "
-                         f"or choose another --out")
+        again = f"continue it with --resume {a.out}, or " if hasattr(a, "resume") else ""
+        raise UsageError(f"--out {a.out} already holds a run: {again}choose another --out")
+    if os.path.isdir(a.out) and set(os.listdir(a.out)) - {".lock"}:
+        raise UsageError(f"--out {a.out} is a folder with other files in it, not a run: choose a "
+                         f"new or empty folder")
     parent = os.path.abspath(a.out)
     while not os.path.exists(parent):
         parent = os.path.dirname(parent)
@@ -479,10 +622,19 @@ def lock_folder(out):
 
 def finished(a, ckpt):
     """A resumed run (its newest checkpoint `ckpt`, or None) that already did its steps: say so and
-    leave it as it is, its log repaired if damaged (restore_metrics)."""
+    leave it as it is, its log repaired if damaged (restore_metrics). A run made with
+    --save-every 0 that logged steps has no checkpoint to continue from: complete, or refused."""
     done = checkpoint_step(ckpt) if ckpt else 0
     if a.steps < done:
         raise UsageError(f"--steps {a.steps} is below the {done} steps this run has done")
+    logged = last_logged_step(os.path.join(a.out, "metrics.jsonl"))
+    if not ckpt and logged and read_config(a.out, type(a))["save_every"] == 0:
+        if logged == a.steps:
+            print(f"{a.out} is complete ({logged} of {a.steps} steps)")
+            return True  # no checkpoint to repair its log from, nor to continue it from
+        raise UsageError(f"--resume {a.out}: its {logged} steps ran with --save-every 0, so no "
+                         f"checkpoint holds their weights to continue from; start anew (another "
+                         f"--out) with --save-every 1 or more")
     if ckpt and done == a.steps:
         restore_metrics(os.path.join(a.out, "metrics.jsonl"), ckpt)
         print(f"{a.out} is complete ({done} of {a.steps} steps); give --steps N to extend it")
@@ -510,6 +662,8 @@ def record(run, m):
         m["gpu_peak_gb"] = torch.cuda.max_memory_allocated() / 2 ** 30
     run.log.write(json_line(m) + "\n")
     run.log.flush()
+    if run.tracker is not None:
+        run.tracker.log(m)
     run.last.update({k: v for k, v in m.items() if not isinstance(v, list)})
     if m["step"] == 0:
         return
@@ -565,10 +719,57 @@ def finish(run):
 
 def close(run):
     if run is not None:
-        for handle in (run.bar, run.log, run.lock):
+        for handle in (run.bar, run.log, run.tracker, run.lock):
             if handle is not None:
                 handle.close()
-        run.bar = run.log = run.lock = None
+        run.bar = run.log = run.tracker = run.lock = None
+
+
+class Tracker:
+    """--report-to: every number of a metrics record under its key at its step, as TRL names the
+    trackers: TensorBoard event files in <out>/tensorboard, or a wandb / trackio run (project
+    ragen2, named after the folder). A resumed run continues the same curves: TensorBoard hides
+    the events of the steps after the checkpoint, which run again."""
+
+    def __init__(self, a, step):
+        self.kind = a.report_to
+        if self.kind == "tensorboard":
+            from torch.utils.tensorboard import SummaryWriter
+            self.writer = SummaryWriter(os.path.join(a.out, "tensorboard"),
+                                        purge_step=step + 1 if step else None)
+            return
+        self.module = importlib.import_module(self.kind)
+        folder = os.path.abspath(a.out)
+        ids = {"id": hashlib.sha1(folder.encode()).hexdigest()[:16], "dir": a.out}
+        self.module.init(project="ragen2", name=os.path.basename(folder), resume="allow",
+                         config=dataclasses.asdict(a), **(ids if self.kind == "wandb" else {}))
+
+    def log(self, record):
+        numbers = scalars(record)
+        if self.kind == "tensorboard":
+            for k, v in numbers.items():
+                self.writer.add_scalar(k, v, record["step"])
+        else:
+            self.module.log(numbers, step=record["step"])
+
+    def close(self):
+        self.writer.close() if self.kind == "tensorboard" else self.module.finish()
+
+
+def scalars(record, prefix=""):
+    """The numbers of a metrics record by key, a nested dict's keys joined with '/'; lists, text
+    and numbers not measured (null) are left out.
+
+    >>> scalars({"step": 3, "skipped": False, "mi": None, "probe": {"acc": 0.5}, "kept": [1]})
+    {'step': 3.0, 'skipped': 0.0, 'probe/acc': 0.5}
+    """
+    out = {}
+    for k, v in record.items():
+        if isinstance(v, dict):
+            out.update(scalars(v, f"{prefix}{k}/"))
+        elif isinstance(v, (int, float)) and math.isfinite(v):
+            out[prefix + k] = float(v)
+    return out
 
 
 def seed_everything(seed):

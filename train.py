@@ -76,23 +76,23 @@ class Args:
     groups: int = arg(8, "prompt groups (env seeds) per step")
     group_size: int = arg(16, "rollouts per group")
     steps: int = arg(100, "training steps")
-    lr: float = arg(None, "actor learning rate (1e-6; tiny: 1e-4)")
-    critic_lr: float = arg(None, "critic learning rate (1e-5; tiny: 1e-3)")
+    lr: float = arg(None, "actor learning rate, <= 0.1 (1e-6; tiny: 1e-4)")
+    critic_lr: float = arg(None, "critic learning rate, <= 0.1 (1e-5; tiny: 1e-3)")
     clip_low: float = arg(0.2, "PPO ratio clip below 1")
     clip_high: float = arg(0.28, "PPO ratio clip above 1")
     clip_c: float = arg(3.0, "dual clip: loss cap for negative advantages, times -A (0 = off)")
     value_clip: float = arg(0.5, "critic value clip")
-    kl_coef: float = arg(0.0, "KL penalty to the initial policy (0 = none)")
+    kl_coef: float = arg(0.0, "KL penalty to the initial policy, <= 10 (0 = none)")
     kl_kind: str = arg("k3", "KL estimator", choices=ppo.KL_KINDS)
-    entropy_coef: float = arg(0.001, "entropy bonus coefficient")
+    entropy_coef: float = arg(0.001, "entropy bonus coefficient, <= 10")
     gamma: float = arg(1.0, "GAE discount (only 1: each reward sits on the episode's last token)")
     lam: float = arg(1.0, "GAE lambda")
     mini_batch_size: int = arg(32, "trajectories per optimiser step")
-    epochs: int = arg(1, "passes over the kept batch per step")
+    epochs: int = arg(1, "passes over the kept batch per step, <= 100")
     optimizer_steps: int = arg(0, "N mini-batches per update (fewer if fewer kept; 0: by size)")
     grad_clip: float = arg(1.0, "gradient norm clip")
     # generation
-    temperature: float = arg(1.0, "sampling temperature of the rollouts")
+    temperature: float = arg(1.0, "sampling temperature of the rollouts, >= 0.001")
     sample_top_p: float = arg(1.0, "nucleus sampling of the rollouts (1 = off)")
     max_new_tokens: int = arg(None, "token limit per turn (400; tiny: 64)")
     # the model, memory and speed
@@ -105,7 +105,7 @@ class Args:
     micro_batch: int = arg(None, "trajectories per forward/backward (CPU: 8; GPU: by memory)")
     rollout_batch: int = arg(None, "episodes sampled at once (all; GPU: by memory)")
     grad_checkpointing: bool = arg(None, "recompute activations in backward (GPU: by memory)")
-    threads: int = arg(None, "CPU threads for torch (tiny: 2, else all cores)")
+    threads: int = arg(None, "CPU threads for torch, <= cores (tiny: 2, else all cores)")
     rebuild_tiny: bool = arg(False, "tiny: redo the warm start instead of using the cache")
     warm_start: bool = arg(True, "tiny: warm-start on solver demonstrations (off: random weights)")
     tiny_cache: str = arg(".cache/tiny", "tiny: folder of warm-started models")
@@ -123,12 +123,14 @@ class Args:
                                  "every N")
     val_every: int = arg(10, "validation before training, every N steps, at the end (0 = never)")
     val_seeds: int = arg(64, "held-out validation seeds (one rollout each)")
-    val_temperature: float = arg(0.5, "validation sampling temperature")
+    val_temperature: float = arg(0.5, "validation sampling temperature, >= 0.001 or 0 (greedy)")
     save_every: int = arg(1, "checkpoint every N steps (1: a kill loses at most one step)")
     seed: int = arg(0, "seed of env seeds, sampling and shuffling")
     out: str = arg(None, "run folder (runs/<env>-<algo>-<filter>-<time>)")
     resume: str = arg(None, "run folder to continue from its checkpoint (--steps may extend it)")
     plot: bool = arg(True, "write PNG figures at the end")
+    report_to: str = arg("none", "metrics also to none, tensorboard (<out>/tensorboard), wandb, "
+                         "trackio", choices=runs.REPORT_TO)
 
 
 # ----------------------------------------------------------------------------------------- the loop
@@ -194,7 +196,7 @@ def collect_rollouts(run, seeds, group_size, temperature, top_p):
     episodes = []
     for first in range(0, len(seeds), per_call):
         policy = sampler.hf_policy(run.policy, run.tokenizer, a.max_new_tokens, temperature, top_p)
-        with run.ctx:
+        with run.ctx, runs.finite_sampling(run.step + 1):
             played = rollout.play(policy, run.tokenizer, a.env, seeds[first:first + per_call],
                                   group_size, runs.env_kwargs(a), a.max_turns,
                                   a.max_actions_per_turn, **run.prompt)
@@ -385,6 +387,8 @@ def update_policy(run, episodes, rewards, shuffle):
 
     # 4. before the update: the ratio's old log-probs, the reference's, the critic's values
     old_logp, old_entropy = over_batch(run, batch, policy_pass, with_entropy=True)      # [B, T-1]
+    step = run.step + 1  # a loss, gradient norm or log-prob that is not finite stops the run here
+    runs.finite(old_logp[mask.bool()], "a log-prob of the sampled tokens", step)
     ref_logp = over_batch(run, batch, reference_pass) if args.kl_coef else None         # [B, T-1]
     old_values = over_batch(run, batch, critic_pass) if run.critic is not None else None
 
@@ -419,22 +423,23 @@ def update_policy(run, episodes, rewards, shuffle):
                     kl_coef=args.kl_coef, kl_kind=args.kl_kind, clip_low=args.clip_low,
                     clip_high=args.clip_high, clip_c=args.clip_c or None,
                     norm_length=response_budget(args))
-                (weight * loss).backward()
+                (weight * runs.finite(loss, "the policy loss", step)).backward()
                 if run.critic is not None:
                     value_loss = ppo.value_loss(critic_pass(run, micro), old_values[rows, cols],
                                                 returns[rows, cols], mask[rows, cols],
                                                 args.value_clip)
-                    (token_weight * value_loss).backward()
+                    (token_weight * runs.finite(value_loss, "the critic's loss", step)).backward()
                     terms["value_loss"] = value_loss.item()
                 # the policy loss's terms add up with its weight, token means with the tokens'
                 for k, v in terms.items():
                     w = weight if k in ("pg_loss", "entropy_loss", "kl_loss") else token_weight
                     v = v.item() if torch.is_tensor(v) else v  # terms in the graph: no grad
                     stats[k] = stats.get(k, 0.0) + w * v
-            stats["grad_norm"] = float(torch.nn.utils.clip_grad_norm_(run.policy_params,
-                                                                      args.grad_clip))
+            stats["grad_norm"] = runs.finite(float(torch.nn.utils.clip_grad_norm_(
+                run.policy_params, args.grad_clip)), "the gradient norm", step)
             if run.critic is not None:
-                torch.nn.utils.clip_grad_norm_(run.critic_params, args.grad_clip)
+                runs.finite(torch.nn.utils.clip_grad_norm_(run.critic_params, args.grad_clip),
+                            "the critic's gradient norm", step)
             for opt in run.optimizers:
                 opt.step()
             for k, v in stats.items():

@@ -98,7 +98,8 @@ def rollout_function(env_name, seeds, env_kwargs=None, max_turns=5, max_actions_
         noise = [s * 1000 + (first + i) % K for i, s in enumerate(env_seeds)]
         trainer.model.eval()  # sampling as train.py samples: no dropout
         try:
-            with sampling_model(trainer) as model:
+            with sampling_model(trainer) as model, \
+                    runs.finite_sampling(trainer.state.global_step + 1):
                 policy = make_policy(trainer, model, max_new_tokens, temperature, top_p)
                 episodes = rollout.play(policy, trainer.processing_class, env_name, env_seeds, 1,
                                         env_kwargs, max_turns, max_actions_per_turn,
@@ -433,7 +434,7 @@ class Args:
     groups: int = arg(8, "prompt groups (env seeds) per step")
     group_size: int = arg(16, "rollouts per group (TRL: num_generations)")
     steps: int = arg(100, "training steps")
-    lr: float = arg(None, "learning rate, constant (1e-6; tiny: 1e-4)")
+    lr: float = arg(None, "learning rate, constant, <= 0.1 (1e-6; tiny: 1e-4)")
     loss_type: str = arg("dapo", "TRL's loss: dapo = token-mean over the batch, grpo = seq-mean-"
                          "token-mean, bnpo = dapo on one micro-batch, dr_grpo = token sums / "
                          "(max_turns x max_new_tokens)",
@@ -461,6 +462,8 @@ class Args:
     tiny_cache: str = arg(".cache/tiny", "tiny: folder of warm-started models")
     seed: int = arg(0, "seed of env seeds and sampling")
     out: str = arg(None, "run folder (runs/trl-<env>-<filter>-<time>)")
+    report_to: str = arg("none", "TRL's report_to: none, tensorboard (<out>/tensorboard), wandb, "
+                         "trackio", choices=runs.REPORT_TO)
 
 
 def parse_args(argv):
@@ -471,6 +474,7 @@ def parse_args(argv):
     parser.description = ("RAGEN-2 in TRL's GRPOTrainer: SNR-aware filtering and the MI diagnosis "
                           "on multi-turn episodes. Defaults in brackets.")
     a = Args(**vars(parser.parse_args(argv)))
+    runs.check_ignored(a, vars(runs.build_parser(Args, defaults=False).parse_args(argv)))
     if a.steps < 1 or a.group_size < 2 or a.accumulation < 1:
         raise runs.UsageError("need --steps >= 1, --group-size >= 2 (GRPO compares rollouts) "
                               "and --accumulation >= 1")
@@ -512,14 +516,14 @@ def build_trainer(a, model, tokenizer, prompt, num_processes=1, make_policy=None
         entropy_coef=a.entropy_coef, max_grad_norm=a.grad_clip, temperature=a.temperature,
         top_p=a.sample_top_p, use_vllm=a.use_vllm, vllm_mode=a.vllm_mode, bf16=bool(a.bf16),
         gradient_checkpointing=a.grad_checkpointing, shuffle_dataset=False, seed=a.seed,
-        report_to="none", save_strategy="no", logging_steps=1, disable_tqdm=True,
+        report_to=a.report_to, save_strategy="no", logging_steps=1, disable_tqdm=True,
         dataloader_num_workers=0)
     func = rollout_function(a.env, lambda step: step_seeds(a.seed, step, a.groups),
                             runs.env_kwargs(a), a.max_turns, a.max_actions_per_turn,
                             a.max_new_tokens, a.temperature, a.sample_top_p, prompt, make_policy)
     rows = Dataset.from_dict({"prompt": [group_prompt(g) for g in range(a.groups)]})
     try:
-        return RagenGRPOTrainer(
+        trainer = RagenGRPOTrainer(
             model=model, reward_funcs=episode_reward, args=config, processing_class=tokenizer,
             train_dataset=rows, rollout_func=func, callbacks=list(callbacks), filter=a.filter,
             top_p=a.top_p, top_k=a.top_k, prob_mode=a.filter_prob_mode,
@@ -527,6 +531,10 @@ def build_trainer(a, model, tokenizer, prompt, num_processes=1, make_policy=None
             response_budget=train.response_budget(a))
     except ValueError as e:  # settings TRL or the filter cannot use
         raise runs.UsageError(str(e).strip().splitlines()[0]) from None
+    for callback in trainer.callback_handler.callbacks:  # TensorBoard's events in <out>/tensorboard
+        if type(callback).__name__ == "TensorBoardCallback":
+            callback.logging_dir = os.path.join(a.out, "tensorboard")
+    return trainer
 
 
 def metrics_writer(path, trainer_box):
@@ -543,6 +551,9 @@ def metrics_writer(path, trainer_box):
         def on_log(self, args, state, control, logs=None, **kw):
             if not state.is_world_process_zero or "loss" not in (logs or {}):
                 return
+            for k in ("loss", "grad_norm"):  # before the line: the step did not complete
+                runs.finite(logs.get(k, 0.0), f"the {k.replace('grad_', 'gradient ')}",
+                            state.global_step)
             line = {"step": state.global_step, **{rename.get(k, k): v for k, v in logs.items()},
                     "time_step": time.time() - self.start}
             selection = trainer_box[0].last_selection
@@ -571,9 +582,10 @@ def main(argv=None, make_policy=None, callbacks=()):
         from accelerate import PartialState
         state = PartialState(cpu=not cuda)  # on a CPU: gloo across the launched processes
         path = os.path.join(a.out, "metrics.jsonl")
-        if state.is_main_process and os.path.exists(path):
-            raise runs.UsageError(f"--out {a.out} already holds a run; choose another --out")
+        if state.is_main_process:
+            runs.check_folder(a)
         model, tokenizer, prompt, fresh = *load_model(a, cuda), not os.path.exists(a.out)
+        runs.check_fits(a, model, tokenizer, prompt)
         box = [None]
         try:
             box[0] = trainer = build_trainer(a, model, tokenizer, prompt, state.num_processes,
@@ -586,7 +598,11 @@ def main(argv=None, make_policy=None, callbacks=()):
             os.makedirs(a.out, exist_ok=True)
             runs.atomic_write(os.path.join(a.out, "config.json"),
                               json.dumps(dataclasses.asdict(a), indent=1))
-        trainer.train()
+        try:
+            trainer.train()
+        except runs.Diverged as e:
+            done = len(open(path).readlines()) if os.path.isfile(path) else 0
+            raise runs.UsageError(runs.diverged(e, a, done, fresh)) from None
         if state.is_main_process:
             print(f"metrics: {path}")
         return 0

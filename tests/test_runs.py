@@ -88,7 +88,7 @@ def test_help_is_one_line_per_flag_with_its_default(capsys):
     (["--groups", "0"], "--groups"),
     (["--seed", "-1"], "--seed"),
     (["--seed", str(2 ** 32)], "--seed"),
-    (["--lr", "-1"], "learning rates"),
+    (["--lr", "-1"], "--lr must be in (0, 0.1]"),
     (["--lr", "nan"], "finite"),
     (["--max-new-tokens", "0"], "--max-new-tokens"),
     (["--mi-samples", "0"], "--mi-samples"),
@@ -129,7 +129,21 @@ def test_help_is_one_line_per_flag_with_its_default(capsys):
     (["--probe-samples", "1"], "--probe-samples must be in 2..1000, got 1"),
     (["--groups", "1"], "--groups 1: an MI over one prompt is 0 by construction"),
     # flags that would be ignored or clamped
-    (["--filter", "topk", "--control-of", "topp"], "--control-of topp sets the count of a control"),
+    (["--filter", "topk", "--control-of", "topp"], "--control-of topp is ignored with --filter topk"),
+    (["--filter", "topk", "--top-p", "0.5"], "--top-p 0.5 is ignored with --filter topk"),
+    (["--filter", "none", "--include-zero"], "--include-zero is ignored with --filter none"),
+    (["--env", "frozenlake", "--room-size", "3"], "--room-size 3 is ignored with --env frozenlake"),
+    # past these a run hangs, diverges or only waits
+    (["--epochs", "101"], "--epochs must be in 1..100"),
+    (["--threads", str(10 * (os.cpu_count() or 1))], "the machine's cores"),
+    (["--entropy-coef", "1e30"], "--entropy-coef must be in [0, 10]"),
+    (["--kl-coef", "11"], "--kl-coef must be in [0, 10]"),
+    (["--lr", "1"], "--lr must be in (0, 0.1]"),
+    (["--temperature", "1e-30"], "use --temperature 0.001 or more"),
+    (["--val-temperature", "1e-30"], "use --val-temperature 0.001 or more (or 0: greedy)"),
+    (["--lora", "4", "--lora-targets", "nosuchlayer"], "no layer named nosuchlayer; its layers: down_proj"),
+    (["--env", "frozenlake", "--lake-size", "3000"], "--room-size and --lake-size must be <= 128"),
+    (["--room-size", "100000"], "--room-size and --lake-size must be <= 128"),
     (["--optimizer-steps", "1000000"], "--optimizer-steps must be in 0..128"),
 ])
 def test_bad_arguments_print_one_line_exit_2_and_leave_nothing(tmp_path, argv, words, capsys, monkeypatch):
@@ -293,6 +307,77 @@ def test_unusable_out_folders(tmp_path, capsys):
         fails(["--resume", out, "--steps", "2"], capsys, "in use by another")
 
 
+def test_a_non_empty_folder_that_holds_no_run_is_refused(tmp_path, capsys):
+    """--out . in a source tree would put a run's files among the sources."""
+    (tmp_path / "notes.txt").write_text("mine")
+    fails(SMALL + ["--steps", "1", "--out", str(tmp_path)], capsys, "a folder with other files in it")
+    assert os.listdir(tmp_path) == ["notes.txt"]
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert train.main(SMALL + ["--steps", "1", "--out", str(empty), "--mi-every", "0"]) == 0
+
+
+def test_a_diverged_run_stops_with_one_line_keeping_its_good_steps(tmp_path, capsys, monkeypatch):
+    """The reported command (past today's --lr ceiling): the first distribution that cannot be
+    sampled ends the run with one line naming its step and the likely cause; the steps before it
+    are logged and the newest checkpoint is theirs."""
+    monkeypatch.setattr(runs, "MAX_LR", 1e10)
+    out = str(tmp_path / "run")
+    last = fails(SMALL + ["--steps", "4", "--mi-every", "0", "--lr", "1e10", "--temperature", "1.5",
+                          "--out", out], capsys, "the run diverged at step", started=True)
+    assert "--lr (1e+10)" in last and "--temperature (1.5)" in last and "another --out" in last
+    step = int(re.search(r"at step (\d+)", last).group(1))
+    assert step >= 2 and [r["step"] for r in records(out)] == list(range(step))  # 0: validation
+    assert runs.checkpoint_step(runs.recover_checkpoint(out)) == step - 1
+
+
+def test_a_run_diverged_in_its_first_step_leaves_no_folder(tmp_path, capsys, monkeypatch):
+    """A loss that is not finite stops the run before the update; no step was completed, so the
+    folder goes, and the same command can run again."""
+    policy_loss = train.ppo.policy_loss
+    monkeypatch.setattr(train.ppo, "policy_loss", lambda *a, **k: (lambda loss, terms: (
+        loss * math.nan, terms))(*policy_loss(*a, **k)))
+    out = str(tmp_path / "run")
+    argv = SMALL + ["--steps", "1", "--mi-every", "0", "--out", out]
+    last = fails(argv, capsys, "the run diverged at step 1: the policy loss is not finite", started=True)
+    assert "removed" in last and not os.path.exists(out)
+    monkeypatch.setattr(train.ppo, "policy_loss", policy_loss)
+    assert train.main(argv) == 0
+
+
+@pytest.mark.parametrize("tracker", ["wandb", "trackio", "tensorboard"])
+def test_a_tracker_that_is_not_installed_is_one_line(tmp_path, capsys, monkeypatch, tracker):
+    find_spec = runs.importlib.util.find_spec
+    monkeypatch.setattr(runs.importlib.util, "find_spec", lambda name, *a: None if name == tracker
+                        else find_spec(name, *a))
+    out = tmp_path / "run"
+    fails(SMALL + ["--steps", "1", "--report-to", tracker, "--out", str(out)], capsys,
+          f"pip install {tracker}")
+    assert not out.exists()
+
+
+def test_tensorboard_gets_every_number_of_the_log_at_its_step(tmp_path):
+    """--report-to tensorboard: every numeric key of metrics.jsonl (nested dicts' keys joined
+    with '/') at each step that logged it, read back with TensorBoard's own reader; a resumed run
+    continues the same curves."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    out = str(tmp_path / "run")
+    argv = SMALL + ["--steps", "2", "--mi-every", "1", "--val-every", "2", "--report-to", "tensorboard"]
+    assert train.main(argv + ["--out", out]) == 0
+    assert train.main(["--resume", out, "--steps", "3"]) == 0
+    events = EventAccumulator(os.path.join(out, "tensorboard"))
+    events.Reload()
+    logged = {}
+    for r in records(out):
+        for k, v in runs.scalars(r).items():
+            logged.setdefault(k, []).append((r["step"], v))
+    assert "mi_estimate" in logged and "val_success" in logged and len(logged["train_success"]) == 3
+    assert set(events.Tags()["scalars"]) == set(logged)
+    for k, points in logged.items():
+        assert [(e.step, e.value) for e in events.Scalars(k)] == [(s, pytest.approx(v)) for s, v in points], k
+
+
 # ------------------------------------------------------------------------------------------- resume
 
 def resume_and_check(monkeypatch, out, argv=()):
@@ -395,8 +480,14 @@ def garbage_line_2(path):
     open(path, "w").writelines(lines)
 
 
+def garbage_inserted(path):
+    lines = open(path).readlines()
+    open(path, "w").writelines(lines[:1] + ["garbage\n"] + lines[1:])
+
+
 @pytest.mark.parametrize("damage, words", [
     (garbage_line_2, "line 2 is not a metrics record; step 1 is missing"),
+    (garbage_inserted, "line 2 is not a metrics record)"),  # the rest equals the copy
     (lambda path: open(path, "r+").truncate(os.path.getsize(path) // 2), "2 steps are missing (1 to 2)"),
     (os.remove, "2 steps are missing (1 to 2)"),
 ])
@@ -411,6 +502,19 @@ def test_a_damaged_log_is_repaired_from_the_checkpoint_saying_so(tmp_path, capsy
     assert "metrics.jsonl is damaged (" + words in said and "from the checkpoint's copy" in said
     after = open(os.path.join(out, "metrics.jsonl")).readlines()
     assert after[:3] == before and [r["step"] for r in records(out)] == [0, 1, 2, 3]  # no hole
+
+
+def test_a_run_without_checkpoints_is_complete_or_refused_never_run_again(tmp_path, capsys):
+    """--save-every 0 keeps no weights to continue from: extending the run is refused, and its
+    log stays as it is."""
+    out = str(tmp_path / "run")
+    assert train.main(SMALL + ["--steps", "2", "--out", out, "--mi-every", "0", "--save-every", "0"]) == 0
+    before = open(os.path.join(out, "metrics.jsonl")).read()
+    capsys.readouterr()
+    fails(["--resume", out, "--steps", "5"], capsys, "its 2 steps ran with --save-every 0")
+    assert train.main(["--resume", out]) == 0
+    assert "is complete (2 of 2 steps)" in capsys.readouterr().out
+    assert open(os.path.join(out, "metrics.jsonl")).read() == before
 
 
 def test_a_damaged_log_without_a_copy_is_refused(tmp_path, capsys):

@@ -325,6 +325,51 @@ def test_bad_flags_are_one_line_and_exit_code_2(tmp_path, capsys):
     assert not (tmp_path / "x").exists()
 
 
+def test_unusable_out_and_what_cannot_fit_are_one_line_as_in_train_py(tmp_path, capsys):
+    a_file, full = tmp_path / "file", tmp_path / "full"
+    a_file.write_text("x")
+    full.mkdir()
+    (full / "notes.txt").write_text("mine")
+    small = ["--model", "tiny", "--no-warm-start", "--steps", "1", "--out"]
+    for argv, words in ((small + [str(a_file)], "cannot write there"),
+                        (small + [str(a_file / "run")], "cannot write there"),
+                        (small + [str(full)], "a folder with other files in it"),
+                        (small + [str(tmp_path / "x"), "--max-new-tokens", "100000"], "context"),
+                        (small + [str(tmp_path / "x"), "--max-turns", "100000"], "context"),
+                        (small + [str(tmp_path / "x"), "--filter", "topk", "--top-p", "0.5"],
+                         "--top-p 0.5 is ignored with --filter topk")):
+        assert trl_ragen.main(argv) == 2, argv
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and words in err, err
+    assert not (tmp_path / "x").exists() and os.listdir(full) == ["notes.txt"]
+
+
+def test_a_diverged_run_stops_with_one_line(tmp_path, capsys, monkeypatch):
+    """A learning rate past today's ceiling: the first step whose loss or gradient norm is not
+    finite ends the run with one line naming it; the steps before it stay logged."""
+    monkeypatch.setattr(runs, "MAX_LR", 1e10)
+    out = tmp_path / "run"
+    argv = script.ARGS + ["--steps", "4", "--mi-every", "0", "--lr", "1e10", "--out", str(out)]
+    assert trl_ragen.main(argv, make_policy=script.scripted()) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "the run diverged at step" in err[0] and "--lr (1e+10)" in err[0], err
+    step = int(err[0].split("at step ")[1].split(":")[0])
+    assert step >= 2 and len((out / "metrics.jsonl").read_text().splitlines()) == step - 1
+
+
+def test_report_to_tensorboard_writes_trls_events_in_the_run_folder(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    out = tmp_path / "run"
+    argv = script.ARGS + ["--steps", "1", "--report-to", "tensorboard", "--out", str(out)]
+    assert trl_ragen.main(argv, make_policy=script.scripted()) == 0
+    events = EventAccumulator(str(out / "tensorboard"))
+    events.Reload()
+    (line,) = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert {"train/kept_ratio", "train/mi_estimate", "train/loss"} <= set(events.Tags()["scalars"])
+    assert events.Scalars("train/kept_ratio")[0].value == pytest.approx(line["kept_ratio"])
+
+
 def test_top_p_decides_the_kept_groups(tmp_path):
     """--top-p reaches the filter: at 0.5 the group with the larger spread alone holds half of the
     summed spread and is the only one kept, where the default 0.9 keeps both groups with spread."""
