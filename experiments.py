@@ -145,6 +145,10 @@ def main(argv=None):
     if args.command == "run" and not args.grids:
         return fail(f"name the grids to run (hours each: python experiments.py list): "
                     f"{', '.join(GRIDS)}")
+    for name in args.grids if args.only is not None else ():
+        if not any(args.only in setting for setting in GRIDS[name]["settings"]):
+            return fail(f"--only {args.only}: no setting of {name} has it in its name; its "
+                        f"settings: {', '.join(GRIDS[name]['settings'])}")
     try:
         if args.command == "list":
             for name in args.grids or GRIDS:

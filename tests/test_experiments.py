@@ -486,6 +486,9 @@ def test_command_line_help_list_and_errors(grid, capsys):
     assert "unknown grid 'nope'" in capsys.readouterr().err
     assert experiments.main(["run"]) == 2  # hours of work: only when named
     assert "name the grids to run" in capsys.readouterr().err
+    assert experiments.main(["run", "toy", "--only", "nosuch"]) == 2  # before anything runs
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--only nosuch: no setting of toy" in err, err
     assert experiments.main(["report"]) == 0  # every grid; none has run here
     assert "toy: not run yet" in capsys.readouterr().out
     assert experiments.main(["report", "toy"]) == 2
