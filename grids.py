@@ -14,6 +14,8 @@ which `a` starts to move (stats.onset) comes before the step at which `b` does. 
 statistic per run (stats.gradient_stat) on the predicted side of 0. "search": a search's criteria
 (stats.CRITERIA: a collapse regime, or a growing template share), run by run.
 """
+import gzip
+import json
 import os
 
 RUNS = os.path.join("runs", "experiments")
@@ -26,8 +28,9 @@ FILTERS = {"none": ["--filter", "none"], "topp": ["--filter", "topp"], "topk": [
 CONTROLS = {"random": ["--filter", "random", "--control-of", "topk"],
             "bottom": ["--filter", "bottom", "--control-of", "topk"]}
 SEEDS = [0, 1, 2, 3, 4]  # 5 seeds for every claim
-# Wall-time model, only for the runner's estimate: seconds a training step of one run takes (one
-# thread, two runs side by side on the 2-core machine; validation and diagnoses included), by world.
+# Wall-time model, only for the runner's estimate where a setting has no archived runs to measure
+# (measured_seconds): seconds a training step of one run takes (one thread, two runs side by side
+# on the 2-core machine; validation and diagnoses included), by world.
 # Measured from the archives' time_step (the replication at 781d114): a healthy FrozenLake step
 # 2.5-4 s (a collapsing one 15-45 s: an estimate cannot know), a Sokoban 6x6 step 12-15 s, an 8x8
 # room or two boxes 17-27 s.
@@ -349,15 +352,35 @@ def runs_of(name):
     return out
 
 
-def estimate_hours(name, jobs=2):
-    """The grid's wall-time estimate: steps x SECONDS_PER_STEP of its world, `jobs` at a time."""
+def estimate_hours(name, jobs=2, results=RESULTS):
+    """The grid's wall-time estimate, `jobs` at a time: steps x the mean step time its archived
+    runs of the setting measured (measured_seconds), else the registered seconds of the setting
+    or SECONDS_PER_STEP of its world. A calibration's wall time is its warm starts and
+    validations, which time_step does not hold: its registered seconds alone."""
     g = GRIDS[name]
+    measured = {} if g.get("kind") == "calibration" else measured_seconds(name, results)
     total = 0.0
     for setting, _, _, argv in runs_of(name):
         world = argv[argv.index("--env") + 1] if "--env" in argv else "sokoban"
         slowest = max(SECONDS_PER_STEP.values())  # a world not measured yet: as the slowest
-        total += g["steps"] * g.get("seconds", {}).get(setting, SECONDS_PER_STEP.get(world, slowest))
+        registered = g.get("seconds", {}).get(setting, SECONDS_PER_STEP.get(world, slowest))
+        total += g["steps"] * measured.get(setting, registered)
     return total / jobs / 3600
+
+
+def measured_seconds(name, results=RESULTS):
+    """{setting: mean seconds a step} over the time_step of the grid's archived runs
+    (results/<grid>/runs/), the settings archived. The mean, not the median: a collapsing run's
+    slow steps (15-45 s against 3 s) count in full, as they do in the wall time."""
+    times = {}
+    for setting, _, folder, _ in runs_of(name):
+        path = os.path.join(results, name, "runs", os.path.basename(folder) + ".jsonl.gz")
+        if os.path.isfile(path):
+            with gzip.open(path, "rt") as f:
+                records = [json.loads(line) for line in f if line.strip()]
+            times.setdefault(setting, []).extend(
+                r["time_step"] for r in records if isinstance(r.get("time_step"), (int, float)))
+    return {setting: sum(t) / len(t) for setting, t in times.items() if t}
 
 
 def done(records, steps):
@@ -384,7 +407,10 @@ def world_of(name, setting):
 def describe(name):
     """The grid's size, wall-time estimate, claim and rules, for `experiments.py list`."""
     g = GRIDS[name]
+    measured = "" if g.get("kind") == "calibration" or not measured_seconds(name) else \
+        ", from its archived runs' step times"
     lines = [f"{name}: {len(g['settings']) * len(g['seeds'])} runs x {g['steps']} steps, "
-             f"about {estimate_hours(name):.1f} h on 2 cores (2 at a time). {g['claim']}"]
+             f"about {estimate_hours(name):.1f} h on 2 cores (2 at a time{measured}). "
+             f"{g['claim']}"]
     lines += [f"  rule: {rule['text']}" for rule in g["decide"]]
     return "\n".join(lines)

@@ -111,6 +111,20 @@ def test_every_grid_parses_as_train_flags_and_claims_get_five_seeds():
     assert grids.MAX_SKIPS == train.MAX_SKIPS
 
 
+def test_the_estimate_comes_from_the_archived_step_times(grid):
+    """A grid whose runs are archived is estimated from their measured time_step (the toy's fake
+    runs: 1 s a step), a setting not archived from the registered seconds (a world not measured,
+    the bandit: the slowest)."""
+    registered = grids.estimate_hours(grid)
+    assert registered == pytest.approx(10 * 20 * max(grids.SECONDS_PER_STEP.values()) / 2 / 3600)
+    toy_runs(grid)
+    assert grids.estimate_hours(grid) == pytest.approx(10 * 20 * 1.0 / 2 / 3600)
+    assert "from its archived runs' step times" in grids.describe(grid)
+    for seed in grids.GRIDS[grid]["seeds"]:  # setting b not archived: its 5 runs as registered
+        os.remove(os.path.join(grids.RESULTS, grid, "runs", f"b-s{seed}.jsonl.gz"))
+    assert grids.estimate_hours(grid) == pytest.approx((registered + 10 * 20 / 2 / 3600) / 2)
+
+
 def test_a_finished_run_is_not_run_again(grid):
     _, _, folder, _ = grids.runs_of(grid)[0]
     fake_run(folder, 20, 0.5, lambda s: 0.3)
