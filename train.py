@@ -18,24 +18,30 @@ Everything around the loop -- the command line, the run folder, resuming -- is i
 checkpoints in checkpoints.py), and loading the models is in models.py; a first reading may skip
 them.
 """
+import os
 import sys
 import time
 from dataclasses import dataclass, field
 
-import numpy as np
-import torch
+# OpenMP threads that spin at every barrier take shared cores from other work (the tiny warm start
+# beside one busy process on 2 cores: 73 s -> 1387 s); passive waiting lets them sleep. OpenMP
+# reads it once, when torch loads it: set before anything imports torch (bench_shared_cores.py).
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
-import envs
-import grpo
-import logprobs
-import mi
-import models
-import ppo
-import rollout
-import runs
-import sampler
-import snr_filter
-import templates
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+
+import envs  # noqa: E402
+import grpo  # noqa: E402
+import logprobs  # noqa: E402
+import mi  # noqa: E402
+import models  # noqa: E402
+import ppo  # noqa: E402
+import rollout  # noqa: E402
+import runs  # noqa: E402
+import sampler  # noqa: E402
+import snr_filter  # noqa: E402
+import templates  # noqa: E402
 
 VAL_SEED_BASE = 10_000_000  # validation seeds are 10_000_000 + i; training seeds are drawn below it
 PROBE_SEED_BASE = 20_000_000  # the probe set's prompts: 20_000_000 + i, held out like validation's

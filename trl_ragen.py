@@ -41,16 +41,17 @@ import sys
 import time
 import warnings
 
-import numpy as np
-import torch
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch loads OpenMP: train.py says why
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
 
-import envs
-import mi
-import rollout
-import runs
-import sampler
-import snr_filter
-import train
+import envs  # noqa: E402
+import mi  # noqa: E402
+import rollout  # noqa: E402
+import runs  # noqa: E402
+import sampler  # noqa: E402
+import snr_filter  # noqa: E402
+import train  # noqa: E402
 
 os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")  # rollout_func is marked experimental
 from trl import GRPOConfig, GRPOTrainer  # noqa: E402

@@ -61,7 +61,8 @@ def run_quick(script, monkeypatch, capsys):
 @pytest.mark.parametrize("script, name", [("bench_cross_scores.py", "cross_scores"), ("bench_rollout.py", "rollout"),
                                           ("bench_filter.py", "filter"), ("bench_memory.py", "memory"),
                                           ("bench_gpu.py", "gpu"), ("bench_step.py", "step"),
-                                          ("bench_trl.py", "trl"), ("bench_retokenize.py", "retokenize")])
+                                          ("bench_trl.py", "trl"), ("bench_retokenize.py", "retokenize"),
+                                          ("bench_shared_cores.py", "shared_cores")])
 def test_quick_mode_reports_a_result(script, name, monkeypatch, capsys):
     last = run_quick(script, monkeypatch, capsys)
     assert len(last) == 3 and last[0] == "RESULT", last
