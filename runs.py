@@ -9,15 +9,21 @@ RNG states) and the figures. What a run guarantees:
   `--resume` runs the lost step again exactly; a log damaged since the last checkpoint is rewritten
   from its copy, saying so (checkpoints.py).
 - `--resume DIR` continues with the run's own settings; only --steps (to extend), --val-every,
-  --save-every, --plot and --threads may be given anew. A finished run is left as it is. Two
-  processes never share a folder.
+  --save-every, --plot, --threads and --report-to may be given anew. A finished run is left as it
+  is; a run made with --save-every 0 has no checkpoint to extend it from. Two processes never
+  share a folder.
 - The same command gives the same result, whether the tiny warm start was built in this run or
   loaded (models are built before the random streams are seeded). Results do depend on the CPU and
   the thread count.
-- Bad input (flags, settings that cannot run or fit the model's context, a damaged config or
-  checkpoint, an unusable --out) is one line on stderr and exit code 2. The run folder is made only
-  once the models are loaded, and a failed start leaves no folder behind; running out of GPU memory
-  is one line naming the phase, code 3.
+- Bad input (flags, settings that cannot run or fit the model's context, a flag the chosen filter
+  or world would ignore, a damaged config or checkpoint, an --out that is not new, empty or a run)
+  is one line on stderr and exit code 2. The run folder is made only once the models are loaded,
+  and a failed start leaves no folder behind; running out of GPU memory is one line naming the
+  phase, code 3. A loss, gradient norm, log-prob or sampling distribution that is not finite ends
+  the run before its update, one line and code 2: the steps before it stay, logged and
+  checkpointed; a run that completed no step leaves no folder.
+- --report-to also writes every number of the log to TensorBoard (<out>/tensorboard), wandb or
+  trackio (Tracker).
 """
 import argparse
 import contextlib
@@ -753,7 +759,10 @@ class Tracker:
             self.module.log(numbers, step=record["step"])
 
     def close(self):
-        self.writer.close() if self.kind == "tensorboard" else self.module.finish()
+        if self.kind == "tensorboard":
+            self.writer.close()
+        else:
+            self.module.finish()
 
 
 def scalars(record, prefix=""):
