@@ -4,6 +4,8 @@ three so that each can import it.
 
     log pi(y_t | ids[:t]) = log softmax(W h_t / temperature)[y_t]      only where mask[t] = 1
 
+(the log-softmax in float64, as sampler.py's: what a reply was sampled with is what it scores.)
+
 The transformer body runs once; the output layer W runs only on the hidden states h_t at the
 positions that matter, a chunk at a time (policy_logprobs, head_logprobs): no [B, T, V] tensor.
 """
@@ -60,6 +62,9 @@ def head_logprobs(lm, hidden, targets, with_entropy=False, temperature=1.0, chun
 
 
 def _head_logprobs(head, hidden, targets, with_entropy, temperature):
-    logits = head(hidden).float() / temperature                                # [n, V]
-    logp = ppo.token_logprobs(logits, targets)                                 # [n]
-    return (logp, ppo.entropy_from_logits(logits)) if with_entropy else (logp,)
+    # the log-softmax in float64, as the sampler's: in float32 the sum over a real vocabulary
+    # (SmolLM2's 49,152 tokens, logits up to ~35) is off by ~1e-5 nats a token, with one sign, so a
+    # reply's score would drift 1e-4 from the log-prob it was sampled with
+    logits = head(hidden).double() / temperature                               # [n, V]
+    logp = ppo.token_logprobs(logits, targets).float()                         # [n]
+    return (logp, ppo.entropy_from_logits(logits).float()) if with_entropy else (logp,)

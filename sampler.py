@@ -150,7 +150,8 @@ def hf_policy(model, tokenizer, max_new_tokens, temperature=1.0, top_p=1.0):
         running = torch.ones(B, dtype=torch.bool, device=device)               # [B]
         stop = torch.tensor(stop_ids, device=device)
         for step in range(max_new_tokens):
-            table = torch.log_softmax(logits.float() / (temperature or 1.0), dim=-1)   # [B, V]
+            # float64, as logprobs.py scores: float32 sums over a large vocabulary drift
+            table = torch.log_softmax(logits.double() / (temperature or 1.0), dim=-1)  # [B, V]
             if temperature == 0:
                 token = table.argmax(-1)                                       # [B]
             else:

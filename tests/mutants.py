@@ -76,8 +76,8 @@ MUTANTS = [
       ROLLOUT + "test_collate_right_pads"),
     # ------------------------------------------------------------------------------- sampler.py
     m("sampling-temperature-ignored", "sampler.py", "hf_policy",
-      "table = torch.log_softmax(logits.float() / (temperature or 1.0), dim=-1)",
-      "table = torch.log_softmax(logits.float(), dim=-1)",
+      "table = torch.log_softmax(logits.double() / (temperature or 1.0), dim=-1)",
+      "table = torch.log_softmax(logits.double(), dim=-1)",
       SAMPLER + "test_sampling_logprobs_equal_a_forward_pass[0.7-0.5-cpu]"),
     m("nucleus-drops-the-token-that-crosses-p", "sampler.py", "nucleus",
       "drop = ranked.cumsum(-1) - ranked >= top_p", "drop = ranked.cumsum(-1) >= top_p",
@@ -219,7 +219,7 @@ MUTANTS = [
       RUNS + "test_bad_arguments_print_one_line_exit_2_and_leave_nothing"
              "[argv18-not in the local Hugging Face cache]"),
     m("update-scores-at-temperature-1", "logprobs.py", "_head_logprobs",
-      "logits = head(hidden).float() / temperature", "logits = head(hidden).float()",
+      "logits = head(hidden).double() / temperature", "logits = head(hidden).double()",
       TRAIN + "test_policy_logprobs_score_the_policy_at_its_sampling_temperature"),
     m("checkpointing-whatever-the-memory", "models.py", "memory_plan",
       "for option in [ckpt] if ckpt is not None else [False, True]:",

