@@ -209,14 +209,14 @@ def demo_policy(tokenizer, noise=0.2, max_actions=2, seed=0, template_prior=0.0,
 
 
 def demonstrations(tokenizer, env_name, seeds, env_kwargs=None, noise=0.2, seed=0, max_turns=5,
-                   max_actions_per_turn=2, template_prior=0.0, pool=()):
+                   max_actions_per_turn=2, template_prior=0.0, pool=(), prompt=None):
     """Demonstration episodes (rollout.Episode) on `seeds`, one each, in the tiny policy's
-    prompts."""
+    prompts, or in `prompt`'s (rollout.play's system / user pieces; {}: a real model's)."""
     policy = demo_policy(tokenizer, noise=noise, max_actions=max_actions_per_turn, seed=seed,
                          template_prior=template_prior, pool=pool)
     return rollout.play(policy, tokenizer, env_name, seeds, 1, env_kwargs=env_kwargs,
                         max_turns=max_turns, max_actions_per_turn=max_actions_per_turn,
-                        **prompts(env_name))
+                        **(prompts(env_name) if prompt is None else prompt))
 
 
 # -------------------------------------------------------------------------------- behaviour cloning
@@ -244,7 +244,7 @@ def schedule(step, steps):
 
 def imitate(model, tokenizer, env_name, env_kwargs=None, steps=600, batch_size=16, lr=1e-2,
             noise=0.2, seed=0, turns=5, start=0, state=None, on_step=None, template_prior=0.0,
-            pool=()):
+            pool=(), prompt=None):
     """Behaviour cloning: `steps` AdamW steps, each on `batch_size` fresh demonstrations (a share
     `template_prior` of their turns reasoning with a sentence of `pool`); returns the loss per
     step.
@@ -252,7 +252,8 @@ def imitate(model, tokenizer, env_name, env_kwargs=None, steps=600, batch_size=1
     Whole episodes of up to `turns` turns (a network taught first turns only writes garbage from the
     third on), played ROUND batches at a time and cut into batches after sorting by length (less
     padding to compute). To continue an interrupted run, pass `start` (a multiple of ROUND) and the
-    optimiser `state`; on_step(step, loss, optimizer) is called after every step.
+    optimiser `state`; on_step(step, loss, optimizer) is called after every step. `prompt`: the
+    prompts the demonstrations are played in (demonstrations; default the tiny policy's).
     """
     pad = rollout.pad_token_id(tokenizer)
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
@@ -266,7 +267,8 @@ def imitate(model, tokenizer, env_name, env_kwargs=None, steps=600, batch_size=1
             first = DEMO_SEEDS + (seed * steps + step - step % ROUND) * batch_size
             seeds = range(first, first + ROUND * batch_size)
             played = demonstrations(tokenizer, env_name, seeds, env_kwargs, noise, seed=first,
-                                    max_turns=turns, template_prior=template_prior, pool=pool)
+                                    max_turns=turns, template_prior=template_prior, pool=pool,
+                                    prompt=prompt)
             played.sort(key=lambda e: len(e.ids))
             batches = [played[k:k + batch_size] for k in range(0, len(played), batch_size)]
             random.Random(first).shuffle(batches)

@@ -12,14 +12,17 @@ plus its value head, so no copy of the base exists.
 import contextlib
 import dataclasses
 import difflib
+import hashlib
 import importlib.util
 import json
 import os
 import shutil
 import socket
+import time
 
 import torch
 
+import demos
 import ppo
 import sampler
 import tiny
@@ -77,7 +80,9 @@ def load_policy(a, source, device, env_kwargs):
     Face hub id; prompt holds rollout.play's `system` / `user` pieces for the tiny policy, else
     nothing."""
     if source == "smollm2":
-        return (*load_smollm2(), {})
+        if not a.warm_start:
+            return (*load_smollm2(), {})
+        return (*smollm2_warm_start(a.env, env_kwargs, seed=a.warm_start_seed), {})
     if source == "tiny":
         try:
             model, tokenizer = tiny.load_tiny(
@@ -217,6 +222,55 @@ def load_smollm2(cache_dir=SMOLLM2_CACHE):
     except OSError:  # a read-only disk, or another process swapped in its copy first: not needed
         shutil.rmtree(tmp, ignore_errors=True)
     return model, tokenizer
+
+
+# its warm start: a pretrained 135M model at temperature 1 almost never writes the answer format
+# (results/zero-shot), so RL would see no reward spread; a short behaviour cloning on the solver's
+# demonstrations (demos.py), in the prompts a real model gets, fixes the format and little else
+SMOLLM2_WARM_START = dict(steps=40, batch_size=8, lr=1e-4, turns=2)
+
+
+def smollm2_warm_start(env_name, env_kwargs=None, seed=0, cache_dir=SMOLLM2_CACHE, **settings):
+    """SmolLM2 behaviour-cloned on `env_name`'s demonstrations (SMOLLM2_WARM_START, overridden by
+    `settings`), built on first use and cached in cache_dir/<world>-<hash>; warm_start.json, written
+    last, marks a finished build and records its losses and time. An interrupted build starts over
+    (about 15 minutes on 2 CPU cores)."""
+    settings = {**SMOLLM2_WARM_START, **settings, "seed": seed}
+    key = json.dumps({"env": env_name, "env_kwargs": env_kwargs or {}, **settings},
+                     sort_keys=True, default=str)
+    folder = os.path.join(cache_dir, f"{env_name}-{hashlib.sha256(key.encode()).hexdigest()[:12]}")
+    if os.path.isfile(os.path.join(folder, "warm_start.json")):
+        try:
+            return load_hf_files(folder, None)
+        except Exception as e:  # noqa: BLE001 -- a damaged build: made again
+            print(f"the cached SmolLM2 warm start in {folder} is damaged ({type(e).__name__}); "
+                  f"building it again")
+    model, tokenizer = load_smollm2()
+    steps = settings["steps"]
+    print(f"building SmolLM2's warm start for {env_name}: behaviour cloning on solver "
+          f"demonstrations, {steps} steps of {settings['batch_size']} episodes; a one-time build, "
+          f"cached in {folder}")
+    began, torch_state = time.time(), torch.random.get_rng_state()
+    torch.manual_seed(seed)
+    losses = demos.imitate(model, tokenizer, env_name, env_kwargs, steps=steps,
+                           batch_size=settings["batch_size"], lr=settings["lr"], seed=seed,
+                           turns=settings["turns"], prompt={},
+                           on_step=lambda step, loss, _: print(
+                               f"  step {step + 1}/{steps}: loss {loss:.3f}", flush=True))
+    torch.random.set_rng_state(torch_state)
+    tmp = f"{folder}.tmp-{os.getpid()}"
+    try:
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        with open(os.path.join(tmp, "warm_start.json"), "w") as f:
+            json.dump({"env": env_name, "env_kwargs": env_kwargs or {}, **settings,
+                       "seconds": time.time() - began, "losses": losses}, f)
+        shutil.rmtree(folder, ignore_errors=True)
+        os.replace(tmp, folder)
+    except OSError:  # a read-only disk, or another process swapped in its copy first
+        shutil.rmtree(tmp, ignore_errors=True)
+    print(f"warm start built in {time.time() - began:.0f} s")
+    return model.eval(), tokenizer
 
 
 def hub_reachable(timeout=3.0):

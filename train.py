@@ -102,7 +102,7 @@ class Args:
     sample_top_p: float = arg(1.0, "nucleus sampling of the rollouts (1 = off)")
     max_new_tokens: int = arg(None, "token limit per turn (400; tiny: 64)")
     # the model, memory and speed
-    model: str = arg(None, "HF id, folder or tiny (GPU: Qwen2.5-0.5B-Instruct, else tiny)")
+    model: str = arg(None, "HF id, folder, tiny or smollm2 (GPU: Qwen2.5-0.5B-Instruct, else tiny)")
     dtype: str = arg(None, "bfloat16 (autocast over fp32 weights; GPU default) or float32",
                      choices=("float32", "bfloat16"))
     lora: int = arg(0, "LoRA rank: train adapters instead of all weights (0 = off)")
@@ -113,9 +113,10 @@ class Args:
     grad_checkpointing: bool = arg(None, "recompute activations in backward (GPU: by memory)")
     threads: int = arg(None, "CPU threads for torch, <= cores (tiny: 2, else all cores)")
     rebuild_tiny: bool = arg(False, "tiny: redo the warm start instead of using the cache")
-    warm_start: bool = arg(True, "tiny: warm-start on solver demonstrations (off: random weights)")
+    warm_start: bool = arg(True, "tiny, smollm2: warm-start on solver demonstrations (off: random "
+                                 "weights; smollm2's pretrained ones)")
     tiny_cache: str = arg(".cache/tiny", "tiny: folder of warm-started models")
-    warm_start_seed: int = arg(0, "tiny: the warm start's build seed (weights, demonstrations)")
+    warm_start_seed: int = arg(0, "tiny, smollm2: the warm start's build seed (weights, demos)")
     template_prior: float = arg(0.0, "tiny: share of warm-start turns reasoning with a template")
     kl_template_prior: float = arg(
         None, "tiny: template share of the KL reference's warm start (default: the policy's)")

