@@ -456,10 +456,11 @@ class Args:
     vllm_mode: str = arg("colocate", "vLLM beside training or a trl vllm-serve server",
                          choices=("colocate", "server"))
     # the model, output
-    model: str = arg(None, "HF id, folder or tiny (GPU: Qwen2.5-0.5B-Instruct, else tiny)")
+    model: str = arg(None, "HF id, folder, tiny or smollm2 (GPU: Qwen2.5-0.5B-Instruct, else tiny)")
     bf16: bool = arg(None, "bfloat16 mixed precision (GPU default)")
     grad_checkpointing: bool = arg(False, "recompute activations in backward")
-    warm_start: bool = arg(True, "tiny: warm-start on solver demonstrations (off: random)")
+    warm_start: bool = arg(True, "tiny, smollm2: warm-start on solver demonstrations (off: random; "
+                                 "smollm2's pretrained weights)")
     tiny_cache: str = arg(".cache/tiny", "tiny: folder of warm-started models")
     seed: int = arg(0, "seed of env seeds and sampling")
     out: str = arg(None, "run folder (runs/trl-<env>-<filter>-<time>)")
@@ -493,7 +494,11 @@ def load_model(a, cuda):
         return (*tiny.load_tiny(a.env, runs.env_kwargs(a), cache_dir=a.tiny_cache,
                                 warm_start=a.warm_start), tiny.prompts(a.env))
     try:
-        model, tokenizer = models.load_hf(a.model)
+        if a.model == "smollm2":
+            model, tokenizer = (models.smollm2_warm_start(a.env, runs.env_kwargs(a))
+                                if a.warm_start else models.load_smollm2())
+        else:
+            model, tokenizer = models.load_hf(a.model)
     except models.ModelError as e:
         raise runs.UsageError(str(e)) from None
     return model, tokenizer, {}
