@@ -74,7 +74,8 @@ def measure(model, world, val_seeds, groups, group_size, probe, max_new_tokens, 
     wins = sum(e.success for e in episodes)
     lengths = [n for e in episodes for n in e.response_lengths]
     cut = [n >= max_new_tokens for n in lengths]
-    out = {"model": model + (" (warm start)" if warm_start else ""), "world": world, "max_new_tokens": max_new_tokens, "seed": seed,
+    out = {"model": model + (" (warm start)" if warm_start else ""), "world": world,
+           "max_new_tokens": max_new_tokens, "seed": seed,
            "val_seeds": val_seeds, "success": wins / val_seeds, "success_ci": wilson(wins, val_seeds),
            "random_success": envs.baselines(world, **runs.env_kwargs(a))[1],
            "replies": len(valid), "format_rate": float(np.mean(valid)),
