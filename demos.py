@@ -168,12 +168,15 @@ def describe(env, plan):
     raise ValueError(f"no demonstrations for world {env.name!r}: sokoban, frozenlake or bandit")
 
 
-def demonstration(env, rng, noise=0.2, max_actions=2, template_prior=0.0, pool=()):
+def demonstration(env, rng, noise=0.2, max_actions=2, template_prior=0.0, pool=(), filler=None):
     """One demonstration turn for the env's current state, continuing a prompt that ends with
     "<think>": with prob. `noise` one random move ("Try Left."), else the solver's next 1 or
     `max_actions` moves (a fair coin). With prob. `template_prior` the reasoning is instead a
     sentence drawn uniformly from `pool` (templates.py), the answer the solver's next 1 or
-    `max_actions` moves; at 0 no draw is made, so the stream is the one without a prior.
+    `max_actions` moves; at 0 no draw is made, so the stream is the one without a prior. A
+    callable `pool` draws the template itself, pool(rng, env) (templates.surface_template: another
+    layout's task reasoning); `filler(rng)`, when given, is appended to every reasoning
+    (templates.filler).
 
     >>> env = envs.Sokoban(room="#####\\n#PXO#\\n#####"); _ = env.reset()
     >>> demonstration(env, random.Random(0), noise=0.0)
@@ -182,7 +185,7 @@ def demonstration(env, rng, noise=0.2, max_actions=2, template_prior=0.0, pool=(
     """
     plan = envs.solve(env) or []
     if template_prior and rng.random() < template_prior:
-        reasoning = rng.choice(pool)
+        reasoning = pool(rng, env) if callable(pool) else rng.choice(pool)
         moves = plan[:rng.choice((1, max_actions))] or [rng.choice(env.actions)]
     elif not plan or rng.random() < noise:
         moves = [rng.choice(env.actions)]
@@ -190,17 +193,20 @@ def demonstration(env, rng, noise=0.2, max_actions=2, template_prior=0.0, pool=(
     else:
         moves = plan[:rng.choice((1, max_actions))]
         reasoning = describe(env, plan)
+    if filler is not None:
+        reasoning += filler(rng)
     return f" {reasoning} </think> <answer> {' || '.join(moves)} </answer>"
 
 
-def demo_policy(tokenizer, noise=0.2, max_actions=2, seed=0, template_prior=0.0, pool=()):
+def demo_policy(tokenizer, noise=0.2, max_actions=2, seed=0, template_prior=0.0, pool=(),
+                filler=None):
     """A scripted policy for rollout.play: looks at each env, writes `demonstration(...)` and the
     end-of-turn token."""
     rng = random.Random(seed)
     end = rollout.end_of_turn_ids(tokenizer)[0]
 
     def policy(prompt_ids, worlds):
-        texts = [demonstration(env, rng, noise, max_actions, template_prior, pool)
+        texts = [demonstration(env, rng, noise, max_actions, template_prior, pool, filler)
                  for env in worlds]
         return [rollout.Generation(tokenizer.encode(text, add_special_tokens=False) + [end])
                 for text in texts]
@@ -209,11 +215,12 @@ def demo_policy(tokenizer, noise=0.2, max_actions=2, seed=0, template_prior=0.0,
 
 
 def demonstrations(tokenizer, env_name, seeds, env_kwargs=None, noise=0.2, seed=0, max_turns=5,
-                   max_actions_per_turn=2, template_prior=0.0, pool=(), prompt=None):
+                   max_actions_per_turn=2, template_prior=0.0, pool=(), prompt=None,
+                   filler=None):
     """Demonstration episodes (rollout.Episode) on `seeds`, one each, in the tiny policy's
     prompts, or in `prompt`'s (rollout.play's system / user pieces; {}: a real model's)."""
     policy = demo_policy(tokenizer, noise=noise, max_actions=max_actions_per_turn, seed=seed,
-                         template_prior=template_prior, pool=pool)
+                         template_prior=template_prior, pool=pool, filler=filler)
     return rollout.play(policy, tokenizer, env_name, seeds, 1, env_kwargs=env_kwargs,
                         max_turns=max_turns, max_actions_per_turn=max_actions_per_turn,
                         **(prompts(env_name) if prompt is None else prompt))
@@ -244,7 +251,7 @@ def schedule(step, steps):
 
 def imitate(model, tokenizer, env_name, env_kwargs=None, steps=600, batch_size=16, lr=1e-2,
             noise=0.2, seed=0, turns=5, start=0, state=None, on_step=None, template_prior=0.0,
-            pool=(), prompt=None):
+            pool=(), prompt=None, filler=None):
     """Behaviour cloning: `steps` AdamW steps, each on `batch_size` fresh demonstrations (a share
     `template_prior` of their turns reasoning with a sentence of `pool`); returns the loss per
     step.
@@ -268,7 +275,7 @@ def imitate(model, tokenizer, env_name, env_kwargs=None, steps=600, batch_size=1
             seeds = range(first, first + ROUND * batch_size)
             played = demonstrations(tokenizer, env_name, seeds, env_kwargs, noise, seed=first,
                                     max_turns=turns, template_prior=template_prior, pool=pool,
-                                    prompt=prompt)
+                                    prompt=prompt, filler=filler)
             played.sort(key=lambda e: len(e.ids))
             batches = [played[k:k + batch_size] for k in range(0, len(played), batch_size)]
             random.Random(first).shuffle(batches)

@@ -93,6 +93,8 @@ def load_policy(a, source, device, env_kwargs):
                 warm_start=a.warm_start,
                 seed=a.warm_start_seed,
                 template_prior=a.template_prior,
+                template_kind=a.template_kind,
+                filler=a.filler,
             )
         except OSError as e:  # every file load_tiny reads or writes is in the cache folder
             in_the_way = isinstance(e, (FileExistsError, NotADirectoryError))

@@ -360,6 +360,8 @@ def check_args(a):
          f"machine's cores, got {a.threads} (more threads than cores only wait for each other)")
     need(0 <= a.template_prior <= 1 and a.warm_start_seed >= 0,
          "--template-prior must be in [0, 1] and --warm-start-seed >= 0")
+    need(a.filler is None or 0 <= a.filler <= 0.75, "--filler must be in [0, 0.75] (0.75: the "
+         "most entropy a filler digit can have)")
     prior = a.kl_template_prior
     need(prior is None or (0 <= prior <= 1 and a.model == "tiny" and not a.lora
                            and (prior > 0) == (a.template_prior > 0)),

@@ -39,9 +39,11 @@ template's is 0, so its expectation is (1 - ALPHA) G(N) with G(N) = sum_f p_f E[
 B ~ Binomial(N - 1, p_f) (capped_gap; theory.md, Sec. 2).
 """
 import collections
+import copy
 import functools
 import itertools
 import math
+import re
 
 import envs
 
@@ -172,12 +174,12 @@ def task_entropy(env_name, seeds=None, env_kwargs=None, noise=NOISE, prompts=(8,
     total = sum(counts.values())
     if not total:
         raise ValueError("task_entropy needs at least one seed")
-    probs = [c / total for c in counts.values()]
+    probs = [counts[f] / total for f in sorted(counts)]
     i_task = -sum(p * math.log(p) for p in probs)
     return {"i_task": i_task, "h_given_x": h_given_x / total,
             "h_task": i_task + h_given_x / total,
             "gap": {n: capped_gap(probs, n) for n in prompts}, "support": len(counts),
-            "samples": total}
+            "samples": total, "probs": probs}
 
 
 def truth(env_name, alpha):
@@ -188,3 +190,204 @@ def truth(env_name, alpha):
     out = mixture(alpha, task["i_task"], task["h_given_x"], math.log(len(pool(env_name))))
     out.update({f"mi_seq_estimate_N{n}": (1 - alpha) * g for n, g in task["gap"].items()})
     return out
+
+
+# ------------------------------------------------------------------ surface-matched templates
+#
+# A template whose surface is a task reasoning: with probability ALPHA a first turn's reasoning is
+# the demonstrator's reasoning for another layout of the same world, drawn independently (its own
+# "Try <move>." noise included), the answer still the solver's move for the true layout. Its
+# length, words and distribution are the task reasoning's, so H(Z) stays exactly level while I(X;Z)
+# falls. The task reasoning is G = f(X) followed by a suffix S whose law q_g depends on g alone
+# (with a plan: none w.p. 1 - noise, else "Try <move>."; "Stuck.": always "Try <move>."), p_f the
+# law of f(X). Given X = x (f = f(x)) the reasoning's G is f w.p. 1 - ALPHA + ALPHA p_f and g != f
+# w.p. ALPHA p_g; the marginal of Z is the task's, and q_g cancels in p(z|x) / p(z):
+#
+#   I(X;Z)  = sum_f p_f [(1 - a + a p_f) log((1 - a + a p_f) / p_f) + a (1 - p_f) log a]
+#   H(Z)    = H(f(X)) + H(S|G) = I_task + H(Z_task|X)                          (level)
+#   H(Z|X)  = H(Z) - I(X;Z)
+#
+# (a = ALPHA; I is I_task at 0, 0 at 1, and not linear between.) Family (b) appends to every
+# reasoning (task or template) a filler " Think d d d d d." of FILLER_SLOTS digits, each "0" w.p.
+# 1 - eps, else one of "1", "2", "3": independent of X and of the reasoning, it adds
+# FILLER_SLOTS * (h(eps) + eps log 3) to H(Z|X) and H(Z) and nothing to I(X;Z). Choosing that to
+# be I(X;Z) at each ALPHA (filler_eps) holds H(Z|X) = I_task + H(Z_task|X) level, and with it, at
+# a constant length, the reasoning's mean token entropy, while I(X;Z) falls and H(Z) with it.
+
+FILLER_SLOTS = 5
+FILLER_DIGITS = "123"  # the random digits; "0" otherwise
+FILLER = re.compile(r" Think(?: [0-3]){%d}\.$" % FILLER_SLOTS)
+TEMPLATE_KINDS = ("pool", "surface")
+
+
+def task_reasoning(env, rng, noise=NOISE):
+    """The demonstrator's reasoning for the env's current state, as demos.demonstration writes it
+    (the solver's plan described, then w.p. `noise` -- always without a plan -- "Try <move>.")."""
+    import demos
+
+    plan = envs.solve(env) or []
+    if not plan or rng.random() < noise:
+        return f"{demos.describe(env, plan)} Try {rng.choice(env.actions)}."
+    return demos.describe(env, plan)
+
+
+def surface_template(noise=NOISE):
+    """draw(rng, env) -> the task reasoning of another layout of env's world, drawn independently
+    (a copy of env reset with a seed from `rng`; env itself is untouched)."""
+    def draw(rng, env):
+        other = copy.deepcopy(env)
+        other.reset(seed=rng.randrange(2 ** 31))
+        return task_reasoning(other, rng, noise)
+    return draw
+
+
+def filler(eps):
+    """draw(rng) -> the filler appended to a reasoning: " Think" and FILLER_SLOTS digits, each a
+    random one of FILLER_DIGITS w.p. `eps`, else "0" (eps = 0: no draw, a constant text)."""
+    if not 0 <= eps <= 1:
+        raise ValueError(f"the filler's eps must be in [0, 1], got {eps}")
+
+    def draw(rng):
+        digits = [rng.choice(FILLER_DIGITS) if eps and rng.random() < eps else "0"
+                  for _ in range(FILLER_SLOTS)]
+        return " Think " + " ".join(digits) + "."
+    return draw
+
+
+def filler_entropy(eps):
+    """The filler's entropy in nats: FILLER_SLOTS * (h(eps) + eps log 3); at most log 4 a slot."""
+    return FILLER_SLOTS * (binary_entropy(eps) + eps * math.log(len(FILLER_DIGITS)))
+
+
+def filler_eps(target):
+    """The eps in [0, 3/4] whose filler_entropy is `target` (bisection; it rises on [0, 3/4])."""
+    if not 0 <= target <= filler_entropy(0.75) + 1e-12:
+        raise ValueError(f"a filler holds 0 .. {filler_entropy(0.75):.3f} nats, not {target}")
+    low, high = 0.0, 0.75
+    for _ in range(100):
+        mid = (low + high) / 2
+        low, high = (mid, high) if filler_entropy(mid) < target else (low, mid)
+    return (low + high) / 2
+
+
+def surface_mi(alpha, probs):
+    """I(X;Z) at surface-matched template prior `alpha`, from the law `probs` of f(X).
+
+    >>> round(surface_mi(0.5, [0.5, 0.5]), 4)     # (3/4) log(3/2) + (1/4) log(1/2)
+    0.1308
+    """
+    if not 0 <= alpha <= 1:
+        raise ValueError(f"alpha must be in [0, 1], got {alpha}")
+    a = alpha
+    return sum(p * ((1 - a + a * p) * math.log((1 - a + a * p) / p)
+                    + (a * (1 - p) * math.log(a) if 0 < a < 1 else 0.0)) for p in probs)
+
+
+def surface_mixture(alpha, probs, h_given_x, eps=None):
+    """I(X;Z), H(Z|X), H(Z) of the first turns at surface-matched prior `alpha`, from the law of
+    f(X), the suffix's H(S|G) = H(Z_task|X), and the filler's eps (None: no filler)."""
+    i_task = -sum(p * math.log(p) for p in probs if p > 0)
+    extra = 0.0 if eps is None else filler_entropy(eps)
+    i_xz = surface_mi(alpha, probs)
+    h_z = i_task + h_given_x + extra
+    return {"I_XZ": i_xz, "H_Z_given_X": h_z - i_xz, "H_Z": h_z}
+
+
+def surface_share(alpha, probs):
+    """The expected share of first turns labelled templates (is_surface_template): a template
+    whose layout has the true layout's f is the true layout's reasoning, so ALPHA (1 - sum p_f^2)."""
+    return alpha * (1 - sum(p * p for p in probs))
+
+
+def surface_estimates(alpha, probs, n_prompts):
+    """The expectations of the cross-scoring estimates under the demonstrations at surface-matched
+    prior `alpha`, N = n_prompts prompts drawn from them, exact likelihoods: {mi_seq: E[mean(matched
+    - marginal)], hz_seq: E[-mean(marginal)] less H(S|G) and the filler's entropy (both cancel in
+    the MI and add to H(Z) alike)}. With c the batch's prompts whose f is g (B ~ Binomial(N - 1,
+    p_g) others), a sample from the first prompt scores (1 - a) [g = f_1] + a p_g and its marginal
+    (1 - a) c / N + a p_g (theory.md, Sec. 2). At N -> infinity mi_seq -> surface_mi and hz_seq ->
+    H(f(X)); at ALPHA = 0 mi_seq is capped_gap."""
+    a, n = alpha, n_prompts
+    mi = hz = 0.0
+    for p in probs:
+        binomial = [math.comb(n - 1, k) * p ** k * (1 - p) ** (n - 1 - k) for k in range(n)]
+        own = (1 - a) + a * p  # P(G = g | f_1 = g): the own reasoning, or a template that matches
+        for k, b in enumerate(binomial):
+            if b == 0:
+                continue
+            cases = [(p * own, math.log(own), (1 - a) * (1 + k) / n + a * p)]
+            if a > 0 and p < 1:  # a template of another f: g != f_1, c = k
+                cases.append((a * p * (1 - p), math.log(a * p), (1 - a) * k / n + a * p))
+            for weight, matched, marginal in cases:
+                mi += weight * b * (matched - math.log(marginal))
+                hz -= weight * b * math.log(marginal)
+    return {"mi_seq": mi, "hz_seq": hz}
+
+
+@functools.lru_cache(maxsize=None)
+def task_probs(env_name):
+    """The law of f(X) over the first TASK_TURNS demonstration seeds (task_entropy's)."""
+    return tuple(task_entropy(env_name, prompts=())["probs"])
+
+
+def surface_truth(env_name, alpha, eps=None, n_prompts=(8, 32)):
+    """templates.truth for surface-matched templates: the closed forms from the world's task_probs
+    and TASK's H(Z_task|X), the expected labelled share, and the expected estimates at each N
+    (mi_seq_estimate_N<n>, reasoning_entropy_seq_N<n>: hz_seq + H(S|G) + the filler's)."""
+    probs = task_probs(env_name)
+    h_s = TASK[env_name]["h_given_x"]
+    out = surface_mixture(alpha, probs, h_s, eps)
+    out["template_share"] = surface_share(alpha, probs)
+    extra = 0.0 if eps is None else filler_entropy(eps)
+    for n in n_prompts:
+        est = surface_estimates(alpha, probs, n)
+        out[f"mi_seq_estimate_N{n}"] = est["mi_seq"]
+        out[f"reasoning_entropy_seq_N{n}"] = est["hz_seq"] + h_s + extra
+    return out
+
+
+def own_reasonings(env):
+    """Every reasoning the demonstrator can write for the env's current state (task_reasoning's
+    support)."""
+    import demos
+
+    plan = envs.solve(env) or []
+    said = demos.describe(env, plan)
+    tries = {f"{said} Try {m}." for m in env.actions}
+    return tries | {said} if plan else tries
+
+
+def is_surface_template(reasoning, env):
+    """Whether a first-turn reasoning (a filler at its end removed) is not one its own input's
+    demonstrator could write, for the env at that input's state: a surface-matched template whose
+    layout differs in f (or anything else that is not its input's reasoning).
+
+    >>> env = envs.make_env("frozenlake"); _ = env.reset(seed=0)
+    >>> own = sorted(own_reasonings(env))[0]
+    >>> is_surface_template(" " + own + " Think 0 0 2 0 0.", env), is_surface_template(" Goal.", env)
+    (False, True)
+    """
+    core = FILLER.sub("", reasoning.rstrip()).strip()
+    return core not in own_reasonings(env)
+
+
+def first_state(episode):
+    """A copy of an episode's world at its first turn (reset with the episode's layout seed)."""
+    env = copy.deepcopy(episode.env)
+    env.reset(seed=episode.seed)
+    return env
+
+
+def share_of(episodes, env_name, kind="pool"):
+    """The share of the episodes' first reasonings that are templates of `kind` (None for none):
+    pool sentences (template_share), or surface-matched templates (is_surface_template against
+    each episode's own first state)."""
+    episodes = list(episodes)
+    if kind == "pool":
+        return template_share([e.first_reasoning for e in episodes], env_name)
+    if kind != "surface":
+        raise ValueError(f"template kind must be one of {', '.join(TEMPLATE_KINDS)}, got {kind!r}")
+    if not episodes:
+        return None
+    return sum(is_surface_template(e.first_reasoning, first_state(e)) for e in episodes) / len(
+        episodes)

@@ -189,14 +189,17 @@ def checksums(folder):
 
 
 def load_tiny(env_name, env_kwargs=None, cache_dir=".cache/tiny", rebuild=False, warm_start=True,
-              steps=None, seed=0, progress=True, template_prior=0.0, **sizes):
+              steps=None, seed=0, progress=True, template_prior=0.0, template_kind="pool",
+              filler=None, **sizes):
     """(model, tokenizer) for `env_name`: warm-started on demonstrations on first use, then loaded
     from the cache.
 
     warm_start=False gives the untrained network (nothing cached); rebuild=True trains again even
     when cached; steps defaults to WARM_START_STEPS; `seed` draws the weights and picks the
     demonstrations (a build seed); `template_prior` is the share of demonstration turns that reason
-    with a template (templates.py). The folder holds warm_start.json (steps, seconds, losses,
+    with a template (templates.py) of `template_kind` (pool sentences, or surface-matched: another
+    layout's task reasoning); `filler` the eps of templates.filler appended to every reasoning
+    (None: none). The folder holds warm_start.json (steps, seconds, losses,
     checksums). `sizes` go to build_model.
     """
     if env_name not in envs.ENVS:
@@ -204,12 +207,19 @@ def load_tiny(env_name, env_kwargs=None, cache_dir=".cache/tiny", rebuild=False,
     if not 0 <= template_prior <= 1:
         raise ValueError(f"template_prior must be in [0, 1], got {template_prior}")
     steps = steps or WARM_START_STEPS
-    tokenizer = build_tokenizer(with_templates=template_prior > 0)
+    if template_kind not in templates.TEMPLATE_KINDS:
+        raise ValueError(f"template_kind must be one of {', '.join(templates.TEMPLATE_KINDS)}")
+    tokenizer = build_tokenizer(with_templates=template_prior > 0 and template_kind == "pool")
     if not warm_start:
         return build_model(tokenizer, seed=seed, **sizes), tokenizer
     settings = dict(steps=steps, seed=seed, **sizes)
     if template_prior:  # only then: without a prior the key, and the folder, are as before
         settings.update(template_prior=template_prior, template_pool=templates.pool(env_name))
+    if template_kind != "pool" and template_prior:  # own folders; the pool's keys as before
+        settings.update(template_kind=template_kind)
+        settings.pop("template_pool", None)
+    if filler is not None:
+        settings.update(filler=filler)
     folder = cache_folder(cache_dir, env_name, tokenizer, env_kwargs, **settings)
     os.makedirs(cache_dir, exist_ok=True)
     with _locked(folder + ".lock", f"waiting for another process that is building the tiny warm "
@@ -229,7 +239,7 @@ def load_tiny(env_name, env_kwargs=None, cache_dir=".cache/tiny", rebuild=False,
         with (_locked(os.path.join(cache_dir, "build.lock"), waiting) if turns
               else contextlib.nullcontext()):
             model = _build(folder, tokenizer, env_name, env_kwargs, steps, seed, progress, sizes,
-                           template_prior)
+                           template_prior, template_kind, filler)
         return model, tokenizer
 
 
@@ -264,7 +274,7 @@ def _load_cached(folder):
 
 
 def _build(folder, tokenizer, env_name, env_kwargs, steps, seed, progress, sizes,
-           template_prior=0.0):
+           template_prior=0.0, template_kind="pool", filler=None):
     """Behaviour cloning into `folder`, continuing a saved partial build; progress is saved every
     SAVE_EVERY steps."""
     partial = folder + ".partial.pt"
@@ -305,9 +315,11 @@ def _build(folder, tokenizer, env_name, env_kwargs, steps, seed, progress, sizes
     torch.set_num_threads(min(BUILD_THREADS, os.cpu_count() or 1))
     began = time.time()
     try:
-        pool = templates.pool(env_name) if template_prior else ()
+        pool = () if not template_prior else (
+            templates.surface_template() if template_kind == "surface" else templates.pool(env_name))
         demos.imitate(model, tokenizer, env_name, env_kwargs, steps=steps, seed=seed, start=start,
-                      state=state, on_step=on_step, template_prior=template_prior, pool=pool)
+                      state=state, on_step=on_step, template_prior=template_prior, pool=pool,
+                      filler=None if filler is None else templates.filler(filler))
     except KeyboardInterrupt:
         done = len(losses) - len(losses) % SAVE_EVERY
         print(f"\nthe warm start stopped at step {len(losses)}; the next run continues from step "

@@ -120,6 +120,10 @@ class Args:
     template_prior: float = arg(0.0, "tiny: share of warm-start turns reasoning with a template")
     kl_template_prior: float = arg(
         None, "tiny: template share of the KL reference's warm start (default: the policy's)")
+    template_kind: str = arg("pool", "tiny: a template is a pool sentence or (surface) another "
+                                     "layout's task reasoning", choices=("pool", "surface"))
+    filler: float = arg(None, "tiny: warm-start reasonings end in 5 filler digits, each random "
+                              "w.p. FILLER (templates.filler; default: no filler)")
     # diagnosis, validation, output
     mi_every: int = arg(5, "cross-scoring diagnosis at step 1 and every N steps (0 = off)")
     mi_samples: int = arg(64, "samples cross-scored per diagnosis")
@@ -227,7 +231,7 @@ def diagnose(run, episodes, rng):
     (Sec. 2.3). Identical prompts (Bandit repeats its 4 layouts; rooms can repeat) count as one.
     diagnosis_logprob_diff: the largest |a sample's score under its own prompt - its sampling
     log-prob|, 0 up to float rounding when the sampled ids are scored; template_share: the share of
-    those reasonings that are sentences of the world's template pool (templates.py), exact."""
+    those reasonings that are templates of --template-kind (templates.share_of), exact."""
     a = run.args
     picked = [episodes[i] for i in mi_sample(a.groups, a.group_size, a.mi_samples, rng)]
     firsts = [next(e for e in episodes if e.group == g) for g in range(a.groups)]
@@ -242,7 +246,7 @@ def diagnose(run, episodes, rng):
     out = {k: metrics[k] for k in keep if k in metrics}
     out["diagnosis_logprob_diff"] = logprob_diff(scores, [e.group for e in picked],
                                                  [e.first_reasoning_logprob for e in picked])
-    out["template_share"] = templates.template_share([e.first_reasoning for e in picked], a.env)
+    out["template_share"] = templates.share_of(picked, a.env, a.template_kind)
     return out
 
 
@@ -330,7 +334,7 @@ def probe(run):
     out = mi.metrics_with_se(scores, owner, lengths, prompt_keys=[e.first_prompt for e in firsts])
     out.update(mi.action_dependence(torch.stack(actions)))
     out["diagnosis_logprob_diff"] = diff
-    out["template_share"] = templates.template_share([e.first_reasoning for e in episodes], a.env)
+    out["template_share"] = templates.share_of(episodes, a.env, a.template_kind)
     return {"probe_" + k: v for k, v in out.items() if not k.endswith("upper_bound")}
 
 

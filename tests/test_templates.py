@@ -141,3 +141,147 @@ def test_truth_holds_the_closed_forms_of_the_quoted_numbers():
     assert max(level) - min(level) < 0.02  # log n matches H(Z_task): H(Z) level but for h(alpha)
     with pytest.raises(ValueError):
         templates.mixture(1.5, 1.0, 1.0, 1.0)
+
+
+# ------------------------------------------------------------------ surface-matched templates
+
+def surface_table(alpha, eps=None):
+    """The explicit p(z | x) of a toy world by brute force: four inputs (uniform) whose task
+    reasonings f are A, A, B, C; the suffix " Try u." or " Try d." w.p. 0.1 each after A or B, one of
+    them always after C (no plan); a template w.p. alpha is the reasoning of an independent input;
+    then, with eps, every reasoning gets a filler enumerated over its 4^5 digit strings."""
+    f = ["A", "A", "B", "C"]
+    suffix = {g: ({"": 0.8, " Try u.": 0.1, " Try d.": 0.1} if g != "C" else
+                  {" Try u.": 0.5, " Try d.": 0.5}) for g in "ABC"}
+    task = [{g + s: q for s, q in suffix[g].items()} for g in f]
+    rows = []
+    for x in range(4):
+        row = {}
+        for z, q in task[x].items():
+            row[z] = row.get(z, 0.0) + (1 - alpha) * q
+        for other in range(4):
+            for z, q in task[other].items():
+                row[z] = row.get(z, 0.0) + alpha * q / 4
+        rows.append(row)
+    if eps is not None:
+        import itertools
+        digit = {"0": 1 - eps, **{d: eps / 3 for d in templates.FILLER_DIGITS}}
+        fill = {" Think " + " ".join(ds) + ".": math.prod(digit[d] for d in ds)
+                for ds in itertools.product("0123", repeat=templates.FILLER_SLOTS)}
+        rows = [{z + t: p * q for z, p in row.items() for t, q in fill.items()} for row in rows]
+    columns = sorted(set().union(*rows))
+    h_s = 0.75 * (templates.binary_entropy(0.2) + 0.2 * math.log(2)) + 0.25 * math.log(2)
+    return np.array([[row.get(z, 0.0) for z in columns] for row in rows]), [0.5, 0.25, 0.25], h_s
+
+
+@pytest.mark.parametrize("eps", [None, 0.3])
+def test_the_surface_closed_form_is_the_brute_force_table(eps):
+    """I(X;Z), H(Z|X), H(Z) of the mixture from the law of f alone, against the enumerated
+    table; H(Z) level in ALPHA, I(X;Z) from I_task to 0 and not linear."""
+    found = []
+    for alpha in (0.0, 0.25, 0.5, 0.75, 1.0):
+        table, probs, h_s = surface_table(alpha, eps)
+        closed = templates.surface_mixture(alpha, probs, h_s, eps)
+        assert mi.mutual_information(table) == pytest.approx(closed["I_XZ"], abs=1e-9)
+        assert mi.conditional_entropy(table) == pytest.approx(closed["H_Z_given_X"], abs=1e-9)
+        assert mi.entropy(table.mean(0)) == pytest.approx(closed["H_Z"], abs=1e-9)
+        found.append(closed)
+    i_task = -sum(p * math.log(p) for p in probs)
+    assert found[0]["I_XZ"] == pytest.approx(i_task) and found[-1]["I_XZ"] == pytest.approx(0)
+    assert found[2]["I_XZ"] < 0.5 * i_task - 0.05  # not (1 - ALPHA) I_task
+    assert max(r["H_Z"] for r in found) == pytest.approx(min(r["H_Z"] for r in found))
+
+
+def test_the_surface_estimates_are_their_expectation_over_every_batch():
+    """E[mi_seq_estimate] and E[reasoning_entropy_seq] of collapse_metrics with exact likelihoods,
+    over every batch of N = 3 prompts drawn from the toy's 4 inputs, every owner and every
+    reasoning, against surface_estimates; at large N they reach the truth."""
+    import itertools
+    N = 3
+    for alpha in (0.0, 0.4, 1.0):
+        table, probs, h_s = surface_table(alpha)
+        mi_sum = hz_sum = 0.0
+        for batch in itertools.product(range(4), repeat=N):
+            for owner in range(N):
+                for z in np.nonzero(table[batch[owner]])[0]:
+                    weight = table[batch[owner], z] / 4 ** N / N
+                    with np.errstate(divide="ignore"):
+                        scores = np.log(table[list(batch), z])[None, :]                 # [1, N]
+                    out = mi.collapse_metrics(scores, [owner])
+                    mi_sum += weight * out["mi_seq_estimate"]
+                    hz_sum += weight * out["reasoning_entropy_seq"]
+        expected = templates.surface_estimates(alpha, probs, N)
+        assert mi_sum == pytest.approx(expected["mi_seq"], abs=1e-9)
+        assert hz_sum == pytest.approx(expected["hz_seq"] + h_s, abs=1e-9)
+    assert templates.surface_estimates(0.0, probs, N)["mi_seq"] == pytest.approx(
+        templates.capped_gap(probs, N))
+    assert templates.surface_estimates(0.4, probs, 400)["mi_seq"] == pytest.approx(
+        templates.surface_mi(0.4, probs), abs=0.01)
+
+
+def test_the_filler_holds_the_entropy_it_is_given():
+    for target in (0.0, 0.4, 3.67, 5.01):
+        eps = templates.filler_eps(target)
+        assert templates.filler_entropy(eps) == pytest.approx(target, abs=1e-9) and eps <= 0.75
+    with pytest.raises(ValueError, match="a filler holds"):
+        templates.filler_eps(7.0)  # more than 5 log 4
+    rng = random.Random(0)
+    assert templates.filler(0.0)(rng) == " Think 0 0 0 0 0." and rng.random() == random.Random(
+        0).random()  # no draw at eps = 0
+    texts = [templates.filler(0.5)(rng) for _ in range(2000)]
+    assert all(templates.FILLER.fullmatch(t) for t in texts)
+    digits = [d for t in texts for d in t.split()[1:]]
+    assert abs(sum(d.rstrip(".") != "0" for d in digits) / len(digits) - 0.5) < 0.03
+    vocab = tiny.build_tokenizer().get_vocab()  # a digit a token: the length is constant
+    assert {" Think", " 0", " 1", " 2", " 3"} <= set(vocab)
+
+
+def test_surface_templates_are_labelled_exactly(tok):
+    """A demonstration turn is labelled a template exactly when its reasoning is not one its own
+    layout's demonstrator could write: every task turn unlabelled, a template labelled unless its
+    layout has the true one's f; share_of reads the same from played episodes."""
+    draw, rng = templates.surface_template(), random.Random(1)
+    for world in ("frozenlake", "sokoban"):
+        for seed in range(40):
+            env = envs.make_env(world)
+            env.reset(seed=seed)
+            own = demos.describe(env, envs.solve(env) or [])
+            task = demos.demonstration(env, rng, template_prior=0.0, filler=templates.filler(0.3))
+            z = task.split(" </think>")[0]
+            assert not templates.is_surface_template(z, env)
+            other = draw(rng, env)
+            assert templates.is_surface_template(" " + other, env) == (
+                other.split(" Try ")[0] != own.split(" Try ")[0])
+            assert demos.describe(env, envs.solve(env) or []) == own  # env untouched
+    seeds = range(30)
+    played = demos.demonstrations(tok, "frozenlake", seeds, seed=3, max_turns=1,
+                                  template_prior=0.5, pool=templates.surface_template())
+    labels = [templates.is_surface_template(e.first_reasoning, templates.first_state(e))
+              for e in played]
+    assert 0 < sum(labels) < len(labels)
+    assert templates.share_of(played, "frozenlake", "surface") == sum(labels) / len(labels)
+    assert templates.share_of(played, "frozenlake") == 0.0  # no pool sentence among them
+    with pytest.raises(ValueError, match="template kind"):
+        templates.share_of(played, "frozenlake", "other")
+
+
+def test_the_families_levels_are_the_closed_forms():
+    """grids.FILLER_EPS holds H(Z|X) level: at each ALPHA the filler's entropy is I(X;Z) (the law
+    of f on a tenth of the 40,000 first turns, within 0.01 of eps)."""
+    import grids
+    for world, eps in grids.FILLER_EPS.items():
+        probs = templates.task_entropy(world, seeds=range(demos.DEMO_SEEDS, demos.DEMO_SEEDS + 4000),
+                                       prompts=())["probs"]
+        for alpha, e in zip(grids.ALPHAS, eps):
+            assert templates.filler_eps(templates.surface_mi(alpha, probs)) == pytest.approx(
+                e, abs=0.01), (world, alpha)
+
+
+def test_the_warm_start_takes_the_surface_kind():
+    """A surface-matched warm start needs no new words (its templates are task reasonings); an
+    unknown kind is refused before anything is built."""
+    _, tok = tiny.load_tiny("frozenlake", warm_start=False, template_prior=0.5,
+                            template_kind="surface", filler=0.2)
+    assert " me" not in tok.get_vocab()
+    with pytest.raises(ValueError, match="template_kind must be one of pool, surface"):
+        tiny.load_tiny("frozenlake", warm_start=False, template_kind="shuffled")
