@@ -69,6 +69,29 @@ def policy(name, setting):
             flag("--probe-samples", 8))
 
 
+def template_of(name, setting):
+    """(template kind, the filler's eps or None) of a setting, from its flags."""
+    flags = GRIDS[name]["flags"] + GRIDS[name]["settings"][setting]
+    kind = flags[flags.index("--template-kind") + 1] if "--template-kind" in flags else "pool"
+    return kind, float(flags[flags.index("--filler") + 1]) if "--filler" in flags else None
+
+
+def truth_of(world, alpha, prompts, kind="pool", eps=None):
+    """The closed forms of a policy's demonstrations (templates.truth, or surface_truth with the
+    expected cross-scored H(Z) beside them)."""
+    if kind == "pool":
+        truth = templates.truth(world, alpha)
+        return {k: truth[k] for k in ("I_XZ", "H_Z_given_X", "H_Z")} | {
+            "expected_mi_seq_batch": truth.get(f"mi_seq_estimate_N{GROUPS}"),
+            "expected_mi_seq_probe": truth.get(f"mi_seq_estimate_N{prompts}")}
+    truth = templates.surface_truth(world, alpha, eps, (GROUPS, prompts))
+    return {k: truth[k] for k in ("I_XZ", "H_Z_given_X", "H_Z")} | {
+        "expected_mi_seq_batch": truth[f"mi_seq_estimate_N{GROUPS}"],
+        "expected_mi_seq_probe": truth[f"mi_seq_estimate_N{prompts}"],
+        "expected_template_share": truth["template_share"],
+        "expected_reasoning_entropy_seq_probe": truth[f"reasoning_entropy_seq_N{prompts}"]}
+
+
 def policies(name, data):
     """One row per archived run: the policy, its step-1 diagnosis, its step-0 validation success
     and the closed forms of its demonstrations (templates.truth)."""
@@ -77,14 +100,11 @@ def policies(name, data):
         world, alpha, prompts, samples = policy(name, setting)
         steps = {r["step"]: r for r in report.merged(records)}
         first = steps.get(1, {})
-        truth = templates.truth(world, alpha)
         row = {"setting": setting, "world": world, "alpha": alpha, "prompts": prompts,
                "samples": samples, "build": build,
                "val_success": steps.get(0, {}).get("val_success"),
                **{k: first.get(k) for k in POLICY},
-               "I_XZ": truth["I_XZ"], "H_Z_given_X": truth["H_Z_given_X"], "H_Z": truth["H_Z"],
-               "expected_mi_seq_batch": truth.get(f"mi_seq_estimate_N{GROUPS}"),
-               "expected_mi_seq_probe": truth.get(f"mi_seq_estimate_N{prompts}")}
+               **truth_of(world, alpha, prompts, *template_of(name, setting))}
         rows.append(row)
     return sorted(rows, key=lambda r: (r["world"], r["prompts"], r["alpha"], r["build"]))
 
@@ -144,6 +164,8 @@ def judge(rule, mine, resamples):
            "n": len({r["build"] for r in picked}), "verdict": "not run", "values": ""}
     if not picked:
         return out
+    if rule["kind"] == "level":
+        return level(rule, picked, out, resamples)
     if rule["kind"] == "tracks":
         by = {(r["setting"], r["build"]): r for r in picked}
 
@@ -172,6 +194,40 @@ def judge(rule, mine, resamples):
     out.update(estimate=worst[0], verdict=within(list(intervals.values()), rule["tolerance"]),
                values=" ".join(f"{a:g}: {m:.3f}" + ("" if h is None else f" ± {h:.3f}")
                                for a, (m, h) in intervals.items()))
+    return out
+
+
+def level(rule, picked, out, resamples):
+    """A level rule's row: Spearman of the metric (less rule["minus"], a closed form, if named)
+    with the exact I(X;Z) over the policies, its interval from resampling whole builds, and the
+    change of the builds' mean from the largest I(X;Z) to the smallest against the builds' standard
+    deviation at one ALPHA (pooled). Holds when |rho| <= band and |change| <= noise x sd; is
+    contradicted when both fail; else undecided."""
+    def value(r):
+        return r[rule["metric"]] - (r[rule["minus"]] if rule.get("minus") else 0.0)
+
+    by = {(r["setting"], r["build"]): r for r in picked}
+
+    def rho(keys):
+        return stats.spearman([value(by[k]) for k in keys], [by[k]["I_XZ"] for k in keys])
+
+    groups = {}
+    for r in picked:
+        groups.setdefault(r["I_XZ"], []).append(value(r))
+    means = {i: sum(v) / len(v) for i, v in groups.items()}
+    spread = [variance(v) for v in groups.values() if len(v) > 1]
+    low, high = stats.cluster_bootstrap(list(by), rho, random.Random(0), resamples)
+    out.update(estimate=rho(list(by)), low=low, high=high,
+               values=" ".join(f"{i:.3f}: {m:.3f}" for i, m in sorted(means.items(), reverse=True)))
+    if len(groups) < 2 or not spread:
+        out["verdict"] = "no interval"
+        return out
+    sd = math.sqrt(sum(spread) / len(spread))
+    change = means[min(means)] - means[max(means)]
+    out["values"] += f" (change {change:.3f}, build sd {sd:.3f})"
+    flat, still = abs(out["estimate"]) <= rule["band"], abs(change) <= rule["noise"] * sd
+    out["verdict"] = "holds" if flat and still else "contradicted" if not (flat or still) else \
+        "undecided"
     return out
 
 

@@ -79,6 +79,60 @@ def test_tracking_is_a_spearman_over_policies_with_a_build_bootstrap():
                               rising)["verdict"] == "not run"
 
 
+def test_a_level_entropy_holds_and_one_that_tracks_the_truth_is_contradicted():
+    """The iso-entropy families' rule: |Spearman| with the exact I(X;Z) <= band and the change
+    from the largest truth to the smallest within noise x the builds' sd at one ALPHA."""
+    level = dict(rule("level", band=0.3, noise=2.0), metric="token_entropy")
+    noise = (0.01, -0.02, 0.015, -0.005, 0.0)  # build jitter, shuffled across ALPHAs
+    flat = [dict(r, token_entropy=0.3 + noise[(r["build"] + k) % 5])
+            for k, a in enumerate(grids.ALPHAS) for r in policies(lambda a, s: 1.0) if r["alpha"] == a]
+    decided = calibration.decide(level, flat, resamples=200)
+    assert abs(decided["estimate"]) <= 0.3 and decided["verdict"] == "holds", decided
+    tracking = [dict(r, token_entropy=0.3 + 0.1 * (1 - r["alpha"]) + noise[r["build"]])
+                for r in flat]  # 0.1 over the family against a build sd of about 0.014
+    decided = calibration.decide(level, tracking, resamples=200)
+    assert decided["estimate"] > 0.8 and decided["verdict"] == "contradicted"
+    assert "change -0.100" in decided["values"]
+    # level once its expectation is removed: the rule's `minus` names a closed-form column
+    capped = [dict(r, expected=0.1 * (1 - r["alpha"])) for r in tracking]
+    assert calibration.decide(dict(level, minus="expected"), capped,
+                              resamples=200)["verdict"] == "holds"
+    one = [r for r in flat if r["build"] == 0]  # one build an ALPHA: no spread between builds
+    assert calibration.decide(level, one, resamples=50)["verdict"] == "no interval"
+    assert calibration.decide(level, flat[:5], resamples=50)["verdict"].startswith("incomplete")
+
+
+def test_the_families_policies_carry_the_surface_closed_forms(monkeypatch):
+    """A surface-matched setting's truth is templates.surface_truth's: the exact I(X;Z), H(Z)
+    level in family (a), H(Z|X) level in family (b), the capped expectations beside them; every
+    rule names a metric the policies carry and a closed form they hold. (The law of f on a tenth
+    of its 40,000 first turns, for speed.)"""
+    tenth = {w: tuple(templates.task_entropy(w, seeds=range(demos.DEMO_SEEDS, demos.DEMO_SEEDS
+                                                                + 4000), prompts=())["probs"])
+             for w in ("frozenlake", "sokoban")}
+    monkeypatch.setattr(templates, "task_probs", tenth.get)
+    rows = {}
+    for name in ("iso-hz", "iso-hzx"):
+        for setting in grids.GRIDS[name]["settings"]:
+            world, alpha, prompts, _ = calibration.policy(name, setting)
+            kind, eps = calibration.template_of(name, setting)
+            assert kind == "surface" and (eps is None) == (name == "iso-hz") and prompts == 32
+            rows[name, setting] = calibration.truth_of(world, alpha, prompts, kind, eps)
+        for r in grids.GRIDS[name]["decide"]:
+            assert r["metric"] in calibration.POLICY and r["kind"] in ("tracks", "level")
+            assert r.get("minus") in (None, *next(iter(rows.values())))
+    fl = [rows["iso-hz", f"frozenlake-a{a:g}"] for a in grids.ALPHAS]
+    assert [r["I_XZ"] for r in fl] == pytest.approx([3.670, 2.231, 1.207, 0.429, 0.0], abs=0.03)
+    assert max(r["H_Z"] for r in fl) - min(r["H_Z"] for r in fl) < 1e-9
+    for world in ("frozenlake", "sokoban"):
+        b = [rows["iso-hzx", f"{world}-a{a:g}"] for a in grids.ALPHAS]
+        assert max(r["H_Z_given_X"] for r in b) - min(r["H_Z_given_X"] for r in b) < 0.06
+        assert b[0]["expected_mi_seq_probe"] == pytest.approx(templates.TASK[world]["gap"][32],
+                                                              abs=0.06)
+    rise = fl[-1]["expected_reasoning_entropy_seq_probe"] - fl[0]["expected_reasoning_entropy_seq_probe"]
+    assert rise == pytest.approx(0.72, abs=0.03)  # the cap the iso-hz claim quotes
+
+
 def test_the_samples_needed_follow_from_the_difference_and_its_standard_error():
     rows = policies(lambda a, share: 2.0 * (1 - a) + 0.01 * share)
     out = {s["metric"]: s for s in calibration.samples(rows)}["probe_mi_estimate"]

@@ -111,6 +111,43 @@ def test_every_grid_parses_as_train_flags_and_claims_get_five_seeds():
     assert grids.MAX_SKIPS == train.MAX_SKIPS
 
 
+def test_the_registrations_before_measuring_are_well_formed():
+    """The iso-entropy families, template-grow and template-control: their flags are train.py's
+    (the template kind and the filler read back), every rule reads a metric a run logs, and each
+    grid asks what it claims: five levels of ALPHA a world, no template-rich KL reference in
+    template-grow, equal optimiser steps in template-control."""
+    import calibration
+    for name in ("iso-hz", "iso-hzx"):
+        g = grids.GRIDS[name]
+        assert g["kind"] == "calibration" and g["seed_flags"] == ["--warm-start-seed"]
+        for setting, _, _, argv in grids.runs_of(name):
+            a = train.runs.parse_args(train.Args, argv)
+            assert a.template_kind == "surface" and a.probe_prompts == 32
+            assert (a.filler is None) == (name == "iso-hz")
+            assert a.template_prior in grids.ALPHAS
+        worlds = grids.ISO_WORLDS[name]
+        assert len(g["settings"]) == 5 * len(worlds)
+        kinds = [r["kind"] for r in g["decide"]]
+        assert kinds.count("tracks") == len(grids.MI_METRICS) * len(worlds)
+        assert kinds.count("level") == len(grids.LEVEL[name]) * len(worlds)
+        assert all(r["metric"] in calibration.POLICY and r["world"] in worlds for r in g["decide"])
+    levels = {r["metric"] for r in grids.GRIDS["iso-hzx"]["decide"] if r["kind"] == "level"}
+    assert {"token_entropy", "probe_conditional_entropy_seq"} <= levels
+    with pytest.raises(train.runs.UsageError, match="--filler must be in"):
+        train.runs.parse_args(train.Args, ["--filler", "0.9"])
+    for _, _, _, argv in grids.runs_of("template-grow"):
+        a = train.runs.parse_args(train.Args, argv)
+        assert a.kl_template_prior is None and a.kl_coef > 0 and a.success_rate < 1
+        assert 0.1 <= a.template_prior <= 0.25 and a.steps == 300
+    steps = {s: train.runs.parse_args(train.Args, argv).optimizer_steps
+             for s, _, _, argv in grids.runs_of("template-control")}
+    assert steps == {"topk-opt2": 2, "random-opt2": 2, "random-opt4": 4}
+    for name in ("template-grow", "template-control"):
+        for r in grids.GRIDS[name]["decide"]:
+            metrics = [r["metric"]] if r["kind"] == "paired" else [r["a"], r["b"]]
+            assert all(m in grids.ONSET or m in grids.TEMPLATE + grids.METRICS for m in metrics)
+
+
 def test_the_estimate_comes_from_the_archived_step_times(grid):
     """A grid whose runs are archived is estimated from their measured time_step (the toy's fake
     runs: 1 s a step), a setting not archived from the registered seconds (a world not measured,
