@@ -132,16 +132,18 @@ def pad_token_id(tokenizer):
 @dataclass
 class Generation:
     """One sampled response: token ids as sampled (with the end-of-turn token when produced),
-    per-token log-probs at sampling time (or None), and cut = the per-turn token limit was hit."""
+    per-token log-probs at sampling time (or None), cut = the per-turn token limit was hit, and
+    per-token entropies of the distributions the tokens were drawn from (or None)."""
     token_ids: list
     logprobs: list = None
     cut: bool = False
+    entropies: list = None
 
 
 # ----------------------------------------------------------------------------------------- the loop
 @dataclass
 class Episode:
-    """One rollout, filled in turn by turn. ids / policy_mask / logprobs run over the
+    """One rollout, filled in turn by turn. ids / policy_mask / logprobs / entropies run over the
     transcript's T tokens."""
     env: envs.TextEnv = field(repr=False)  # the world, left in its final state
     group: int  # prompt group: index of its seed in the step's seeds
@@ -152,6 +154,8 @@ class Episode:
     # [T] sampling-time log-probs on sampled tokens, else 0; None if the policy gave none
     logprobs: list
     prompt_text: str  # the rendered turn-1 prompt
+    # [T] entropies of the sampling distributions on sampled tokens, else 0; None if none given
+    entropies: list = None
     # turn-1 prompt up to and including the reply's "<think>" (X of the MI diagnosis)
     first_prompt: str = ""
     # turn-1 text between <think> and </think>; the rest of the reply if unclosed (Z)
@@ -185,11 +189,13 @@ class Episode:
     def num_actions(self):
         return len(self.actions)
 
-    def append(self, tokens, mask, logprobs=None):
+    def append(self, tokens, mask, logprobs=None, entropies=None):
         self.ids += tokens
         self.policy_mask += [float(mask)] * len(tokens)
         if self.logprobs is not None:
             self.logprobs += list(logprobs) if logprobs is not None else [0.0] * len(tokens)
+        if self.entropies is not None:
+            self.entropies += list(entropies) if entropies is not None else [0.0] * len(tokens)
 
 
 def _split_reasoning(prompt_text, response_text):
@@ -288,6 +294,7 @@ def play(
                     policy_mask=[0.0] * len(ids),
                     logprobs=[0.0] * len(ids),
                     prompt_text=prompt_text,
+                    entropies=[0.0] * len(ids),
                     success=bool(info.get("success", False)),
                 )
             )
@@ -306,7 +313,9 @@ def play(
             tokens = list(gen.token_ids)
             if gen.logprobs is None:
                 e.logprobs = None
-            e.append(tokens, 1.0, gen.logprobs)
+            if gen.entropies is None:
+                e.entropies = None
+            e.append(tokens, 1.0, gen.logprobs, gen.entropies)
             e.response_lengths.append(len(tokens))
             e.cut = bool(gen.cut)
             ended = bool(tokens) and tokens[-1] in stop_ids
@@ -352,8 +361,8 @@ def play(
 def collate(episodes, pad_id):
     """Right-padded tensors [B, T]: input_ids, attention_mask, policy_mask, token_rewards (the
     episode's total reward on its last sampled token, or its last token if it sampled none),
-    logprobs (when every episode has them); total_reward [B]; group [B]. Padded positions have mask
-    0 and reward 0."""
+    logprobs and entropies (each when every episode has them); total_reward [B]; group [B]. Padded
+    positions have mask 0 and reward 0."""
     if not episodes:
         raise ValueError("collate needs at least one episode")
     B, width = len(episodes), max(len(e.ids) for e in episodes)
@@ -361,9 +370,10 @@ def collate(episodes, pad_id):
              "attention_mask": torch.zeros((B, width), dtype=torch.long),     # [B, T]
              "policy_mask": torch.zeros((B, width)),                          # [B, T]
              "token_rewards": torch.zeros((B, width))}                        # [B, T]
-    with_logp = all(e.logprobs is not None for e in episodes)
-    if with_logp:
-        batch["logprobs"] = torch.zeros((B, width))                           # [B, T]
+    sampled_with = [k for k in ("logprobs", "entropies")  # what the sampler recorded
+                    if all(getattr(e, k) is not None for e in episodes)]
+    for k in sampled_with:
+        batch[k] = torch.zeros((B, width))                                    # [B, T]
     for b, e in enumerate(episodes):
         n = len(e.ids)
         batch["input_ids"][b, :n] = torch.tensor(e.ids, dtype=torch.long)
@@ -371,8 +381,8 @@ def collate(episodes, pad_id):
         batch["policy_mask"][b, :n] = torch.tensor(e.policy_mask)
         sampled = [t for t, m in enumerate(e.policy_mask) if m]
         batch["token_rewards"][b, sampled[-1] if sampled else n - 1] = e.total_reward
-        if with_logp:
-            batch["logprobs"][b, :n] = torch.tensor(e.logprobs)
+        for k in sampled_with:
+            batch[k][b, :n] = torch.tensor(getattr(e, k))
     # [B]
     batch["total_reward"] = torch.tensor([e.total_reward for e in episodes], dtype=torch.float32)
     batch["group"] = torch.tensor([e.group for e in episodes], dtype=torch.long)  # [B]

@@ -9,10 +9,11 @@ real model's fit on one GPU.
 
 The loop: one forward pass per new token with a key/value cache, then
 log softmax(logits / temperature), a draw from it (or from its top-p nucleus), and the drawn token's
-tempered full-vocabulary log-prob recorded -- what a training forward pass recomputes (tests check
-it). Every turn's prompt is the last turn's prompt plus the tokens sampled plus the new observation,
-so the policy keeps each episode's cache between turns and encodes only the new tokens: turn 5 of a
-700-token Sokoban transcript costs its ~100 new tokens, not 700. With top_p < 1 the log-prob of the
+tempered full-vocabulary log-prob and that distribution's entropy recorded -- what a training
+forward pass recomputes (tests check it; in float32 the update takes them from here). Every turn's
+prompt is the last turn's prompt plus the tokens sampled plus the new observation, so the policy
+keeps each episode's cache between turns and encodes only the new tokens: turn 5 of a 700-token
+Sokoban transcript costs its ~100 new tokens, not 700. With top_p < 1 the log-prob of the
 renormalised nucleus is not what is recorded: training compares against the tempered full policy.
 """
 import torch
@@ -22,19 +23,21 @@ from transformers.cache_utils import DynamicLayer
 import rollout
 
 
-def as_generations(tokens, logprobs, stop_ids):
-    """Sampled rows [B][N] and their log-probs as Generations, each ending after its first
-    end-of-turn token; a row without one was cut by the token limit. Rows sampled together run to
-    the same length, so what follows a row's stop is dropped here.
+def as_generations(tokens, logprobs, stop_ids, entropies=None):
+    """Sampled rows [B][N], their log-probs (and the entropies [B][N] of the distributions they
+    were drawn from, if given) as Generations, each ending after its first end-of-turn token; a
+    row without one was cut by the token limit. Rows sampled together run to the same length, so
+    what follows a row's stop is dropped here.
 
     >>> out = as_generations([[5, 9, 0], [5, 6, 7]], [[-1.0, -2.0, 0.0], [-1.0, -1.0, -1.0]], [9])
     >>> [(g.token_ids, g.logprobs, g.cut) for g in out]
     [([5, 9], [-1.0, -2.0], False), ([5, 6, 7], [-1.0, -1.0, -1.0], True)]
     """
     out = []
-    for row, lp in zip(tokens, logprobs):
+    for b, (row, lp) in enumerate(zip(tokens, logprobs)):
         end = next((i + 1 for i, t in enumerate(row) if t in stop_ids), None)
-        out.append(rollout.Generation(row[:end], lp[:end], cut=end is None))
+        out.append(rollout.Generation(row[:end], lp[:end], cut=end is None,
+                                      entropies=None if entropies is None else entropies[b][:end]))
     return out
 
 
@@ -146,20 +149,21 @@ def hf_policy(model, tokenizer, max_new_tokens, temperature=1.0, top_p=1.0):
 
         # ---- sample token by token; a row that stopped is fed padding, attention 0, until all rows
         # stopped
-        tokens, logprobs, fed = [], [], []
+        tokens, logprobs, entropies, fed = [], [], [], []
         running = torch.ones(B, dtype=torch.bool, device=device)               # [B]
         stop = torch.tensor(stop_ids, device=device)
         for step in range(max_new_tokens):
             # float64, as logprobs.py scores: float32 sums over a large vocabulary drift
             table = torch.log_softmax(logits.double() / (temperature or 1.0), dim=-1)  # [B, V]
+            probs = table.exp()                                                # [B, V]
             if temperature == 0:
                 token = table.argmax(-1)                                       # [B]
             else:
-                probs = table.exp() if top_p == 1.0 else nucleus(table.exp(), top_p)
-                token = torch.multinomial(probs, 1)[:, 0]                      # [B]
+                token = torch.multinomial(probs if top_p == 1.0 else nucleus(probs, top_p), 1)[:, 0]
             token = torch.where(running, token, pad)
             tokens.append(token)
             logprobs.append(table.gather(1, token[:, None])[:, 0])
+            entropies.append(-(probs * table).sum(-1))  # of the tempered policy, as the update's
             still = running & ~torch.isin(token, stop)
             if step == max_new_tokens - 1 or not still.any():
                 break
@@ -177,11 +181,12 @@ def hf_policy(model, tokenizer, max_new_tokens, temperature=1.0, top_p=1.0):
 
         tokens = torch.stack(tokens, 1).cpu().tolist()                         # [B, N]
         logprobs = torch.stack(logprobs, 1).float().cpu().tolist()             # [B, N]
+        entropies = torch.stack(entropies, 1).float().cpu().tolist()           # [B, N]
         fed = torch.stack(fed, 1).cpu().tolist() if fed else [[] for _ in new]  # [B, N-1]
         last.update(cache=cache, attention=attention, position=position, rows={
             key: (b, p + [t for t, f in zip(row, on) if f])
             for b, (key, p, row, on) in enumerate(zip(keys, prompt_ids, tokens, fed))})
-        return as_generations(tokens, logprobs, stop_ids)
+        return as_generations(tokens, logprobs, stop_ids, entropies)
 
     return policy
 

@@ -397,7 +397,7 @@ def update_policy(run, episodes, rewards, shuffle):
     agg = AGGREGATION[args.algo]
 
     # 4. before the update: the ratio's old log-probs, the reference's, the critic's values
-    old_logp, old_entropy = over_batch(run, batch, policy_pass, with_entropy=True)      # [B, T-1]
+    old_logp, old_entropy, checks = old_policy(run, batch)                              # [B, T-1]
     step = run.step + 1  # a loss, gradient norm or log-prob that is not finite stops the run here
     runs.finite(old_logp[mask.bool()], "a log-prob of the sampled tokens", step)
     ref_logp = over_batch(run, batch, reference_pass) if args.kl_coef else None         # [B, T-1]
@@ -460,10 +460,24 @@ def update_policy(run, episodes, rewards, shuffle):
     out = {k: float(np.mean(v)) for k, v in logs.items()}
     out["token_entropy"] = ppo.masked_mean(old_entropy, mask).item()
     out["optimizer_steps"] = len(logs["grad_norm"])  # one grad_norm per optimiser step
-    if "logprobs" in batch:  # the sampler's own log-probs: any difference means off-policy scoring
-        sampled = batch["logprobs"][:, 1:]                                              # [B, T-1]
-        out["rollout_logprob_diff"] = ppo.masked_mean((sampled - old_logp).abs(), mask).item()
-    return out
+    return {**out, **checks}
+
+
+def old_policy(run, batch):
+    """Step 4's log-probs of the sampled tokens and the policy's entropy there, before the update
+    -> ([B, T-1], [B, T-1], metrics). In float32 the sampler recorded the same numbers (both take
+    the log-softmax in float64; they agree within 1e-5 nats a token, tests/test_train.py), so they
+    are taken from it: no forward pass over the batch. Under bf16 autocast they differ (the
+    sampler's one-token passes over a cache round otherwise than a pass over whole transcripts),
+    and a scripted policy records none: then the forward pass, and how far the sampler's own
+    log-probs are from it (rollout_logprob_diff; far from 0 means off-policy scoring)."""
+    if run.args.dtype == "float32" and "logprobs" in batch and "entropies" in batch:
+        return batch["logprobs"][:, 1:], batch["entropies"][:, 1:], {}
+    old_logp, old_entropy = over_batch(run, batch, policy_pass, with_entropy=True)      # [B, T-1]
+    if "logprobs" not in batch:
+        return old_logp, old_entropy, {}
+    diff = ppo.masked_mean((batch["logprobs"][:, 1:] - old_logp).abs(), batch["policy_mask"][:, 1:])
+    return old_logp, old_entropy, {"rollout_logprob_diff": diff.item()}
 
 
 def compute_advantages(run, batch, rewards, values):

@@ -1,7 +1,7 @@
-"""Tests of sampler.py: sampling-time log-probs equal a recomputed forward pass (tempered, inside the
-nucleus); a later turn encodes only its new tokens; the growing cache holds what concatenation holds;
-greedy is the argmax, and a model trained on one of the loop's transcripts replays it greedily; the
-from_pretrained path samples the same."""
+"""Tests of sampler.py: sampling-time log-probs and entropies equal a recomputed forward pass
+(tempered, inside the nucleus); a later turn encodes only its new tokens; the growing cache holds
+what concatenation holds; greedy is the argmax, and a model trained on one of the loop's
+transcripts replays it greedily; the from_pretrained path samples the same."""
 import math
 
 import pytest
@@ -68,9 +68,13 @@ def test_sampling_logprobs_equal_a_forward_pass(tokenizer, device, temperature, 
     mask = batch["policy_mask"][:, 1:] == 1  # [B, T-1]
     assert batch["policy_mask"][:, 0].sum() == 0
     torch.testing.assert_close(batch["logprobs"][:, 1:][mask], recomputed[mask], atol=1e-4, rtol=0)
+    # and the entropy of the tempered full distribution each token was drawn from (not the nucleus)
+    probs = table.exp()
+    entropy = -(probs * table).sum(-1)                                              # [B, T-1]
+    torch.testing.assert_close(batch["entropies"][:, 1:][mask], entropy[mask], atol=1e-4, rtol=0)
+    assert (batch["entropies"][:, 1:][~mask] == 0).all()
     # every sampled token lies in the top-p nucleus: less than top_p of the mass is on likelier
     # tokens
-    probs = table.exp()
     chosen = probs.gather(-1, batch["input_ids"][:, 1:, None])  # [B, T-1, 1]
     above = (probs * (probs > chosen)).sum(-1)  # [B, T-1]
     assert (above[mask] < top_p + 1e-5).all()

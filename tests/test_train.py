@@ -180,12 +180,49 @@ def test_policy_logprobs_score_the_policy_at_its_sampling_temperature(tmp_path):
     torch.testing.assert_close(entropy, ppo.entropy_from_logits(logits / 0.7) * mask, atol=1e-5, rtol=1e-5)
 
 
-def test_a_run_at_temperature_07_logs_the_sampler_and_the_update_agreeing(tmp_path):
+@pytest.mark.parametrize("model, groups, turns", [("tiny", 2, 2), ("smollm2", 1, 1)])
+def test_the_sampler_records_the_old_logprobs_and_entropies_of_a_forward_pass(tmp_path, model, groups, turns):
+    """What the update takes from the sampler in float32 (train.old_policy) is what a forward pass over the
+    batch computes: the log-probs of the sampled tokens and the entropy of the tempered policy there, at
+    temperatures 1 and 0.7; on the random tiny policy within 1e-5 at every policy token. On SmolLM2 within
+    1e-5 on average and 3e-5 at every token: float32's own rounding through 30 layers, not a bias (measured:
+    up to 1.7e-5, while the forward pass differs from itself by up to 1.3e-5 with micro-batches of 1 and 8)."""
+    a = train.Args(model=model, warm_start=False, env="frozenlake", max_turns=turns, max_new_tokens=8, threads=1,
+                   out=str(tmp_path / "run"))
+    runs.resolve_defaults(a, CPU)
+    run = runs.load_run(a, CPU, a.model)
+    for temperature in (1.0, 0.7):
+        run.args.temperature = temperature
+        torch.manual_seed(0)
+        batch = train.rollout_batch(run, train.collect_rollouts(run, [3, 5][:groups], 2, temperature, 1.0))
+        mask = batch["policy_mask"][:, 1:].bool()                                        # [B, T-1]
+        old_logp, old_entropy, checks = train.old_policy(run, batch)
+        assert checks == {} and torch.equal(old_logp, batch["logprobs"][:, 1:])  # the sampler's, no forward pass
+        forward = train.over_batch(run, batch, train.policy_pass, with_entropy=True)
+        for sampled, recomputed in zip((old_logp, old_entropy), forward):
+            diff = (sampled - recomputed)[mask].abs()
+            assert diff.max() < (1e-5 if model == "tiny" else 3e-5) and diff.mean() < 1e-5
+            assert (sampled[~mask] == 0).all()
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_a_run_at_temperature_07_logs_the_sampler_and_the_update_agreeing(tmp_path, monkeypatch, dtype):
+    """At T = 0.7 in float32 a run's update takes the ratio's old log-probs and the token entropy from the
+    sampler -- no forward pass of the policy over the batch before the update (the critic's values still need
+    one) -- and its one mini-batch's ratio is 1 (approx_kl ~ 0): the update scores the policy that sampled.
+    Under bf16 autocast the forward pass runs, and logs how far the sampler's log-probs are from it."""
+    passes, over_batch = [], train.over_batch
+    monkeypatch.setattr(train, "over_batch", lambda run, batch, fn, **kw: passes.append(fn) or over_batch(
+        run, batch, fn, **kw))
     out = str(tmp_path / "run")
     assert train.main(SMALL + ["--env", "frozenlake", "--filter", "none", "--temperature", "0.7", "--steps", "1",
-                               "--mi-every", "0", "--val-every", "0", "--out", out]) == 0
+                               "--mi-every", "0", "--val-every", "0", "--dtype", dtype, "--out", out]) == 0
     (step,) = records(out)
-    assert 0 <= step["rollout_logprob_diff"] < 1e-4
+    assert UPDATE <= set(step) and finite(step) and step["optimizer_steps"] == 1 and step["approx_kl"] < 1e-6
+    if dtype == "float32":
+        assert passes == [train.critic_pass] and "rollout_logprob_diff" not in step
+    else:
+        assert passes == [train.policy_pass, train.critic_pass] and 0 <= step["rollout_logprob_diff"] < 0.02
 
 
 def test_the_update_trains_on_policy_loss_and_drgrpo_divides_by_the_budget(tmp_path, monkeypatch):
