@@ -10,8 +10,8 @@ Run folders go to runs/experiments/<grid>/<setting>-s<seed> (not committed); a f
 run again, an interrupted one is resumed (train.py --resume). When a run's process ends having done
 its steps, its scalar metrics are gzipped to results/<grid>/runs/<setting>-s<seed>.jsonl.gz (the
 archive the report reads, committed); a run that did not finish is not archived, and the runner says
-so. Every grid runs the tiny policy, on a GPU machine too. The statistics are in stats.py, the
-tables and figures in report.py.
+so. Every grid names its model: the tiny policy (on a GPU machine too), or smollm2 for the grid of
+that name. The statistics are in stats.py, the tables and figures in report.py.
 """
 import argparse
 import gzip

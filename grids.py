@@ -462,6 +462,29 @@ GRIDS["template-control"] = dict(
              text="Top-K keeps the probe-set MI above a random subset's at equal optimiser steps "
                   "at step 100")])
 
+# The real pretrained model (--model smollm2: SmolLM2-135M-Instruct, warm-started on the solver's
+# demonstrations in a real model's prompts), registered before its runs. A first look on 2 CPU
+# cores, where a step of 4 groups x 4 two-turn episodes takes a minute or more: GRPO with LoRA
+# (no critic, small checkpoints), one seed, 20 steps. Its own common flags: COMMON names the tiny
+# policy.
+SMOLLM2 = ["--model", "smollm2", "--env", "frozenlake", "--algo", "grpo", "--lora", "16", "--lr",
+           "5e-5", "--groups", "4", "--group-size", "4", "--max-turns", "2", "--max-new-tokens",
+           "40", "--val-seeds", "32", "--mi-samples", "16", "--probe-prompts", "4",
+           "--probe-samples", "4"]
+GRIDS["smollm2"] = dict(
+    claim="A first look, not a claim: does a real pretrained model (SmolLM2-135M-Instruct, "
+          "warm-started) learn FrozenLake by RL on a CPU in 20 steps, does its MI move, does "
+          "anything like a collapse appear? GRPO + LoRA 16, 4 groups x 4 rollouts, 2 turns of at "
+          "most 40 tokens, Top-P 0.9 and no filter, one seed.",
+    flags=SMOLLM2, common=["--mi-every", "5", "--val-every", "10", "--threads", "1", "--no-plot"],
+    world="frozenlake", settings={k: FILTERS[k] for k in ("none", "topp")}, seeds=[0], steps=20,
+    table_steps=[0, 10, 20], seconds={"none": 120.0, "topp": 120.0},
+    decide=[dict(kind="search", criteria="collapse", text=(
+        "read run by run, no verdict across settings (one seed): validation success at steps 0, "
+        "10 and 20 against the warm start's; the probe MI at its first and last diagnoses; a "
+        "collapse as the regime search defines it (zero-spread groups mostly failing, probe MI "
+        "halved, validation 0.1 below its best)."))])
+
 # Whole programme: 2.5 + 1.1 + 1.0 (+ 0.15 warm starts) + 0.3 + 1.1 = about 6.2 h of the 2-core
 # machine (gradients was added after collapse-env had run, before its own runs).
 # Cut to fit: no filter is not rerun at equal optimiser steps; the softmax Top-P variant only at
@@ -496,7 +519,8 @@ def runs_of(name):
     for setting, flags in g["settings"].items():
         for seed in g["seeds"]:
             folder = os.path.join(RUNS, name, f"{setting}-s{seed}")
-            argv = g["flags"] + flags + COMMON  # a seed flag may be the policy's build seed too
+            # a seed flag may be the policy's build seed too
+            argv = g["flags"] + flags + g.get("common", COMMON)
             argv += [x for flag in g.get("seed_flags", []) for x in (flag, str(seed))]
             argv += ["--seed", str(seed), "--steps", str(g["steps"]), "--out", folder]
             out.append((setting, seed, folder, argv))
