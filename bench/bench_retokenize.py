@@ -3,6 +3,7 @@ the token ids that were sampled (train.py's way), side by side on the same rollo
 
     python bench/bench_retokenize.py            # warm-started tiny policies, FrozenLake and Sokoban
     python bench/bench_retokenize.py --quick    # a random tiny policy, small sizes
+    python bench/bench_retokenize.py --model smollm2   # the pretrained SmolLM2, 4 x 8 rollouts
 
 For each world and sampling temperature: one batch of G groups x K rollouts of the warm-started tiny
 policy, then train.diagnose and train.probe twice -- on the sampled ids and with --retokenize --
@@ -25,8 +26,10 @@ import runs  # noqa: E402
 import train  # noqa: E402
 
 
-def measure(world, temperature, groups, group_size, warm_start, threads, seed=0):
-    a = train.Args(model="tiny", env=world, warm_start=warm_start, temperature=temperature,
+def measure(world, temperature, groups, group_size, warm_start, threads, seed=0, model="tiny",
+            max_new_tokens=None):
+    a = train.Args(model=model, env=world, warm_start=warm_start, temperature=temperature,
+                   max_new_tokens=max_new_tokens,
                    threads=threads,
                    groups=groups, group_size=group_size, mi_samples=groups * group_size,
                    probe_prompts=groups, probe_samples=min(group_size, 8), out="runs/bench")
@@ -52,16 +55,25 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="a random tiny policy, small sizes")
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--model", default="tiny", choices=("tiny", "smollm2"),
+                        help="smollm2: the pretrained SmolLM2 (no warm start), 4 x 8 rollouts of "
+                             "at most 64 tokens")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     worlds, temperatures = ["frozenlake", "sokoban"], [1.0, 2.5]
-    groups, group_size = 8, 16
+    groups, group_size, tokens = 8, 16, None
+    if args.model == "smollm2":
+        groups, group_size, tokens = 4, 8, 64
     if args.quick:
         worlds, temperatures, groups, group_size = ["frozenlake"], [2.5], 2, 4
-    rows = [measure(w, T, groups, group_size, not args.quick, args.threads)
-            for w in worlds for T in temperatures]
+    # the tiny policy warm-started (random weights in quick mode); SmolLM2 as pretrained
+    warm = not args.quick and args.model == "tiny"
+    rows = [measure(w, T, groups, group_size, warm, args.threads, model=args.model,
+                    max_new_tokens=tokens) for w in worlds for T in temperatures]
+    policy = f"{'warm-started' if warm else 'untrained'} tiny policy" if args.model == "tiny" else (
+        "pretrained SmolLM2-135M-Instruct")
     print(f"torch threads {torch.get_num_threads()}; {groups} groups x {group_size} rollouts, "
-          f"{'random' if args.quick else 'warm-started'} tiny policy; probe: {groups} prompts")
+          f"{policy}; probe: {groups} prompts")
     keys = ["differ", "ids_diff", "text_diff", "ids_probe_diff", "text_probe_diff", "ids_mi",
             "text_mi", "ids_retrieval", "text_retrieval", "ids_action_mi", "text_action_mi"]
     print(f"{'world':<11}{'T':>5}" + "".join(f"{k:>16}" for k in keys))
