@@ -251,18 +251,16 @@ def _grad_norm_and_grads(loss, params):
 
 
 def gradient_decomposition(model, input_ids, attention_mask, policy_mask, rewards, *,
-                           old_logp=None, ref_model=None, ref_logp=None, n_buckets=6,
-                           normalize_std=False, eps=1e-6, kl_kind="k3", kl_coef=1.0,
-                           entropy_coef=1.0, clip_low=0.2, clip_high=0.28, clip_c=3.0,
-                           agg="token-mean", temperature=1.0, advantages=None,
-                           norm_length=None):
+                           ref_model=None, ref_logp=None, n_buckets=6, normalize_std=False,
+                           kl_kind="k3", kl_coef=1.0, entropy_coef=1.0, agg="token-mean",
+                           temperature=1.0, advantages=None, norm_length=None):
     """Norms of the task, KL and entropy gradients per reward-spread bucket -- the data of Fig. 4.
 
     Inputs: a Hugging Face causal LM; input_ids, attention_mask, policy_mask [B, T] (policy_mask
     marks the policy's own tokens); rewards [G, K] total reward per trajectory with B = G * K in
-    group-major order; optional old_logp and ref_logp [B, T - 1], aligned with ids[:, 1:] (old_logp
-    defaults to the current log-probs, i.e. the first PPO epoch). Every log-prob is the sampling
-    policy's, softmax(logits / temperature), as in training.
+    group-major order; optional ref_logp [B, T - 1], aligned with ids[:, 1:]. The ratio's old
+    log-probs are the current ones (the first PPO epoch: ratio 1, so no clip binds). Every log-prob
+    is the sampling policy's, softmax(logits / temperature), as in training.
 
     Per bucket of groups (rv_buckets on the std of rewards) one forward pass, then three separate
     backward passes (torch.autograd.grad; no optimiser step, the parameters and their .grad are
@@ -270,7 +268,7 @@ def gradient_decomposition(model, input_ids, attention_mask, policy_mask, reward
       task     clipped_policy_loss with the group-mean baseline A = r - mean_g(r)
                (grpo.group_advantages) on every policy token of the trajectory. No std division by
                default, so the sqrt(RV) scaling shows; normalize_std=True gives GRPO's
-               A = (r - mean) / (std + eps), which removes that scaling for every group with spread.
+               A = (r - mean) / (std + 1e-6), which removes that scaling for every group with spread.
                `advantages` [B, T - 1] replaces A by the token advantages an update trains on
                (train.py passes PPO's whitened GAE advantages, or GRPO's): the norms of the
                gradient the update takes, whose bound the critic's baseline may not obey.
@@ -300,7 +298,7 @@ def gradient_decomposition(model, input_ids, attention_mask, policy_mask, reward
                          f"{G * K}; got {tuple(input_ids.shape)}, {tuple(attention_mask.shape)}, "
                          f"{tuple(policy_mask.shape)}")
     std = group_scores(r, "std")                                           # [G]
-    adv = group_advantages(r, normalize_std=normalize_std, eps=eps)       # [G, K] r - mean_g (r)
+    adv = group_advantages(r, normalize_std=normalize_std)                 # [G, K] r - mean_g (r)
     adv = adv.reshape(B, 1).float().to(input_ids.device).expand(B, T - 1)  # [B, T-1] per sequence
     if advantages is not None:
         if advantages.shape != (B, T - 1):
@@ -319,7 +317,6 @@ def gradient_decomposition(model, input_ids, attention_mask, policy_mask, reward
         logits = model(input_ids=ids, attention_mask=att).logits[:, :-1].float()
         logits = logits / temperature                                      # [b, T-1, V]
         logp = token_logprobs(logits, ids[:, 1:])                          # [b, T-1]
-        old = logp.detach() if old_logp is None else old_logp[rows]        # [b, T-1]
         if ref_logp is not None:
             ref = ref_logp[rows]                                           # [b, T-1]
         elif ref_model is not None:
@@ -331,10 +328,10 @@ def gradient_decomposition(model, input_ids, attention_mask, policy_mask, reward
             ref = logp.detach()                                            # [b, T-1]
 
         # the training loss, its three terms taken apart (each coefficient 1 there, applied here)
-        _, terms = policy_loss(logp, old, adv[rows], m, agg,
+        _, terms = policy_loss(logp, logp.detach(), adv[rows], m, agg,
                                entropy=entropy_from_logits(logits), entropy_coef=1.0,
-                               ref_logp=ref, kl_coef=1.0, kl_kind=kl_kind, clip_low=clip_low,
-                               clip_high=clip_high, clip_c=clip_c, norm_length=norm_length)
+                               ref_logp=ref, kl_coef=1.0, kl_kind=kl_kind,
+                               norm_length=norm_length)
         task_loss = terms["pg_loss"]
         kl_loss = kl_coef * terms["kl_loss"]
         entropy_loss = -entropy_coef * terms["entropy_loss"]
