@@ -36,6 +36,12 @@ import torch
 
 import logprobs
 
+# what a training run logs of collapse_metrics (and mi_zscore_ema): train.py and trl_ragen.py alike
+DIAGNOSIS_KEYS = ("mi_estimate", "mi_seq_estimate", "mi_zscore", "mi_zscore_seq", "mi_zscore_ema",
+                  "retrieval_acc", "retrieval_acc_top2", "conditional_entropy",
+                  "reasoning_entropy", "conditional_entropy_seq", "reasoning_entropy_seq",
+                  "retrieval_chance", "mi_upper_bound")
+
 # --------------------------------------------------------------------------------------------------
 # Closed form: discrete distributions, natural log (nats), 0 log 0 = 0
 
@@ -280,43 +286,30 @@ def collapse_metrics(scores, owner, lengths=None, topk=(2, 4, 8), prompt_keys=No
     return out
 
 
-def _clustered_se(values, cluster):
-    """Standard error of the mean of per-sample `values` [M] whose samples come in clusters (the
-    prompt that produced them: samples of one prompt are not independent): the sample std of the
-    clusters' means over sqrt(clusters); nan with fewer than 2 clusters. Exact for equal clusters,
-    as the probe set has."""
-    ids = torch.unique(cluster)
-    means = torch.stack([values[cluster == c].mean() for c in ids])       # [P]
-    return means.std(correction=1).item() / math.sqrt(len(ids)) if len(ids) > 1 else math.nan
-
-
 def metrics_with_se(scores, owner, lengths=None, prompt_keys=None):
     """collapse_metrics' estimates on a fixed probe set, each with its standard error over the
-    prompts (_clustered_se): mi_estimate, mi_seq_estimate, retrieval_acc, conditional_entropy,
-    reasoning_entropy (per-token, as collapse_metrics) and retrieval_chance; the means equal
-    collapse_metrics' own.
+    prompts: mi_estimate, conditional_entropy, reasoning_entropy (per token and _seq) and
+    retrieval_acc, then retrieval_chance. A prompt's samples are not independent, so the error is
+    the sample std of the per-prompt estimates (collapse_metrics on that prompt's samples against
+    every prompt) over sqrt(prompts), nan with fewer than 2 prompts; exact for equal clusters, as
+    the probe set has. The means are collapse_metrics' own.
 
     >>> out = metrics_with_se([[-1., -3.], [-1., -5.], [-4., -2.], [-6., -2.]], [0, 0, 1, 1])
     >>> round(out["mi_seq_estimate"], 4), round(out["mi_seq_estimate_se"], 4)   # gaps .5662 .6750
     (0.6206, 0.0)
     """
     scores, owner, lengths = _as_scores(scores, owner, lengths)
+    whole = collapse_metrics(scores, owner, lengths, prompt_keys=prompt_keys)
+    per_prompt = [collapse_metrics(scores[owner == p], owner[owner == p], lengths[owner == p],
+                                   topk=(), prompt_keys=prompt_keys) for p in owner.unique()]
     out = {}
-    per_token = scores / lengths.clamp(min=1.0)[:, None]                   # [M, N]
-    for suffix, table in (("", per_token), ("_seq", scores)):
-        matched, marginal = matched_and_marginal(table, owner)             # [M], [M]
-        for name, values in (("mi_estimate" if not suffix else "mi_seq_estimate",
-                              matched - marginal),
-                             ("conditional_entropy" + suffix, -matched),
-                             ("reasoning_entropy" + suffix, -marginal)):
-            out[name] = values.mean().item()
-            out[name + "_se"] = _clustered_se(values, owner)
-    credit = retrieval_credit(scores, owner, 1, prompt_keys)               # [M]
-    out["retrieval_acc"], out["retrieval_acc_se"] = credit.mean().item(), _clustered_se(credit,
-                                                                                       owner)
-    key = _key_ids(prompt_keys, scores.shape[1])                           # [N]
-    copies = (key[owner][:, None] == key[None, :]).sum(1).double()         # [M]
-    out["retrieval_chance"] = (copies / scores.shape[1]).mean().item()
+    for name in ("mi_estimate", "conditional_entropy", "reasoning_entropy", "mi_seq_estimate",
+                 "conditional_entropy_seq", "reasoning_entropy_seq", "retrieval_acc"):
+        means = torch.tensor([m[name] for m in per_prompt], dtype=torch.float64)     # [P]
+        out[name] = whole[name]
+        out[name + "_se"] = (means.std(correction=1).item() / math.sqrt(len(means))
+                             if len(means) > 1 else math.nan)
+    out["retrieval_chance"] = whole["retrieval_chance"]
     return out
 
 

@@ -239,11 +239,7 @@ def diagnose(run, episodes, rng):
     prompts = [e.first_prompt for e in firsts]
     metrics = mi.collapse_metrics(scores, [e.group for e in picked], lengths, prompt_keys=prompts)
     metrics["mi_zscore_ema"], run.state["std_ema"] = mi.mi_zscore_ema(metrics, run.state["std_ema"])
-    keep = ("mi_estimate", "mi_seq_estimate", "mi_zscore", "mi_zscore_seq", "mi_zscore_ema",
-            "retrieval_acc", "retrieval_acc_top2", "conditional_entropy", "reasoning_entropy",
-            "conditional_entropy_seq", "reasoning_entropy_seq", "retrieval_chance",
-            "mi_upper_bound")
-    out = {k: metrics[k] for k in keep if k in metrics}
+    out = {k: metrics[k] for k in mi.DIAGNOSIS_KEYS if k in metrics}
     out["diagnosis_logprob_diff"] = logprob_diff(scores, [e.group for e in picked],
                                                  [e.first_reasoning_logprob for e in picked])
     out["template_share"] = templates.share_of(picked, a.env, a.template_kind)

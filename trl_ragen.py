@@ -58,10 +58,6 @@ from trl import GRPOConfig, GRPOTrainer  # noqa: E402
 
 TOKEN_NORMALISED = ("dapo", "cispo", "vespo")  # TRL losses divided by the batch's token count
 FIRST_TURN = ("first_prompt", "first_prompt_ids", "first_reasoning_ids", "first_reasoning_logprob")
-MI_KEYS = ("mi_estimate", "mi_seq_estimate", "mi_zscore", "mi_zscore_seq", "mi_zscore_ema",
-           "retrieval_acc", "retrieval_acc_top2", "conditional_entropy", "reasoning_entropy",
-           "conditional_entropy_seq", "reasoning_entropy_seq", "retrieval_chance",
-           "mi_upper_bound")
 
 
 # ------------------------------------------------------------------------------------- the rollouts
@@ -374,7 +370,7 @@ class RagenGRPOTrainer(GRPOTrainer):
                                               pad_id=rollout.pad_token_id(self.processing_class))
         metrics = mi.collapse_metrics(scores, owner, lengths, prompt_keys=[r[0] for r in firsts])
         metrics["mi_zscore_ema"], self.std_ema = mi.mi_zscore_ema(metrics, self.std_ema)
-        out = {k: metrics[k] for k in MI_KEYS if k in metrics}
+        out = {k: metrics[k] for k in mi.DIAGNOSIS_KEYS if k in metrics}
         out["diagnosis_logprob_diff"] = train.logprob_diff(scores, owner,
                                                            [rows[m][3] for m in picked])
         return out

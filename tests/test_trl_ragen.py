@@ -24,6 +24,7 @@ from datasets import Dataset
 from trl import GRPOConfig, GRPOTrainer
 
 import envs
+import mi
 import rollout
 import runs
 import snr_filter
@@ -85,7 +86,7 @@ def test_two_steps_log_every_metric_and_keep_select_groups_choice(one_process_ru
     assert lines[0]["kept_groups"] == [1, 2]  # group 0 has no spread
     assert lines[0]["num_kept"] == 2 and lines[0]["zero_var_frac"] == 1 / 3
     assert lines[1]["kept_groups"] == [] and lines[1]["skipped"] == 1
-    assert set(trl_ragen.MI_KEYS) - {"retrieval_acc_top2"} <= set(lines[0])  # step 1
+    assert set(mi.DIAGNOSIS_KEYS) - {"retrieval_acc_top2"} <= set(lines[0])  # step 1
     # each step's env seeds drawn for that step (seed 0, 3 groups), as train.py draws them
     assert one_process_run["drawn"] == [(0, 1, 3), (0, 2, 3)]
 
@@ -250,7 +251,7 @@ def test_diagnosis_scores_the_sampled_ids_and_logs_their_logprob_diff():
     trainer, inputs = trainer_on([5, 6, 7], None, mi_every=1)
     trainer._generate_and_score_completions(inputs)
     metrics = trainer._metrics["train"]
-    assert set(trl_ragen.MI_KEYS) - {"retrieval_acc_top2"} <= set(metrics)
+    assert set(mi.DIAGNOSIS_KEYS) - {"retrieval_acc_top2"} <= set(metrics)
     assert len(metrics["diagnosis_logprob_diff"]) == 1
     assert 0 <= metrics["diagnosis_logprob_diff"][0] < 1e-4
 
