@@ -18,10 +18,10 @@ import gzip
 import json
 import os
 
+from defaults import MAX_SKIPS
+
 RUNS = os.path.join("runs", "experiments")
 RESULTS = "results"
-MAX_SKIPS = 5  # train.MAX_SKIPS (not imported: the grids and the report need no torch)
-GROUP_SIZE = 16  # train.Args.group_size: trajectories a kept group contributes
 WINDOW = 10  # per-step metrics in a table are the mean of the WINDOW steps ending at the table step
 COMMON = ["--model", "tiny", "--mi-every", "5", "--val-every", "10", "--threads", "1", "--no-plot"]
 FILTERS = {"none": ["--filter", "none"], "topp": ["--filter", "topp"], "topk": ["--filter", "topk"]}

@@ -24,7 +24,8 @@ import shutil
 import zlib
 
 import stats
-from grids import (BUCKET, COMMON, DIAGNOSTICS, GROUP_SIZE, GRIDS, METRICS, ONSET, PHASE, RESULTS,
+from defaults import GROUP_SIZE
+from grids import (BUCKET, COMMON, DIAGNOSTICS, GRIDS, METRICS, ONSET, PHASE, RESULTS,
                    TEMPLATE, WINDOW, done, runs_of, world_of)
 
 FIRST_REPORT = "round3"  # results/round3/<grid>/: the first report, whose archives were never kept

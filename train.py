@@ -42,11 +42,11 @@ import runs  # noqa: E402
 import sampler  # noqa: E402
 import snr_filter  # noqa: E402
 import templates  # noqa: E402
+from defaults import GROUP_SIZE, MAX_SKIPS  # noqa: E402
 
 VAL_SEED_BASE = 10_000_000  # validation seeds are 10_000_000 + i; training seeds are drawn below it
 PROBE_SEED_BASE = 20_000_000  # the probe set's prompts: 20_000_000 + i, held out like validation's
 CONTROL_STREAM = 1  # the random control's draws: np.random.default_rng([seed, step, 1])
-MAX_SKIPS = 5  # stop after this many steps in a row without reward spread (the official default)
 ANALYSIS_KL_COEF = 1e-3  # Fig. 4's KL coefficient without --kl-coef (the paper's analysis runs)
 AGGREGATION = {"ppo": "token-mean", "grpo": "seq-mean-token-mean",
                "drgrpo": "seq-mean-token-sum-norm"}
@@ -80,7 +80,7 @@ class Args:
                                 choices=snr_filter.PROB_MODES)
     include_zero: bool = arg(False, "let zero-spread groups be kept (no task gradient)")
     groups: int = arg(8, "prompt groups (env seeds) per step")
-    group_size: int = arg(16, "rollouts per group")
+    group_size: int = arg(GROUP_SIZE, "rollouts per group")
     steps: int = arg(100, "training steps")
     lr: float = arg(None, "actor learning rate, <= 0.1 (1e-6; tiny: 1e-4)")
     critic_lr: float = arg(None, "critic learning rate, <= 0.1 (1e-5; tiny: 1e-3)")
