@@ -40,6 +40,7 @@ import train  # noqa: E402
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 OUT = os.path.join(ROOT, "results", "zero-shot")
 WORLDS = ("frozenlake", "sokoban", "bandit")
+GROUPS, GROUP_SIZE = 8, 8  # the in-batch diagnosis: 64 first turns cross-scored over 8 prompts
 
 
 def wilson(k, n, z=1.96):
@@ -100,25 +101,33 @@ def measure(model, world, val_seeds, groups, group_size, probe, max_new_tokens, 
     return out
 
 
-ROWS = [  # (label, how to show it from an archive)
-    ("success (95% CI)", lambda r: f"{r['success']:.3f} ({r['success_ci'][0]:.3f}-"
-                                   f"{r['success_ci'][1]:.3f})"),
+def share(k_share, n):
+    """A share of n samples with its 95% Wilson interval, as text."""
+    low, high = wilson(round(k_share * n), n)
+    return f"{k_share:.3f} ({low:.3f}-{high:.3f})"
+
+
+ROWS = [  # (label, how to show it from an archive); | in a label is escaped for the table
+    ("success (95% CI)", lambda r: share(r["success"], r["val_seeds"])),
     ("uniformly random policy's success", lambda r: f"{r['random_success']:.3f}"),
-    ("replies in the required format (95% CI)",
-     lambda r: f"{r['format_rate']:.3f} ({r['format_ci'][0]:.3f}-{r['format_ci'][1]:.3f})"),
-    ("reply length, tokens (cut at the limit)",
+    ("replies in the required format (95% CI)", lambda r: share(r["format_rate"], r["replies"])),
+    ("reply length, tokens (share cut at the limit)",
      lambda r: f"{r['reply_length']:.1f} ({r['cut_frac']:.2f})"),
     ("distinct first replies", lambda r: f"{r['distinct_first']:.2f}"),
-    ("MI estimate, in-batch (nats/token)", lambda r: f"{r['mi_estimate']:.3f}"),
-    ("retrieval accuracy (chance)",
-     lambda r: f"{r['retrieval_acc']:.3f} ({r['retrieval_chance']:.3f})"),
-    ("H(Z), H(Z|X) per token", lambda r: f"{r['reasoning_entropy']:.3f}, "
-                                         f"{r['conditional_entropy']:.3f}"),
+    ("MI estimate, in-batch: nats a token, a reply", lambda r: f"{r['mi_estimate']:.3f}, "
+                                                               f"{r['mi_seq_estimate']:.2f}"),
+    ("retrieval accuracy, in-batch (95% CI; chance)",
+     lambda r: f"{share(r['retrieval_acc'], GROUPS * GROUP_SIZE)}; {r['retrieval_chance']:.3f}"),
+    ("H(Z), H(Z\\|X) a token", lambda r: f"{r['reasoning_entropy']:.3f}, "
+                                          f"{r['conditional_entropy']:.3f}"),
     ("token entropy", lambda r: f"{r['token_entropy']:.3f}"),
-    ("probe MI (+-1.96 se)", lambda r: f"{r['probe_mi_estimate']:.3f} +- "
-                                       f"{1.96 * r['probe_mi_estimate_se']:.3f}"),
-    ("probe retrieval accuracy", lambda r: f"{r['probe_retrieval_acc']:.3f}"),
-    ("I(Z;A|X), probe", lambda r: f"{r['probe_action_mi']:.3f}"),
+    ("probe MI: a token, a reply (+-1.96 se)",
+     lambda r: f"{r['probe_mi_estimate']:.3f} +- {1.96 * r['probe_mi_estimate_se']:.3f}, "
+               f"{r['probe_mi_seq_estimate']:.2f} +- {1.96 * r['probe_mi_seq_estimate_se']:.2f}"),
+    ("probe retrieval accuracy (+-1.96 se)",
+     lambda r: f"{r['probe_retrieval_acc']:.3f} +- {1.96 * r['probe_retrieval_acc_se']:.3f}"),
+    ("I(Z;A\\|X), probe (+-1.96 se)",
+     lambda r: f"{r['probe_action_mi']:.3f} +- {1.96 * r['probe_action_mi_se']:.3f}"),
     ("diagnosis_logprob_diff (in-batch, probe)",
      lambda r: f"{r['diagnosis_logprob_diff']:.1e}, {r['probe_diagnosis_logprob_diff']:.1e}"),
 ]
@@ -152,7 +161,8 @@ def main():
     args = parser.parse_args()
     if not args.report:
         for world in args.worlds.split(","):
-            sizes = (4, 2, 2, 2, 8) if args.quick else (64, 8, 8, 8, args.max_new_tokens)
+            sizes = (4, 2, 2, 2, 8) if args.quick else (64, GROUPS, GROUP_SIZE, 8,
+                                                          args.max_new_tokens)
             row = measure(args.model, world, *sizes, args.threads, warm_start=args.warm_start)
             print(json.dumps({k: v for k, v in row.items() if k != "examples"}))
             if not args.quick:

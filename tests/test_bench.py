@@ -91,3 +91,17 @@ def test_the_gpu_bench_refuses_a_cpu_unless_asked(monkeypatch, capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error: no GPU found") and "--cpu" in err[0]
     assert bench_gpu.main(["--size", "0.5b", "--algo", "ppo", "--cpu"]) == 0 and rows == ["0.5b"]
+
+
+def test_the_zero_shot_table_regenerates_from_its_committed_archives():
+    """results/zero-shot/README.md is bench/zero_shot.py's table of the archives beside it, byte for
+    byte, and every archive it reads is committed."""
+    import subprocess
+
+    folder = os.path.join(ROOT, "results", "zero-shot")
+    tracked = subprocess.run(["git", "ls-files", folder], cwd=ROOT, capture_output=True,
+                             text=True).stdout.split()
+    archives = [f for f in os.listdir(folder) if f.endswith(".json")]
+    assert archives and all(any(t.endswith("/" + f) for t in tracked) for f in archives)
+    with open(os.path.join(folder, "README.md")) as f:
+        assert load("zero_shot.py").table(folder) == f.read()
