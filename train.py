@@ -390,7 +390,6 @@ def update_policy(run, episodes, rewards, shuffle):
     args = run.args
     batch = rollout_batch(run, episodes)
     mask = batch["policy_mask"][:, 1:]                                 # [B, T-1] the trained tokens
-    agg = AGGREGATION[args.algo]
 
     # 4. before the update: the ratio's old log-probs, the reference's, the critic's values
     old_logp, old_entropy, checks = old_policy(run, batch)                              # [B, T-1]
@@ -402,54 +401,20 @@ def update_policy(run, episodes, rewards, shuffle):
     # 5. advantages
     advantages, returns = compute_advantages(run, batch, rewards, old_values)           # [B, T-1]
 
-    # 6. the update: each mini-batch one optimiser step, its gradient summed over micro-batches
-    # weighted so that they add up to the mini-batch's loss; every logged number is the
-    # mini-batch's, averaged over the mini-batches
-    logs = {}
+    # 6. the update: each mini-batch one optimiser step; every logged number is the mini-batch's,
+    # averaged over the mini-batches
+    targets = dict(mask=mask, old_logp=old_logp, advantages=advantages, ref_logp=ref_logp,
+                   old_values=old_values, returns=returns)                      # [B, T-1] or None
     # Hugging Face layers recompute activations (--grad-checkpointing) only in training mode; the
     # models here have no dropout, so nothing else changes
     run.policy.train()
     if run.critic is not None:
         run.critic.train()
+    logs = {}
     for _ in range(args.epochs):
         for mini_batch in mini_batches(len(mask), args.mini_batch_size, args.optimizer_steps,
                                        shuffle):
-            for opt in run.optimizers:
-                opt.zero_grad(set_to_none=True)
-            stats = {}
-            for rows, width in micro_batches(batch, mini_batch, args.micro_batch):
-                micro = {k: v[rows, :width] for k, v in batch.items() if v.dim() == 2}  # [b, w]
-                cols = slice(0, width - 1)
-                weight = micro_batch_weight(mask, mini_batch, rows, agg)
-                token_weight = micro_batch_weight(mask, mini_batch, rows, "token-mean")
-                logp, entropy = policy_pass(run, micro, with_entropy=True)              # [b, w-1]
-                loss, terms = ppo.policy_loss(
-                    logp, old_logp[rows, cols], advantages[rows, cols], mask[rows, cols], agg,
-                    entropy=entropy, entropy_coef=args.entropy_coef,
-                    ref_logp=None if ref_logp is None else ref_logp[rows, cols],
-                    kl_coef=args.kl_coef, kl_kind=args.kl_kind, clip_low=args.clip_low,
-                    clip_high=args.clip_high, clip_c=args.clip_c or None,
-                    norm_length=response_budget(args))
-                (weight * runs.finite(loss, "the policy loss", step)).backward()
-                if run.critic is not None:
-                    value_loss = ppo.value_loss(critic_pass(run, micro), old_values[rows, cols],
-                                                returns[rows, cols], mask[rows, cols],
-                                                args.value_clip)
-                    (token_weight * runs.finite(value_loss, "the critic's loss", step)).backward()
-                    terms["value_loss"] = value_loss.item()
-                # the policy loss's terms add up with its weight, token means with the tokens'
-                for k, v in terms.items():
-                    w = weight if k in ("pg_loss", "entropy_loss", "kl_loss") else token_weight
-                    v = v.item() if torch.is_tensor(v) else v  # terms in the graph: no grad
-                    stats[k] = stats.get(k, 0.0) + w * v
-            stats["grad_norm"] = runs.finite(float(torch.nn.utils.clip_grad_norm_(
-                run.policy_params, args.grad_clip)), "the gradient norm", step)
-            if run.critic is not None:
-                runs.finite(torch.nn.utils.clip_grad_norm_(run.critic_params, args.grad_clip),
-                            "the critic's gradient norm", step)
-            for opt in run.optimizers:
-                opt.step()
-            for k, v in stats.items():
+            for k, v in optimizer_step(run, batch, targets, mini_batch).items():
                 logs.setdefault(k, []).append(v)
     for opt in run.optimizers:  # no gradients kept while the next rollouts sample
         opt.zero_grad(set_to_none=True)
@@ -457,6 +422,54 @@ def update_policy(run, episodes, rewards, shuffle):
     out["token_entropy"] = ppo.masked_mean(old_entropy, mask).item()
     out["optimizer_steps"] = len(logs["grad_norm"])  # one grad_norm per optimiser step
     return {**out, **checks}
+
+
+def optimizer_step(run, batch, targets, mini_batch):
+    """One optimiser step on the rows `mini_batch`, its gradient summed over micro-batches weighted
+    so that they add up to the mini-batch's loss -> the mini-batch's numbers: the loss's terms
+    (the policy loss's add up with its weight, token means with the tokens') and grad_norm."""
+    a, step = run.args, run.step + 1
+    mask = targets["mask"]
+    for opt in run.optimizers:
+        opt.zero_grad(set_to_none=True)
+    stats = {}
+    for rows, width in micro_batches(batch, mini_batch, a.micro_batch):
+        micro = {k: v[rows, :width] for k, v in batch.items() if v.dim() == 2}         # [b, w]
+        sliced = {k: v[rows, :width - 1] for k, v in targets.items() if v is not None}  # [b, w-1]
+        weight = micro_batch_weight(mask, mini_batch, rows, AGGREGATION[a.algo])
+        token_weight = micro_batch_weight(mask, mini_batch, rows, "token-mean")
+        for k, v in micro_batch_backward(run, micro, sliced, weight, token_weight).items():
+            w = weight if k in ("pg_loss", "entropy_loss", "kl_loss") else token_weight
+            v = v.item() if torch.is_tensor(v) else v  # terms in the graph: no grad
+            stats[k] = stats.get(k, 0.0) + w * v
+    stats["grad_norm"] = runs.finite(float(torch.nn.utils.clip_grad_norm_(
+        run.policy_params, a.grad_clip)), "the gradient norm", step)
+    if run.critic is not None:
+        runs.finite(torch.nn.utils.clip_grad_norm_(run.critic_params, a.grad_clip),
+                    "the critic's gradient norm", step)
+    for opt in run.optimizers:
+        opt.step()
+    return stats
+
+
+def micro_batch_backward(run, micro, t, weight, token_weight):
+    """Step 6's loss on one micro-batch (`t`: its slices of the targets [b, w-1]), each part
+    backward with its weight in the mini-batch -> the loss's terms: ppo.policy_loss's clipped
+    policy loss - entropy bonus (+ KL) and, with a critic, the clipped value loss."""
+    a, step = run.args, run.step + 1
+    logp, entropy = policy_pass(run, micro, with_entropy=True)                          # [b, w-1]
+    loss, terms = ppo.policy_loss(
+        logp, t["old_logp"], t["advantages"], t["mask"], AGGREGATION[a.algo], entropy=entropy,
+        entropy_coef=a.entropy_coef, ref_logp=t.get("ref_logp"), kl_coef=a.kl_coef,
+        kl_kind=a.kl_kind, clip_low=a.clip_low, clip_high=a.clip_high, clip_c=a.clip_c or None,
+        norm_length=response_budget(a))
+    (weight * runs.finite(loss, "the policy loss", step)).backward()
+    if run.critic is not None:
+        value_loss = ppo.value_loss(critic_pass(run, micro), t["old_values"], t["returns"],
+                                    t["mask"], a.value_clip)
+        (token_weight * runs.finite(value_loss, "the critic's loss", step)).backward()
+        terms["value_loss"] = value_loss.item()
+    return terms
 
 
 def old_policy(run, batch):
