@@ -241,7 +241,7 @@ def check_ignored(a, given):
     """A flag given on the command line (`given`: the flags given, as from build_parser with
     defaults=False) that the chosen filter or world would ignore: one line, not a silent no-op."""
     control = a.filter in snr_filter.CONTROLS
-    counted = getattr(a, "control_of", None) if control else a.filter  # whose count is kept
+    counted = a.control_of if control else a.filter  # whose count is kept
     sets = "it sets what --filter {0} keeps (or a control's count, with --control-of {0})"
     filtering = {"control_of": (control, "it sets the count of a control (--filter random or "
                                          "bottom)"),

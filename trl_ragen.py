@@ -15,8 +15,8 @@ One step of TRL's GRPOTrainer, with what this file adds (+):
                  the turn-1 prompt, env_mask = 0 on observation tokens, the sampler's log-probs
   2. rewards     one reward per episode, its total R (env rewards + format penalties), gathered
                  by TRL from every process: one prompt's K episodes may sit on different ones
-  + filter       snr_filter.select_groups on the spread of the gathered raw totals [G, K], before
-                 any normalisation: the same choice on every process
+  + filter       train.select (train.py's --filter) on the spread of the gathered raw totals
+                 [G, K], before any normalisation: the same choice on every process
   + diagnosis    step 1 and every mi_every steps: mi.cross_scores of first-turn reasonings (the
                  ids sampled) under every group's prompt, mi.collapse_metrics
   3. advantages  TRL's A = (R - mean_g R) / (std + 1e-4); with scale_rewards="batch" the std is
@@ -39,19 +39,19 @@ import os
 import shutil
 import sys
 import time
+import types
 import warnings
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch loads OpenMP: train.py says why
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-import envs  # noqa: E402
 import mi  # noqa: E402
 import rollout  # noqa: E402
 import runs  # noqa: E402
 import sampler  # noqa: E402
-import snr_filter  # noqa: E402
 import train  # noqa: E402
+from defaults import MAX_SKIPS  # noqa: E402
 
 os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")  # rollout_func is marked experimental
 from trl import GRPOConfig, GRPOTrainer  # noqa: E402
@@ -223,19 +223,20 @@ def vllm_generate(trainer, prompt_ids, n):
 
 class RagenGRPOTrainer(GRPOTrainer):
     """TRL's GRPOTrainer with RAGEN-2's SNR-aware filter and MI diagnosis (module docstring):
-    filter, top_p, top_k, prob_mode, include_zero: snr_filter.select_groups's settings ("none",
-    "topp", "topk"); mi_every, mi_samples: the diagnosis at step 1 and every mi_every steps (0 =
+    filter, control_of, top_p, top_k, prob_mode, include_zero: train.py's filter flags, which
+    train.select reads (a control draws from the stream of (TRL's seed, step)); mi_every, mi_samples: the diagnosis at step 1 and every mi_every steps (0 =
     off) on up to mi_samples first-turn reasonings (it needs the FIRST_TURN fields of
     rollout_function's episodes). response_budget: Dr.GRPO's constant (train.response_budget).
     After each step `last_selection` holds the gathered rewards [G][K] and the kept groups."""
 
     def __init__(self, *args, filter="topp", top_p=0.9, top_k=0.5, prob_mode="linear",
-                 include_zero=False, mi_every=5, mi_samples=64, response_budget=None, **kwargs):
+                 include_zero=False, control_of="topk", mi_every=5, mi_samples=64,
+                 response_budget=None, **kwargs):
         super().__init__(*args, **kwargs)
-        value = top_p if filter == "topp" else top_k
-        snr_filter.select_groups([1.0], filter, value, include_zero, prob_mode)  # bad -> raises
-        self.ragen = dict(mode=filter, value=value, include_zero=include_zero,
-                          prob_mode=prob_mode)
+        self.flags = types.SimpleNamespace(  # what train.select reads
+            filter=filter, control_of=control_of, top_p=top_p, top_k=top_k,
+            filter_prob_mode=prob_mode, include_zero=include_zero, seed=self.args.seed)
+        train.select(self.flags, torch.ones(1, 2))  # bad settings raise here
         self.mi_every, self.mi_samples = mi_every, mi_samples
         # Dr.GRPO's |o|: TRL's max_completion_length is a turn's limit (vLLM's, a call), and an
         # episode writes up to max_turns of them; its only other use was vLLM's, at __init__
@@ -282,11 +283,8 @@ class RagenGRPOTrainer(GRPOTrainer):
         if self.mi_every and (self.generation_step == 1
                               or self.generation_step % self.mi_every == 0):
             m.update(self.diagnose(inputs))
-        scores = snr_filter.group_scores(rewards)                      # [G]
-        keep = snr_filter.select_groups(scores, self.ragen["mode"], self.ragen["value"],
-                                        self.ragen["include_zero"], self.ragen["prob_mode"])
-        m.update(snr_filter.filter_stats(scores, keep), skipped=not keep.any(),
-                 time_scoring=time.time() - t1)
+        keep, stats = train.select(self.flags, rewards, self.generation_step)  # [G]
+        m.update(stats, skipped=not keep.any(), time_scoring=time.time() - t1)
         B = out["advantages"].shape[0]
         first = self.accelerator.process_index * B
         rows = keep.repeat_interleave(K)[first:first + B]            # [B] this process's rows
@@ -294,8 +292,8 @@ class RagenGRPOTrainer(GRPOTrainer):
             out = self.drop_groups(out, rows.to(out["advantages"].device), keep, rewards, first)
         self.skipping = not keep.any()
         self.skips = 0 if keep.any() else self.skips + 1
-        if self.skips >= train.MAX_SKIPS:  # train.py's rule
-            print(f"stopping: no group had any reward spread for {train.MAX_SKIPS} steps")
+        if self.skips >= MAX_SKIPS:  # train.py's rule
+            print(f"stopping: no group had any reward spread for {MAX_SKIPS} steps")
             self.control.should_training_stop = True
 
         for k, v in m.items():
@@ -405,63 +403,44 @@ def trim_padding(out):
 
 arg = train.arg  # the same one-line flag declarations as train.py's
 
+# train.py's flags that mean the same here: defined once, in train.Args (type, default, help,
+# choices); TRL's names for them are in GRPOConfig below (group_size: num_generations, clip_low:
+# epsilon, kl_coef: beta, ...)
+SHARED = ("env", "room_size", "num_boxes", "lake_size", "success_rate", "high_prob", "max_turns",
+          "max_actions_per_turn", "filter", "control_of", "top_p", "top_k", "filter_prob_mode",
+          "include_zero", "groups", "group_size", "steps", "lr", "clip_low", "clip_high", "kl_coef",
+          "entropy_coef", "grad_clip", "temperature", "sample_top_p", "max_new_tokens", "model",
+          "warm_start", "tiny_cache", "mi_every", "mi_samples", "seed", "report_to")
+
+
+def shared_flags(Args, names):
+    """A dataclass of the fields `names` of Args, each as Args declares it."""
+    return dataclasses.make_dataclass("Shared", [
+        (f.name, f.type, dataclasses.field(default=f.default, metadata=f.metadata))
+        for f in dataclasses.fields(Args) if f.name in names])
+
 
 @dataclasses.dataclass
-class Args:
-    # the world (train.py's flags)
-    env: str = arg("sokoban", "environment", choices=tuple(envs.ENVS))
-    room_size: int = arg(6, "sokoban: the room is room_size x room_size")
-    num_boxes: int = arg(1, "sokoban: number of boxes")
-    lake_size: int = arg(4, "frozenlake: the map is lake_size x lake_size")
-    success_rate: float = arg(1.0, "frozenlake: chance a move goes its way")
-    high_prob: float = arg(0.25, "bandit: chance that the risky arm pays")
-    max_turns: int = arg(5, "turns per episode")
-    max_actions_per_turn: int = arg(2, "actions the policy may take per turn")
-    # the filter and the diagnosis (train.py's flags)
-    filter: str = arg("topp", "SNR-aware filter on the groups' reward std",
-                      choices=snr_filter.MODES)
-    top_p: float = arg(0.9, "topp: keep the best groups until this fraction of the summed std")
-    top_k: float = arg(0.5, "topk: keep max(1, int(top_k * groups)) best groups")
-    filter_prob_mode: str = arg("linear", "topp: on the std itself or on its softmax",
-                                choices=snr_filter.PROB_MODES)
-    include_zero: bool = arg(False, "let zero-spread groups be kept (no task gradient)")
-    mi_every: int = arg(5, "cross-scoring diagnosis at step 1 and every N steps (0 = off)")
-    mi_samples: int = arg(64, "samples cross-scored per diagnosis")
+class Args(shared_flags(train.Args, SHARED)):
+    """train.py's shared flags, then this entry point's own."""
     # the batch and the update (GRPOConfig underneath)
-    groups: int = arg(8, "prompt groups (env seeds) per step")
-    group_size: int = arg(16, "rollouts per group (TRL: num_generations)")
-    steps: int = arg(100, "training steps")
-    lr: float = arg(None, "learning rate, constant, <= 0.1 (1e-6; tiny: 1e-4)")
     loss_type: str = arg("dapo", "TRL's loss: dapo = token-mean over the batch, grpo = seq-mean-"
                          "token-mean, bnpo = dapo on one micro-batch, dr_grpo = token sums / "
                          "(max_turns x max_new_tokens)",
                          choices=("dapo", "grpo", "bnpo", "dr_grpo"))
     scale_rewards: str = arg("group", "TRL's advantage std: group (GRPO), batch, none (Dr.GRPO)",
                              choices=("group", "batch", "none"))
-    clip_low: float = arg(0.2, "PPO ratio clip below 1 (TRL: epsilon)")
-    clip_high: float = arg(0.28, "PPO ratio clip above 1 (TRL: epsilon_high)")
-    kl_coef: float = arg(0.0, "KL penalty to the initial policy (TRL: beta)")
-    entropy_coef: float = arg(0.0, "entropy bonus coefficient")
-    grad_clip: float = arg(1.0, "gradient norm clip")
     accumulation: int = arg(1, "micro-batches per optimiser step (TRL: gradient_accumulation)")
     # generation
-    temperature: float = arg(1.0, "sampling temperature of the rollouts")
-    sample_top_p: float = arg(1.0, "nucleus sampling of the rollouts (1 = off)")
-    max_new_tokens: int = arg(None, "token limit per turn (400; tiny: 64)")
     use_vllm: bool = arg(False, "sample with vLLM (GPU; TRL's vllm_mode below)")
     vllm_mode: str = arg("colocate", "vLLM beside training or a trl vllm-serve server",
                          choices=("colocate", "server"))
     # the model, output
-    model: str = arg(None, "HF id, folder, tiny or smollm2 (GPU: Qwen2.5-0.5B-Instruct, else tiny)")
     bf16: bool = arg(None, "bfloat16 mixed precision (GPU default)")
+    # train.py's flags of the same name with another default: train.py decides these from its
+    # memory plan and names its folders by --algo, which TRL has neither of
     grad_checkpointing: bool = arg(False, "recompute activations in backward")
-    warm_start: bool = arg(True, "tiny, smollm2: warm-start on solver demonstrations (off: random; "
-                                 "smollm2's pretrained weights)")
-    tiny_cache: str = arg(".cache/tiny", "tiny: folder of warm-started models")
-    seed: int = arg(0, "seed of env seeds and sampling")
     out: str = arg(None, "run folder (runs/trl-<env>-<filter>-<time>)")
-    report_to: str = arg("none", "TRL's report_to: none, tensorboard (<out>/tensorboard), wandb, "
-                         "trackio", choices=runs.REPORT_TO)
 
 
 def parse_args(argv):
@@ -477,8 +456,7 @@ def parse_args(argv):
         raise runs.UsageError("need --steps >= 1, --group-size >= 2 (GRPO compares rollouts) "
                               "and --accumulation >= 1")
     # train.py's checks (finite, bounded) on the flags the two share; its defaults elsewhere
-    shared = {f.name for f in dataclasses.fields(train.Args)}
-    runs.check_args(train.Args(**{k: v for k, v in vars(a).items() if k in shared}))
+    runs.check_args(train.Args(**{k: getattr(a, k) for k in SHARED}))
     return a
 
 
@@ -529,7 +507,8 @@ def build_trainer(a, model, tokenizer, prompt, num_processes=1, make_policy=None
             model=model, reward_funcs=episode_reward, args=config, processing_class=tokenizer,
             train_dataset=rows, rollout_func=func, callbacks=list(callbacks), filter=a.filter,
             top_p=a.top_p, top_k=a.top_k, prob_mode=a.filter_prob_mode,
-            include_zero=a.include_zero, mi_every=a.mi_every, mi_samples=a.mi_samples,
+            include_zero=a.include_zero, control_of=a.control_of, mi_every=a.mi_every,
+            mi_samples=a.mi_samples,
             response_budget=train.response_budget(a))
     except ValueError as e:  # settings TRL or the filter cannot use
         raise runs.UsageError(str(e).strip().splitlines()[0]) from None

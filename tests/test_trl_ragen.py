@@ -11,6 +11,7 @@ GRPOTrainer's. The policy is mostly scripted (tests/trl_ragen_script.py), so rew
 spread."""
 import contextlib
 import copy
+import dataclasses
 import json
 import os
 import subprocess
@@ -113,6 +114,27 @@ def test_step_count_costs_nothing_before_training(tmp_path):
     assert trainer.train_dataset.num_rows == a.groups and trainer.args.max_steps == runs.MAX_STEPS
     train_py = np.random.default_rng([0, 2]).integers(0, train.VAL_SEED_BASE, 3)  # train.train
     assert trl_ragen.step_seeds(0, 2, 3) == train_py.tolist()
+
+
+def test_the_flags_the_entry_points_share_are_defined_once_in_train_py(tmp_path):
+    """Every flag both take is train.Args's own (type, default, help, choices), but the two
+    trl_ragen.py re-declares; a flag added to train.Args and named shared is a flag of both; what
+    --filter means is train.select's, so the controls run here too."""
+    ours = {f.name: f for f in dataclasses.fields(train.Args)}
+    both = [f for f in dataclasses.fields(trl_ragen.Args) if f.name in ours]
+    assert {f.name for f in both} == set(trl_ragen.SHARED) | {"grad_checkpointing", "out"}
+    for f in both:
+        if f.name in trl_ragen.SHARED:
+            assert (f.type, f.default, f.metadata) == (ours[f.name].type, ours[f.name].default,
+                                                       ours[f.name].metadata), f.name
+
+    @dataclasses.dataclass
+    class Grown(train.Args):
+        new_flag: int = train.arg(7, "a flag defined once")
+    shared = trl_ragen.shared_flags(Grown, trl_ragen.SHARED + ("new_flag",))
+    assert "a flag defined once [7]" in runs.build_parser(shared).format_help()
+    a = trl_ragen.parse_args(["--filter", "random", "--control-of", "topp", "--out", str(tmp_path)])
+    assert (a.filter, a.control_of) == ("random", "topp")
 
 
 def longer_first_turn_for(seed):
