@@ -403,3 +403,13 @@ def test_top_p_decides_the_kept_groups(tmp_path):
     scores = snr_filter.group_scores(r["group_rewards"])
     assert len(snr_filter.select_groups(scores, "topp", 0.9).nonzero()) == 2
     assert r["kept_groups"] == [int(scores.argmax())] and r["num_kept"] == 1
+
+
+def test_a_control_keeps_the_groups_train_select_keeps():
+    """--filter random draws as train.py does, from the stream of (seed, step): the same groups."""
+    trainer, inputs = trainer_on([5, 6, 7], lambda r: r % K == 0, filter="random")
+    trainer._generate_and_score_completions(inputs)
+    rewards = torch.tensor(trainer.last_selection["group_rewards"])               # [G, K]
+    keep, _ = train.select(train.Args(filter="random", seed=trainer.args.seed), rewards, 1)
+    assert trainer.last_selection["kept_groups"] == keep.nonzero()[:, 0].tolist()
+    assert len(trainer.last_selection["kept_groups"]) == 1  # topk's count: int(0.5 x 3)
