@@ -268,7 +268,8 @@ def gradient_decomposition(model, input_ids, attention_mask, policy_mask, reward
       task     clipped_policy_loss with the group-mean baseline A = r - mean_g(r)
                (grpo.group_advantages) on every policy token of the trajectory. No std division by
                default, so the sqrt(RV) scaling shows; normalize_std=True gives GRPO's
-               A = (r - mean) / (std + 1e-6), which removes that scaling for every group with spread.
+               A = (r - mean) / (std + 1e-6), which removes that scaling for every group with
+               spread.
                `advantages` [B, T - 1] replaces A by the token advantages an update trains on
                (train.py passes PPO's whitened GAE advantages, or GRPO's): the norms of the
                gradient the update takes, whose bound the critic's baseline may not obey.

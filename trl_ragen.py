@@ -224,10 +224,11 @@ def vllm_generate(trainer, prompt_ids, n):
 class RagenGRPOTrainer(GRPOTrainer):
     """TRL's GRPOTrainer with RAGEN-2's SNR-aware filter and MI diagnosis (module docstring):
     filter, control_of, top_p, top_k, prob_mode, include_zero: train.py's filter flags, which
-    train.select reads (a control draws from the stream of (TRL's seed, step)); mi_every, mi_samples: the diagnosis at step 1 and every mi_every steps (0 =
-    off) on up to mi_samples first-turn reasonings (it needs the FIRST_TURN fields of
-    rollout_function's episodes). response_budget: Dr.GRPO's constant (train.response_budget).
-    After each step `last_selection` holds the gathered rewards [G][K] and the kept groups."""
+    train.select reads (a control draws from the stream of (TRL's seed, step)); mi_every,
+    mi_samples: the diagnosis at step 1 and every mi_every steps (0 = off) on up to mi_samples
+    first-turn reasonings (it needs the FIRST_TURN fields of rollout_function's episodes).
+    response_budget: Dr.GRPO's constant (train.response_budget). After each step
+    `last_selection` holds the gathered rewards [G][K] and the kept groups."""
 
     def __init__(self, *args, filter="topp", top_p=0.9, top_k=0.5, prob_mode="linear",
                  include_zero=False, control_of="topk", mi_every=5, mi_samples=64,
