@@ -113,17 +113,15 @@ class Args:
     grad_checkpointing: bool = arg(None, "recompute activations in backward (GPU: by memory)")
     threads: int = arg(None, "CPU threads for torch, <= cores (tiny: 2, else all cores)")
     rebuild_tiny: bool = arg(False, "tiny: redo the warm start instead of using the cache")
-    warm_start: bool = arg(True, "tiny, smollm2: warm-start on solver demonstrations (off: random "
-                                 "weights; smollm2's pretrained ones)")
+    warm_start: bool = arg(True, "tiny, smollm2: warm-start on demonstrations (off: as built)")
     tiny_cache: str = arg(".cache/tiny", "tiny: folder of warm-started models")
     warm_start_seed: int = arg(0, "tiny, smollm2: the warm start's build seed (weights, demos)")
     template_prior: float = arg(0.0, "tiny: share of warm-start turns reasoning with a template")
     kl_template_prior: float = arg(
         None, "tiny: template share of the KL reference's warm start (default: the policy's)")
-    template_kind: str = arg("pool", "tiny: a template is a pool sentence or (surface) another "
-                                     "layout's task reasoning", choices=("pool", "surface"))
-    filler: float = arg(None, "tiny: warm-start reasonings end in 5 filler digits, each random "
-                              "w.p. FILLER (templates.filler; default: no filler)")
+    template_kind: str = arg("pool", "tiny: pool sentences or surface (another layout's) templates",
+                             choices=("pool", "surface"))
+    filler: float = arg(None, "tiny: 5 digits end each demo reasoning, random w.p. FILLER")
     # diagnosis, validation, output
     mi_every: int = arg(5, "cross-scoring diagnosis at step 1 and every N steps (0 = off)")
     mi_samples: int = arg(64, "samples cross-scored per diagnosis")
