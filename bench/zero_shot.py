@@ -1,5 +1,6 @@
-"""What a model does before any training: the MI diagnosis of its reasoning, its answer format and its
-success, on each world, written as a per-world archive and a table regenerated from the archives.
+"""What a model does before any training: the MI diagnosis of its reasoning, its answer format and
+its success, on each world, written as a per-world archive and a table regenerated from the
+archives.
 
     python bench/zero_shot.py --model smollm2                  # FrozenLake, Sokoban, Bandit; about
                                                                # an hour on 2 idle CPU cores
@@ -50,7 +51,8 @@ def wilson(k, n, z=1.96):
     [0.0, 0.057]
     """
     p, d = k / n, 1 + z * z / n
-    centre, half = (p + z * z / (2 * n)) / d, z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / d
+    centre = (p + z * z / (2 * n)) / d
+    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / d
     return max(0.0, centre - half), min(1.0, centre + half)
 
 
@@ -77,10 +79,10 @@ def measure(model, world, val_seeds, groups, group_size, probe, max_new_tokens, 
     cut = [n >= max_new_tokens for n in lengths]
     out = {"model": model + (" (warm start)" if warm_start else ""), "world": world,
            "max_new_tokens": max_new_tokens, "seed": seed,
-           "val_seeds": val_seeds, "success": wins / val_seeds, "success_ci": wilson(wins, val_seeds),
+           "val_seeds": val_seeds, "success": wins / val_seeds,
            "random_success": envs.baselines(world, **runs.env_kwargs(a))[1],
            "replies": len(valid), "format_rate": float(np.mean(valid)),
-           "format_ci": wilson(sum(valid), len(valid)), "reply_length": float(np.mean(lengths)),
+           "reply_length": float(np.mean(lengths)),
            "cut_frac": float(np.mean(cut)),
            "distinct_first": len({e.responses[0] for e in episodes}) / val_seeds,
            "examples": [e.responses[0] for e in episodes[:4]]}
@@ -141,11 +143,12 @@ def table(folder=OUT):
     archives = [json.load(open(os.path.join(folder, f))) for f in names]
     head = [f"{r['model']}, {r['world']}" for r in archives]
     lines = ["| | " + " | ".join(head) + " |", "|---" * (len(head) + 1) + "|"]
-    lines += [f"| {label} | " + " | ".join(show(r) for r in archives) + " |" for label, show in ROWS]
+    lines += [f"| {label} | " + " | ".join(show(r) for r in archives) + " |"
+              for label, show in ROWS]
     sizes = {(r["val_seeds"], r["max_new_tokens"]) for r in archives}
     note = "; ".join(f"{v} validation seeds, at most {t} tokens a turn" for v, t in sorted(sizes))
-    return ("# Before any training\n\nMade by `python bench/zero_shot.py --report` from the archives "
-            f"beside this file ({note}; temperature 1).\n\n" + "\n".join(lines) + "\n")
+    return ("# Before any training\n\nMade by `python bench/zero_shot.py --report` from the "
+            f"archives beside this file ({note}; temperature 1).\n\n" + "\n".join(lines) + "\n")
 
 
 def main():
