@@ -45,13 +45,11 @@ import numbers
 
 import torch
 
+from defaults import CONTROLS, MODES, PROB_MODES  # the filters, controls, Top-P's kinds
 from grpo import group_advantages
 from ppo import entropy_from_logits, policy_loss, token_logprobs
 
 SCORE_KINDS = ("std", "var")
-MODES = ("none", "topp", "topk")
-CONTROLS = ("random", "bottom")  # controls for the filter's claims, not remedies (select_control)
-PROB_MODES = ("linear", "softmax")
 
 
 def _as_float64(x, name):
