@@ -56,7 +56,7 @@ def load(a, device, source, env_kwargs):
     # gradient decomposition's KL column), or a warm start with another template share
     if (a.kl_coef > 0 or a.grad_decomp_every) and not a.lora:
         prior = a.template_prior if a.kl_template_prior is None else a.kl_template_prior
-        # (runs.check_args makes both warm starts share the policy's vocabulary)
+        # (flags.check_args makes both warm starts share the policy's vocabulary)
         reference_model = load_policy(dataclasses.replace(a, template_prior=prior), a.model, device,
                                       env_kwargs)[0].eval().requires_grad_(False)
     policy_params = lora_params(policy, "default") if a.lora else list(policy.parameters())

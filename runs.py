@@ -1,6 +1,7 @@
-"""Everything around the experiment that a first reading of train.py may skip: the command line,
-the run folder (config, metrics log, checkpoints: checkpoints.py), resuming, and turning failures
-into one-line errors.
+"""Everything around the experiment that a first reading of train.py may skip: the command line
+(the flags and their checks are in flags.py; here the checks that need the model), the run folder
+(config, metrics log, checkpoints: checkpoints.py), resuming, and turning failures into one-line
+errors.
 
 A run folder holds config.json (the resolved settings), metrics.jsonl (one JSON object per step,
 flushed as it is written), checkpoint/ (weights or LoRA adapters, tokenizer, critic, optimisers,
@@ -25,11 +26,9 @@ RNG states) and the figures. What a run guarantees:
 - --report-to also writes every number of the log to TensorBoard (<out>/tensorboard), wandb or
   trackio (Tracker).
 """
-import argparse
 import contextlib
 import dataclasses
 import fcntl
-import functools
 import hashlib
 import importlib.util
 import json
@@ -48,39 +47,18 @@ import torch
 import envs
 import models
 import rollout
-import snr_filter
 import tiny
 from checkpoints import (CheckpointError, atomic_write, checkpoint_step, last_logged_step,
                          recover_checkpoint, restore, restore_metrics, save_checkpoint)
+# the command line, here too for the modules and tests that know it as runs'
+from flags import (MAX_COEF, MAX_EPISODES, MAX_EPOCHS, MAX_GROUP_SIZE, MAX_LR,  # noqa: F401
+                   MAX_MAP, MAX_SCORED, MAX_STEPS, MIN_TEMPERATURE, REPORT_TO, RESUMABLE,
+                   UsageError, build_parser, check_args, check_diagnosis, check_ignored,
+                   env_kwargs, parse_args, read_config)
 
-# what a resumed run may change
-RESUMABLE = ("steps", "val_every", "save_every", "plot", "threads", "report_to")
-REPORT_TO = ("none", "tensorboard", "wandb", "trackio")  # TRL's names for the trackers
-# past these a run cannot finish or cannot fit: no step here takes under a second (10**7 s is four
-# months), and a step holds all its episodes, transcripts included, in memory at once
 TINY_THREADS = 2  # --threads for the tiny policy on a CPU, whatever the machine: results depend on it
-MAX_STEPS = 10 ** 7
-MAX_EPISODES = 2 ** 16
-MAX_GROUP_SIZE = 1000  # rollouts of one prompt, rollout.play's own limit
-# a diagnosis scores every sample under every prompt, each a forward pass over a reasoning of tens
-# of tokens: 2**24 of them are 10**8 - 10**9 tokens through the model at every diagnosis
-MAX_SCORED = 2 ** 24
-# past these a run only diverges, stalls or hangs: a step of Adam moves every weight by about --lr
-# (0.1 already swamps weights of size 0.02); the task term of the loss is of order 1, so a
-# regulariser 10 times larger alone trains the policy; below a temperature of 0.001 sampling is
-# greedy in effect and the log-probs of the tokens not chosen overflow; a map of 128 x 128 is a
-# prompt of 16,384 cells a turn (the tiny policy's context is 4,096 tokens, Qwen2.5's 32,768)
-MAX_EPOCHS = 100
-MAX_LR = 0.1
-MAX_COEF = 10.0
-MIN_TEMPERATURE = 1e-3
-MAX_MAP = 128
 PHASES = {"collect_rollouts": "rollouts", "diagnose": "the MI diagnosis", "validate": "validation",
           "update_policy": "the update", "decompose_gradients": "the gradient decomposition"}
-
-
-class UsageError(Exception):
-    """Bad input from the user: one line on stderr, exit code 2."""
 
 
 class Diverged(Exception):
@@ -176,230 +154,7 @@ def main(Args, train, validate, argv):
         close(run)
 
 
-# ------------------------------------------------------------------------------------- command line
-
-def build_parser(Args, defaults=True):
-    """One flag per Args field, one line of help each with the default in brackets; a boolean
-    field is --name and --no-name (hidden). defaults=False leaves out the flags not given (for
-    --resume). No abbreviations: --step is an error, not --steps."""
-    class Parser(argparse.ArgumentParser):
-        def error(self, message):  # argparse would print the usage too; one line is enough
-            raise UsageError(message)
-
-    description = ("RAGEN-2 in miniature: PPO / GRPO with SNR-aware filtering and the MI "
-                   "diagnosis. Defaults in brackets; every on/off flag has a --no- form too.")
-    formatter = functools.partial(argparse.HelpFormatter, max_help_position=30, width=110)
-    parser = Parser(prog="train.py", usage="python train.py [flags]", description=description,
-                    allow_abbrev=False, argument_default=None if defaults else argparse.SUPPRESS,
-                    formatter_class=formatter)
-    for f in dataclasses.fields(Args):
-        flag, dest = "--" + f.name.replace("_", "-"), f.name
-        default = f.default if defaults else argparse.SUPPRESS
-        # on / off for a boolean only: 1 == True, so a dict lookup would call --seed 0 "off"
-        value = ("on" if f.default else "off") if f.type is bool else f.default
-        shown = "" if f.default is None else f" [{value}]"
-        if f.type is bool:
-            parser.add_argument(flag, action="store_true", dest=dest, default=default,
-                                help=f.metadata["help"] + shown)
-            parser.add_argument("--no-" + flag[2:], action="store_false", dest=dest,
-                                help=argparse.SUPPRESS)
-        else:
-            choices = f.metadata.get("choices")
-            listed = not choices or all(c in f.metadata["help"] for c in choices)
-            text = f.metadata["help"] + ("" if listed else f": {', '.join(choices)}") + shown
-            parser.add_argument(flag, type=f.type, dest=dest, default=default, choices=choices,
-                                help=text, metavar=f.type.__name__.upper())
-    return parser
-
-
-def parse_args(Args, argv):
-    """Args from the command line; with --resume, the run's saved settings and the allowed flags
-    given now."""
-    args = Args(**vars(build_parser(Args).parse_args(argv)))
-    given = vars(build_parser(Args, defaults=False).parse_args(argv))
-    if args.resume:
-        saved = read_config(args.resume, Args)
-        if given.get("out") not in (None, args.resume):
-            raise UsageError(f"--out {given['out']}: a resumed run stays in its folder "
-                             f"{args.resume}")
-        changed = sorted(k for k, v in given.items()
-                         if k not in ("resume", "out") and v != saved.get(k))
-        fixed = [k for k in changed if k not in RESUMABLE]
-        if fixed:
-            k, allowed = fixed[0], ", --".join(RESUMABLE).replace("_", "-")
-            raise UsageError(f"--{k.replace('_', '-')} {given[k]} differs from the run's "
-                             f"{saved.get(k)}: a resumed run keeps its settings (it may change "
-                             f"--{allowed})")
-        args = Args(**{**saved, **{k: given[k] for k in changed}, "resume": args.resume,
-                       "out": args.resume})
-    check_ignored(args, given)
-    check_args(args)
-    return args
-
-
-def check_ignored(a, given):
-    """A flag given on the command line (`given`: the flags given, as from build_parser with
-    defaults=False) that the chosen filter or world would ignore: one line, not a silent no-op."""
-    control = a.filter in snr_filter.CONTROLS
-    counted = a.control_of if control else a.filter  # whose count is kept
-    sets = "it sets what --filter {0} keeps (or a control's count, with --control-of {0})"
-    filtering = {"control_of": (control, "it sets the count of a control (--filter random or "
-                                         "bottom)"),
-                 "top_p": (counted == "topp", sets.format("topp")),
-                 "filter_prob_mode": (counted == "topp", sets.format("topp")),
-                 "top_k": (counted == "topk", sets.format("topk")),
-                 "include_zero": (a.filter != "none", "--filter none keeps every group")}
-    worlds = {"room_size": "sokoban", "num_boxes": "sokoban", "lake_size": "frozenlake",
-              "success_rate": "frozenlake", "high_prob": "bandit"}
-    for k in given:
-        world = worlds.get(k, a.env)
-        ok, why = filtering.get(k) or (world == a.env, f"it is --env {world}'s")
-        if not ok:
-            value = "" if isinstance(given[k], bool) else f" {given[k]}"
-            chosen = f"--filter {a.filter}" if k in filtering else f"--env {a.env}"
-            raise UsageError(f"--{k.replace('_', '-')}{value} is ignored with {chosen}: {why}")
-
-
-def read_config(folder, Args):
-    """A run's config.json as a dict of Args fields; anything else is a one-line error."""
-    path = os.path.join(folder, "config.json")
-    if not os.path.isfile(path):
-        raise UsageError(f"--resume {folder}: no config.json there (not a run folder)")
-    try:
-        with open(path) as f:
-            saved = json.load(f)
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise UsageError(f"--resume {folder}: config.json is damaged ({e})") from None
-    fields = {f.name: f for f in dataclasses.fields(Args)}
-    if not isinstance(saved, dict) or set(saved) - set(fields):
-        raise UsageError(f"--resume {folder}: config.json is not a run's config")
-    for k, v in saved.items():
-        kind = fields[k].type
-        number = isinstance(v, (int, float)) and not isinstance(v, bool)
-        if not (v is None or (kind is bool and isinstance(v, bool)) or (kind is float and number)
-                or (kind is int and number and isinstance(v, int))
-                or (kind is str and isinstance(v, str))):
-            raise UsageError(f"--resume {folder}: config.json has {k} = {v!r}, "
-                             f"not a {kind.__name__}")
-    return {**saved, "resume": None}
-
-
-def check_args(a):
-    """Every setting a run could not use, as one clear line."""
-    def need(ok, message):
-        if not ok:
-            raise UsageError(message)
-
-    numbers = [v for v in dataclasses.asdict(a).values() if isinstance(v, float)]
-    need(all(math.isfinite(v) for v in numbers), "every number must be finite (no nan / inf)")
-    need(0 <= a.seed <= 2 ** 32 - 1, f"--seed must be in 0..2**32-1, got {a.seed}")
-    need(0 <= a.steps <= MAX_STEPS, f"--steps must be in 0..{MAX_STEPS:,}, got {a.steps} (at least "
-         f"a second a step: {MAX_STEPS:,} steps take four months)")
-    need(0 < a.top_p <= 1, f"--top-p must be in (0, 1], got {a.top_p}")
-    need(0 < a.top_k <= 1, f"--top-k is a fraction of the groups in (0, 1], got {a.top_k}")
-    need(a.groups >= 1 and a.group_size >= 1, "--groups and --group-size must be >= 1")
-    need(a.group_size <= MAX_GROUP_SIZE,
-         f"--group-size must be <= {MAX_GROUP_SIZE}, got {a.group_size}")
-    need(max(a.groups * a.group_size, a.val_seeds) <= MAX_EPISODES,
-         f"--groups x --group-size and --val-seeds must be <= {MAX_EPISODES} episodes (a step "
-         f"holds them all in memory at once), got {a.groups} x {a.group_size}, {a.val_seeds}")
-    # one rollout a group has no reward spread: the filter has nothing to rank and a group-relative
-    # advantage is 0; plain PPO (critic, no filter) still learns from it
-    why = (f"--filter {a.filter} has nothing to rank" if a.filter != "none" else
-           f"--algo {a.algo}'s group-relative advantage is always 0")
-    need(a.group_size >= 2 or (a.algo == "ppo" and a.filter == "none"),
-         f"--group-size 1 gives every group zero reward spread: {why} (use --group-size 2 or "
-         f"more, or --algo ppo --filter none)")
-    need(a.max_turns >= 1 and a.max_actions_per_turn >= 1,
-         "--max-turns and --max-actions-per-turn must be >= 1")
-    need(a.mini_batch_size >= 1, "--mini-batch-size must be >= 1")
-    need(1 <= a.epochs <= MAX_EPOCHS, f"--epochs must be in 1..{MAX_EPOCHS}, got {a.epochs} (the "
-         f"paper's runs make 1; each pass moves the policy further from its samples)")
-    batch = a.groups * a.group_size
-    need(0 <= a.optimizer_steps <= batch,
-         f"--optimizer-steps must be in 0..{batch}, got {a.optimizer_steps}: a mini-batch holds at "
-         f"least one of the step's --groups x --group-size = {batch} trajectories")
-    check_diagnosis(a, need)
-    need(all(x is None or x >= 1 for x in (a.micro_batch, a.rollout_batch)),
-         "--micro-batch and --rollout-batch must be >= 1")
-    for name in ("lr", "critic_lr"):
-        value = getattr(a, name)
-        need(value is None or 0 < value <= MAX_LR, f"--{name.replace('_', '-')} must be in (0, "
-             f"{MAX_LR}], got {value} (an Adam step moves every weight by about the rate)")
-    need(0 <= a.lam <= 1, f"--lam must be in [0, 1], got {a.lam}")
-    need(a.gamma == 1, f"--gamma {a.gamma}: only 1 is supported; the episode's rewards all sit on "
-                       f"its last token, so a discount would count tokens, not turns")
-    need(0 < a.clip_low < 1 and a.clip_high > 0, "need 0 < --clip-low < 1 and --clip-high > 0")
-    need(a.clip_c == 0 or a.clip_c > 1, f"--clip-c must be > 1 (or 0 = off), got {a.clip_c}")
-    need(a.value_clip > 0 and a.grad_clip > 0, "--value-clip and --grad-clip must be > 0")
-    for name in ("kl_coef", "entropy_coef"):
-        value = getattr(a, name)
-        need(0 <= value <= MAX_COEF, f"--{name.replace('_', '-')} must be in [0, {MAX_COEF:g}], "
-             f"got {value} (the task term is of order 1: a larger regulariser alone trains the "
-             f"policy)")
-    for name in ("temperature", "val_temperature"):
-        value, greedy = getattr(a, name), name == "val_temperature"
-        need(value >= MIN_TEMPERATURE or (greedy and value == 0),
-             f"--{name.replace('_', '-')} {value:g}: below {MIN_TEMPERATURE:g} sampling is greedy "
-             f"in effect and its log-probs overflow; use --{name.replace('_', '-')} "
-             f"{MIN_TEMPERATURE:g} or more{' (or 0: greedy)' if greedy else ''}")
-    need(0 < a.sample_top_p <= 1, f"--sample-top-p must be in (0, 1], got {a.sample_top_p}")
-    need(a.max_new_tokens is None or a.max_new_tokens >= 1, "--max-new-tokens must be >= 1")
-    need(a.val_seeds >= 1, "--val-seeds must be >= 1")
-    for name in ("mi_every", "val_every", "grad_decomp_every", "save_every"):
-        value = getattr(a, name)
-        need(value >= 0, f"--{name.replace('_', '-')} must be >= 0 (0 = never), got {value}")
-    need(a.lora >= 0 and (a.lora_alpha is None or a.lora_alpha > 0),
-         "--lora must be >= 0, --lora-alpha > 0")
-    need(a.report_to in REPORT_TO, f"--report-to must be one of {', '.join(REPORT_TO)}")
-    need(a.report_to == "none" or importlib.util.find_spec(a.report_to),  # the package's name
-         f"--report-to {a.report_to}: {a.report_to} is not installed (pip install "
-         f"{a.report_to})")
-    cores = os.cpu_count() or 1
-    need(a.threads is None or 1 <= a.threads <= cores, f"--threads must be in 1..{cores}, the "
-         f"machine's cores, got {a.threads} (more threads than cores only wait for each other)")
-    need(0 <= a.template_prior <= 1 and a.warm_start_seed >= 0,
-         "--template-prior must be in [0, 1] and --warm-start-seed >= 0")
-    need(a.filler is None or 0 <= a.filler <= 0.75, "--filler must be in [0, 0.75] (0.75: the "
-         "most entropy a filler digit can have)")
-    prior = a.kl_template_prior
-    need(prior is None or (0 <= prior <= 1 and a.model == "tiny" and not a.lora
-                           and (prior > 0) == (a.template_prior > 0)),
-         "--kl-template-prior must be in [0, 1], with --model tiny, no --lora, and > 0 "
-         "exactly when --template-prior is (the two warm starts must share a vocabulary)")
-    need(a.room_size <= MAX_MAP and a.lake_size <= MAX_MAP,
-         f"--room-size and --lake-size must be <= {MAX_MAP}, got {a.room_size}, {a.lake_size} (a "
-         f"larger map is a prompt of more than {MAX_MAP ** 2:,} cells a turn)")
-    try:
-        envs.make_env(a.env, **env_kwargs(a)).reset(seed=0)
-    except ValueError as e:
-        raise UsageError(f"--env {a.env}: {e}") from None
-
-
-def check_diagnosis(a, need):
-    """The MI diagnosis' settings: an MI over one prompt is 0 by construction (log 1), and so is
-    the action MI over one sample of a prompt; the probe set's episodes are held in memory at once,
-    like a step's, and each diagnosis scores every sample under every prompt."""
-    need(a.mi_samples >= 1, "--mi-samples must be >= 1")
-    need(a.groups >= 2 or not a.mi_every,
-         "--groups 1: an MI over one prompt is 0 by construction; use --groups 2 or more, or "
-         "--mi-every 0")
-    need(a.probe_prompts != 1 and a.probe_prompts >= 0,
-         f"--probe-prompts must be 0 (off) or >= 2, got {a.probe_prompts} (an MI over one prompt "
-         f"is 0 by construction)")
-    need(2 <= a.probe_samples <= MAX_GROUP_SIZE,
-         f"--probe-samples must be in 2..{MAX_GROUP_SIZE}, got {a.probe_samples} (the action MI "
-         f"compares each answer with the prompt's other reasonings)")
-    need(a.probe_prompts * a.probe_samples <= MAX_EPISODES,
-         f"--probe-prompts x --probe-samples must be <= {MAX_EPISODES} episodes (a diagnosis "
-         f"holds them all in memory at once), got {a.probe_prompts} x {a.probe_samples}")
-    in_batch = min(a.mi_samples, a.groups * a.group_size) * a.groups if a.mi_every else 0
-    probe = a.probe_prompts * a.probe_samples * (a.probe_prompts + a.probe_samples)
-    need(max(in_batch, probe) <= MAX_SCORED,
-         f"a diagnosis would score {max(in_batch, probe):,} reasonings (every sample under every "
-         f"prompt), more than {MAX_SCORED:,} (10**8 tokens or more at every diagnosis); use fewer "
-         f"{'--mi-samples or --groups' if in_batch > probe else '--probe-prompts'}")
-
+# ------------------------------------------------------------------- the checks that need the model
 
 def check_fits(a, policy, tokenizer, prompt):
     """Refuse an episode that cannot fit the model's context window: the first prompt, then each
@@ -452,12 +207,6 @@ def check_lora_targets(a, policy=None):
         raise UsageError(f"--lora-targets {a.lora_targets}: the policy has no layer named "
                          f"{', '.join(missing)}; its layers: {', '.join(known[:8])} (or "
                          f"all-linear)")
-
-
-def env_kwargs(a):
-    return {"sokoban": dict(dim_room=(a.room_size, a.room_size), num_boxes=a.num_boxes),
-            "frozenlake": dict(size=a.lake_size, success_rate=a.success_rate),
-            "bandit": dict(high_prob=a.high_prob)}.get(a.env, {})
 
 
 # ------------------------------------------------------------------------------------------ the run

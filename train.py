@@ -14,14 +14,19 @@ One training step, as `train` below runs it (the right column names the code):
   6. update       clipped loss - entropy bonus (+ KL), micro-batches, grad clip 1.0   ppo.policy_loss
   7. bookkeeping  metrics.jsonl line, validation every 10 steps, checkpoint, figures
 
-Everything around the loop -- the command line, the run folder, resuming -- is in runs.py (its
-checkpoints in checkpoints.py), and loading the models is in models.py; a first reading may skip
-them.
+The flags and their checks are in flags.py; everything else around the loop -- the run folder,
+resuming, one-line errors -- is in runs.py (its checkpoints in checkpoints.py), and loading the
+models is in models.py; a first reading may skip them.
 """
 import os
 import sys
 import time
-from dataclasses import dataclass, field
+
+import flags
+from flags import Args  # every flag, one line of help each: flags.py (or python train.py --help)
+
+if __name__ == "__main__":  # a bad flag is refused now, in about a second, before torch loads
+    flags.refuse_now(flags.parse_args, Args, sys.argv[1:])
 
 # OpenMP threads that spin at every barrier take shared cores from other work (the tiny warm start
 # beside one busy process on 2 cores: 73 s -> 1387 s); passive waiting lets them sleep. OpenMP
@@ -31,7 +36,6 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-import envs  # noqa: E402
 import grpo  # noqa: E402
 import logprobs  # noqa: E402
 import mi  # noqa: E402
@@ -42,7 +46,7 @@ import runs  # noqa: E402
 import sampler  # noqa: E402
 import snr_filter  # noqa: E402
 import templates  # noqa: E402
-from defaults import GROUP_SIZE, MAX_SKIPS  # noqa: E402
+from defaults import MAX_SKIPS  # noqa: E402
 
 VAL_SEED_BASE = 10_000_000  # validation seeds are 10_000_000 + i; training seeds are drawn below it
 PROBE_SEED_BASE = 20_000_000  # the probe set's prompts: 20_000_000 + i, held out like validation's
@@ -50,96 +54,6 @@ CONTROL_STREAM = 1  # the random control's draws: np.random.default_rng([seed, s
 ANALYSIS_KL_COEF = 1e-3  # Fig. 4's KL coefficient without --kl-coef (the paper's analysis runs)
 AGGREGATION = {"ppo": "token-mean", "grpo": "seq-mean-token-mean",
                "drgrpo": "seq-mean-token-sum-norm"}
-
-
-def arg(default, help, **kw):
-    return field(default=default, metadata=dict(help=help, **kw))
-
-
-@dataclass
-class Args:
-    # the world
-    env: str = arg("sokoban", "environment", choices=tuple(envs.ENVS))
-    room_size: int = arg(6, "sokoban: the room is room_size x room_size")
-    num_boxes: int = arg(1, "sokoban: number of boxes")
-    lake_size: int = arg(4, "frozenlake: the map is lake_size x lake_size")
-    success_rate: float = arg(1.0, "frozenlake: chance a move goes its way (Gymnasium's: 1/3)")
-    high_prob: float = arg(0.25, "bandit: chance that the risky arm pays")
-    max_turns: int = arg(5, "turns per episode")
-    max_actions_per_turn: int = arg(2, "actions the policy may take per turn")
-    # the algorithm
-    algo: str = arg("ppo", "ppo: critic + GAE; grpo: group-normalised; drgrpo: no std division",
-                    choices=tuple(AGGREGATION))
-    filter: str = arg("topp", "filter (random / bottom: controls)",
-                      choices=snr_filter.MODES + snr_filter.CONTROLS)
-    control_of: str = arg("topk", "random / bottom only: keep as many groups as this would keep",
-                          choices=("topk", "topp"))
-    top_p: float = arg(0.9, "topp: keep the best groups until this fraction of the summed std")
-    top_k: float = arg(0.5, "topk: keep max(1, int(top_k * groups)) best groups")
-    filter_prob_mode: str = arg("linear", "topp: on the std itself or on its softmax",
-                                choices=snr_filter.PROB_MODES)
-    include_zero: bool = arg(False, "let zero-spread groups be kept (no task gradient)")
-    groups: int = arg(8, "prompt groups (env seeds) per step")
-    group_size: int = arg(GROUP_SIZE, "rollouts per group")
-    steps: int = arg(100, "training steps")
-    lr: float = arg(None, "actor learning rate, <= 0.1 (1e-6; tiny: 1e-4)")
-    critic_lr: float = arg(None, "critic learning rate, <= 0.1 (1e-5; tiny: 1e-3)")
-    clip_low: float = arg(0.2, "PPO ratio clip below 1")
-    clip_high: float = arg(0.28, "PPO ratio clip above 1")
-    clip_c: float = arg(3.0, "dual clip: loss cap for negative advantages, times -A (0 = off)")
-    value_clip: float = arg(0.5, "critic value clip")
-    kl_coef: float = arg(0.0, "KL penalty to the initial policy, <= 10 (0 = none)")
-    kl_kind: str = arg("k3", "KL estimator", choices=ppo.KL_KINDS)
-    entropy_coef: float = arg(0.001, "entropy bonus coefficient, <= 10")
-    gamma: float = arg(1.0, "GAE discount (only 1: each reward sits on the episode's last token)")
-    lam: float = arg(1.0, "GAE lambda")
-    mini_batch_size: int = arg(32, "trajectories per optimiser step")
-    epochs: int = arg(1, "passes over the kept batch per step, <= 100")
-    optimizer_steps: int = arg(0, "N mini-batches per update (fewer if fewer kept; 0: by size)")
-    grad_clip: float = arg(1.0, "gradient norm clip")
-    # generation
-    temperature: float = arg(1.0, "sampling temperature of the rollouts, >= 0.001")
-    sample_top_p: float = arg(1.0, "nucleus sampling of the rollouts (1 = off)")
-    max_new_tokens: int = arg(None, "token limit per turn (400; tiny: 64)")
-    # the model, memory and speed
-    model: str = arg(None, "HF id, folder, tiny or smollm2 (GPU: Qwen2.5-0.5B-Instruct, else tiny)")
-    dtype: str = arg(None, "bfloat16 (autocast over fp32 weights; GPU default) or float32",
-                     choices=("float32", "bfloat16"))
-    lora: int = arg(0, "LoRA rank: train adapters instead of all weights (0 = off)")
-    lora_alpha: float = arg(None, "LoRA alpha (2 x rank)")
-    lora_targets: str = arg("all-linear", "LoRA targets: all-linear or comma-separated names")
-    micro_batch: int = arg(None, "trajectories per forward/backward (CPU: 8; GPU: by memory)")
-    rollout_batch: int = arg(None, "episodes sampled at once (all; GPU: by memory)")
-    grad_checkpointing: bool = arg(None, "recompute activations in backward (GPU: by memory)")
-    threads: int = arg(None, "CPU threads for torch, <= cores (tiny: 2, else all cores)")
-    rebuild_tiny: bool = arg(False, "tiny: redo the warm start instead of using the cache")
-    warm_start: bool = arg(True, "tiny, smollm2: warm-start on demonstrations (off: as built)")
-    tiny_cache: str = arg(".cache/tiny", "tiny: folder of warm-started models")
-    warm_start_seed: int = arg(0, "tiny, smollm2: the warm start's build seed (weights, demos)")
-    template_prior: float = arg(0.0, "tiny: share of warm-start turns reasoning with a template")
-    kl_template_prior: float = arg(
-        None, "tiny: template share of the KL reference's warm start (default: the policy's)")
-    template_kind: str = arg("pool", "tiny: pool sentences or surface (another layout's) templates",
-                             choices=("pool", "surface"))
-    filler: float = arg(None, "tiny: 5 digits end each demo reasoning, random w.p. FILLER")
-    # diagnosis, validation, output
-    mi_every: int = arg(5, "cross-scoring diagnosis at step 1 and every N steps (0 = off)")
-    mi_samples: int = arg(64, "samples cross-scored per diagnosis")
-    retokenize: bool = arg(False, "diagnosis: score re-tokenised text (the official way), not sampled ids")
-    probe_prompts: int = arg(8, "fixed held-out prompts diagnosed at every diagnosis (0: off)")
-    probe_samples: int = arg(8, "first-turn reasonings sampled per probe prompt (>= 2)")
-    grad_decomp_every: int = arg(0, "task / KL-to-start / entropy gradient norms per spread bucket, "
-                                 "every N")
-    val_every: int = arg(10, "validation before training, every N steps, at the end (0 = never)")
-    val_seeds: int = arg(64, "held-out validation seeds (one rollout each)")
-    val_temperature: float = arg(0.5, "validation sampling temperature, >= 0.001 or 0 (greedy)")
-    save_every: int = arg(1, "checkpoint every N steps (1: a kill loses at most one step)")
-    seed: int = arg(0, "seed of env seeds, sampling and shuffling")
-    out: str = arg(None, "run folder (runs/<env>-<algo>-<filter>-<time>)")
-    resume: str = arg(None, "run folder to continue from its checkpoint (--steps may extend it)")
-    plot: bool = arg(True, "write PNG figures at the end")
-    report_to: str = arg("none", "metrics also to none, tensorboard (<out>/tensorboard), wandb, "
-                         "trackio", choices=runs.REPORT_TO)
 
 
 # ----------------------------------------------------------------------------------------- the loop

@@ -42,6 +42,70 @@ import time
 import types
 import warnings
 
+import flags
+from flags import arg  # the same one-line flag declarations as train.py's
+
+# ------------------------------------------------------------------------------------- command line
+
+# train.py's flags that mean the same here, defined once in flags.Args; TRL's names for them are
+# in GRPOConfig below (group_size: num_generations, clip_low: epsilon, kl_coef: beta, ...)
+SHARED = ("env", "room_size", "num_boxes", "lake_size", "success_rate", "high_prob", "max_turns",
+          "max_actions_per_turn", "filter", "control_of", "top_p", "top_k", "filter_prob_mode",
+          "include_zero", "groups", "group_size", "steps", "lr", "clip_low", "clip_high", "kl_coef",
+          "entropy_coef", "grad_clip", "temperature", "sample_top_p", "max_new_tokens", "model",
+          "warm_start", "tiny_cache", "mi_every", "mi_samples", "seed", "report_to")
+
+
+def shared_flags(Args, names):
+    """A dataclass of the fields `names` of Args, each as Args declares it."""
+    return dataclasses.make_dataclass("Shared", [
+        (f.name, f.type, dataclasses.field(default=f.default, metadata=f.metadata))
+        for f in dataclasses.fields(Args) if f.name in names])
+
+
+@dataclasses.dataclass
+class Args(shared_flags(flags.Args, SHARED)):
+    """train.py's shared flags, then this entry point's own."""
+    # the batch and the update (GRPOConfig underneath)
+    loss_type: str = arg("dapo", "TRL's loss: dapo = token-mean over the batch, grpo = seq-mean-"
+                         "token-mean, bnpo = dapo on one micro-batch, dr_grpo = token sums / "
+                         "(max_turns x max_new_tokens)",
+                         choices=("dapo", "grpo", "bnpo", "dr_grpo"))
+    scale_rewards: str = arg("group", "TRL's advantage std: group (GRPO), batch, none (Dr.GRPO)",
+                             choices=("group", "batch", "none"))
+    accumulation: int = arg(1, "micro-batches per optimiser step (TRL: gradient_accumulation)")
+    # generation
+    use_vllm: bool = arg(False, "sample with vLLM (GPU; TRL's vllm_mode below)")
+    vllm_mode: str = arg("colocate", "vLLM beside training or a trl vllm-serve server",
+                         choices=("colocate", "server"))
+    # the model, output
+    bf16: bool = arg(None, "bfloat16 mixed precision (GPU default)")
+    # train.py's flags of the same name with another default: train.py decides these from its
+    # memory plan and names its folders by --algo, which TRL has neither of
+    grad_checkpointing: bool = arg(False, "recompute activations in backward")
+    out: str = arg(None, "run folder (runs/trl-<env>-<filter>-<time>)")
+
+
+def parse_args(argv):
+    """Args from the command line (flags.build_parser: one flag per field); bad input raises
+    flags.UsageError."""
+    parser = flags.build_parser(Args)
+    parser.prog, parser.usage = "trl_ragen.py", "python trl_ragen.py [flags]"
+    parser.description = ("RAGEN-2 in TRL's GRPOTrainer: SNR-aware filtering and the MI diagnosis "
+                          "on multi-turn episodes. Defaults in brackets.")
+    a = Args(**vars(parser.parse_args(argv)))
+    flags.check_ignored(a, vars(flags.build_parser(Args, defaults=False).parse_args(argv)))
+    if a.steps < 1 or a.group_size < 2 or a.accumulation < 1:
+        raise flags.UsageError("need --steps >= 1, --group-size >= 2 (GRPO compares rollouts) "
+                               "and --accumulation >= 1")
+    # train.py's checks (finite, bounded) on the flags the two share; its defaults elsewhere
+    flags.check_args(flags.Args(**{k: getattr(a, k) for k in SHARED}))
+    return a
+
+
+if __name__ == "__main__":  # a bad flag is refused now, in about a second, before torch loads
+    flags.refuse_now(parse_args, sys.argv[1:])
+
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch loads OpenMP: train.py says why
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
@@ -398,67 +462,6 @@ def trim_padding(out):
         elif torch.is_tensor(v) and v.dim() == 2 and v.shape[1] == width:
             out[k] = v[:, :C]
     return out
-
-
-# ------------------------------------------------------------------------------------- command line
-
-arg = train.arg  # the same one-line flag declarations as train.py's
-
-# train.py's flags that mean the same here: defined once, in train.Args (type, default, help,
-# choices); TRL's names for them are in GRPOConfig below (group_size: num_generations, clip_low:
-# epsilon, kl_coef: beta, ...)
-SHARED = ("env", "room_size", "num_boxes", "lake_size", "success_rate", "high_prob", "max_turns",
-          "max_actions_per_turn", "filter", "control_of", "top_p", "top_k", "filter_prob_mode",
-          "include_zero", "groups", "group_size", "steps", "lr", "clip_low", "clip_high", "kl_coef",
-          "entropy_coef", "grad_clip", "temperature", "sample_top_p", "max_new_tokens", "model",
-          "warm_start", "tiny_cache", "mi_every", "mi_samples", "seed", "report_to")
-
-
-def shared_flags(Args, names):
-    """A dataclass of the fields `names` of Args, each as Args declares it."""
-    return dataclasses.make_dataclass("Shared", [
-        (f.name, f.type, dataclasses.field(default=f.default, metadata=f.metadata))
-        for f in dataclasses.fields(Args) if f.name in names])
-
-
-@dataclasses.dataclass
-class Args(shared_flags(train.Args, SHARED)):
-    """train.py's shared flags, then this entry point's own."""
-    # the batch and the update (GRPOConfig underneath)
-    loss_type: str = arg("dapo", "TRL's loss: dapo = token-mean over the batch, grpo = seq-mean-"
-                         "token-mean, bnpo = dapo on one micro-batch, dr_grpo = token sums / "
-                         "(max_turns x max_new_tokens)",
-                         choices=("dapo", "grpo", "bnpo", "dr_grpo"))
-    scale_rewards: str = arg("group", "TRL's advantage std: group (GRPO), batch, none (Dr.GRPO)",
-                             choices=("group", "batch", "none"))
-    accumulation: int = arg(1, "micro-batches per optimiser step (TRL: gradient_accumulation)")
-    # generation
-    use_vllm: bool = arg(False, "sample with vLLM (GPU; TRL's vllm_mode below)")
-    vllm_mode: str = arg("colocate", "vLLM beside training or a trl vllm-serve server",
-                         choices=("colocate", "server"))
-    # the model, output
-    bf16: bool = arg(None, "bfloat16 mixed precision (GPU default)")
-    # train.py's flags of the same name with another default: train.py decides these from its
-    # memory plan and names its folders by --algo, which TRL has neither of
-    grad_checkpointing: bool = arg(False, "recompute activations in backward")
-    out: str = arg(None, "run folder (runs/trl-<env>-<filter>-<time>)")
-
-
-def parse_args(argv):
-    """Args from the command line (runs.build_parser: one flag per field); bad input raises
-    runs.UsageError."""
-    parser = runs.build_parser(Args)
-    parser.prog, parser.usage = "trl_ragen.py", "python trl_ragen.py [flags]"
-    parser.description = ("RAGEN-2 in TRL's GRPOTrainer: SNR-aware filtering and the MI diagnosis "
-                          "on multi-turn episodes. Defaults in brackets.")
-    a = Args(**vars(parser.parse_args(argv)))
-    runs.check_ignored(a, vars(runs.build_parser(Args, defaults=False).parse_args(argv)))
-    if a.steps < 1 or a.group_size < 2 or a.accumulation < 1:
-        raise runs.UsageError("need --steps >= 1, --group-size >= 2 (GRPO compares rollouts) "
-                              "and --accumulation >= 1")
-    # train.py's checks (finite, bounded) on the flags the two share; its defaults elsewhere
-    runs.check_args(train.Args(**{k: getattr(a, k) for k in SHARED}))
-    return a
 
 
 def load_model(a, cuda):

@@ -205,7 +205,7 @@ MUTANTS = [
       "kept = [line for line in lines if _step_of(line) <= step]",
       "kept = [line for line in lines if _step_of(line) < step]",
       RUNS + "test_the_log_is_cut_back_to_its_checkpoints_step_exactly"),
-    m("top-p-0-accepted", "runs.py", "check_args",
+    m("top-p-0-accepted", "flags.py", "check_args",
       'need(0 < a.top_p <= 1, f"--top-p must be in (0, 1], got {a.top_p}")',
       'need(0 <= a.top_p <= 1, f"--top-p must be in (0, 1], got {a.top_p}")',
       RUNS + "test_bad_arguments_print_one_line_exit_2_and_leave_nothing[argv2---top-p]"),

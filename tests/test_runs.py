@@ -19,6 +19,7 @@ import torch
 
 import models
 import checkpoints
+import flags
 import runs
 import tiny
 import train
@@ -336,7 +337,7 @@ def test_a_diverged_run_stops_with_one_line_keeping_its_good_steps(tmp_path, cap
     """The reported command (past today's --lr ceiling): the first distribution that cannot be
     sampled ends the run with one line naming its step and the likely cause; the steps before it
     are logged and the newest checkpoint is theirs."""
-    monkeypatch.setattr(runs, "MAX_LR", 1e10)
+    monkeypatch.setattr(flags, "MAX_LR", 1e10)
     out = str(tmp_path / "run")
     last = fails(SMALL + ["--steps", "4", "--mi-every", "0", "--lr", "1e10", "--temperature", "1.5",
                           "--out", out], capsys, "the run diverged at step", started=True)

@@ -3,6 +3,7 @@ equals the plain full-logits computation; the filter drops whole groups exactly;
 decomposition sees reward spread; LoRA trains adapters only. The plumbing around the loop (flags,
 resume, checkpoints) is tested in test_runs.py."""
 import copy
+import dataclasses
 import json
 import math
 import os
@@ -12,6 +13,7 @@ import pytest
 import torch
 
 import envs
+import flags
 import grpo
 import logprobs
 import models
@@ -636,3 +638,10 @@ def test_split_answer_cuts_after_the_reasoning():
     assert train.split_answer(e) == ("Q<think> go </think>", " <answer> Up </answer>")
     e.responses = ["<think> unclosed"]
     assert train.split_answer(e) == ("Q<think> unclosed", "")
+
+
+def test_the_algorithms_are_those_the_loop_aggregates():
+    """--algo's choices (flags.py, without torch) are the keys of train.AGGREGATION."""
+    algo = next(f for f in dataclasses.fields(flags.Args) if f.name == "algo")
+    assert algo.metadata["choices"] == tuple(train.AGGREGATION)
+

@@ -25,6 +25,7 @@ from datasets import Dataset
 from trl import GRPOConfig, GRPOTrainer
 
 import envs
+import flags
 import mi
 import rollout
 import runs
@@ -130,7 +131,7 @@ def test_the_flags_the_entry_points_share_are_defined_once_in_train_py(tmp_path)
 
     @dataclasses.dataclass
     class Grown(train.Args):
-        new_flag: int = train.arg(7, "a flag defined once")
+        new_flag: int = flags.arg(7, "a flag defined once")
     shared = trl_ragen.shared_flags(Grown, trl_ragen.SHARED + ("new_flag",))
     assert "a flag defined once [7]" in runs.build_parser(shared).format_help()
     a = trl_ragen.parse_args(["--filter", "random", "--control-of", "topp", "--out", str(tmp_path)])
@@ -370,7 +371,7 @@ def test_unusable_out_and_what_cannot_fit_are_one_line_as_in_train_py(tmp_path, 
 def test_a_diverged_run_stops_with_one_line(tmp_path, capsys, monkeypatch):
     """A learning rate past today's ceiling: the first step whose loss or gradient norm is not
     finite ends the run with one line naming it; the steps before it stay logged."""
-    monkeypatch.setattr(runs, "MAX_LR", 1e10)
+    monkeypatch.setattr(flags, "MAX_LR", 1e10)
     out = tmp_path / "run"
     argv = script.ARGS + ["--steps", "4", "--mi-every", "0", "--lr", "1e10", "--out", str(out)]
     assert trl_ragen.main(argv, make_policy=script.scripted()) == 2
