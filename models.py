@@ -200,10 +200,9 @@ def load_smollm2(cache_dir=SMOLLM2_CACHE):
     gguf = smollm2_gguf()
     stamp = {"gguf": SMOLLM2_FILE, "bytes": os.path.getsize(gguf)}
     try:
-        with open(os.path.join(cache_dir, "source.json")) as f:
-            if json.load(f) == stamp:
-                return load_hf_files(cache_dir, None)
-    except Exception:  # noqa: BLE001 -- no cache yet, or a damaged one: made again below
+        if _stamped(cache_dir, stamp):
+            return load_hf_files(cache_dir, None)
+    except Exception:  # noqa: BLE001 -- a damaged cache: made again below
         pass
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -219,7 +218,8 @@ def load_smollm2(cache_dir=SMOLLM2_CACHE):
         tokenizer.save_pretrained(tmp)
         with open(os.path.join(tmp, "source.json"), "w") as f:
             json.dump(stamp, f)
-        shutil.rmtree(cache_dir, ignore_errors=True)
+        if not _stamped(cache_dir, stamp):  # a stale or damaged copy; never another's good one
+            shutil.rmtree(cache_dir, ignore_errors=True)
         os.replace(tmp, cache_dir)
     except OSError:  # a read-only disk, or another process swapped in its copy first: not needed
         shutil.rmtree(tmp, ignore_errors=True)
@@ -273,6 +273,15 @@ def smollm2_warm_start(env_name, env_kwargs=None, seed=0, cache_dir=SMOLLM2_CACH
         shutil.rmtree(tmp, ignore_errors=True)
     print(f"warm start built in {time.time() - began:.0f} s")
     return model.eval(), tokenizer
+
+
+def _stamped(folder, stamp):
+    """The folder holds a finished copy made from the file `stamp` describes."""
+    try:
+        with open(os.path.join(folder, "source.json")) as f:
+            return json.load(f) == stamp
+    except (OSError, ValueError):
+        return False
 
 
 def hub_reachable(timeout=3.0):
