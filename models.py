@@ -241,10 +241,12 @@ def smollm2_warm_start(env_name, env_kwargs=None, seed=0, cache_dir=SMOLLM2_CACH
     key = json.dumps({"env": env_name, "env_kwargs": env_kwargs or {}, **settings},
                      sort_keys=True, default=str)
     folder = os.path.join(cache_dir, f"{env_name}-{hashlib.sha256(key.encode()).hexdigest()[:12]}")
+    damaged = False
     if os.path.isfile(os.path.join(folder, "warm_start.json")):
         try:
             return load_hf_files(folder, None)
         except Exception as e:  # noqa: BLE001 -- a damaged build: made again
+            damaged = True
             print(f"the cached SmolLM2 warm start in {folder} is damaged ({type(e).__name__}); "
                   f"building it again")
     model, tokenizer = load_smollm2()
@@ -267,7 +269,8 @@ def smollm2_warm_start(env_name, env_kwargs=None, seed=0, cache_dir=SMOLLM2_CACH
         with open(os.path.join(tmp, "warm_start.json"), "w") as f:
             json.dump({"env": env_name, "env_kwargs": env_kwargs or {}, **settings,
                        "seconds": time.time() - began, "losses": losses}, f)
-        shutil.rmtree(folder, ignore_errors=True)
+        if not os.path.isfile(os.path.join(folder, "warm_start.json")) or damaged:
+            shutil.rmtree(folder, ignore_errors=True)  # never another process's finished build
         os.replace(tmp, folder)
     except OSError:  # a read-only disk, or another process swapped in its copy first
         shutil.rmtree(tmp, ignore_errors=True)
