@@ -359,6 +359,7 @@ def check_diagnosis(a, need):
          f"prompt), more than {MAX_SCORED:,} (10**8 tokens or more at every diagnosis); use fewer "
          f"{'--mi-samples or --groups' if in_batch > probe else '--probe-prompts'}")
 
+
 def env_kwargs(a):
     return {"sokoban": dict(dim_room=(a.room_size, a.room_size), num_boxes=a.num_boxes),
             "frozenlake": dict(size=a.lake_size, success_rate=a.success_rate),

@@ -204,6 +204,8 @@ def load_smollm2(cache_dir=SMOLLM2_CACHE):
             return load_hf_files(cache_dir, None)
     except Exception:  # noqa: BLE001 -- a damaged cache: made again below
         pass
+    if os.path.isdir(cache_dir):  # stale (another file's) or damaged: made again
+        shutil.rmtree(cache_dir, ignore_errors=True)
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     folder, name = os.path.split(gguf)
@@ -212,17 +214,7 @@ def load_smollm2(cache_dir=SMOLLM2_CACHE):
     # the weights are plain floats now: forget the quantiser, which refuses to save them
     model.hf_quantizer, model.config.quantization_config = None, None
     del model.config.quantization_config
-    tmp = f"{cache_dir}.tmp-{os.getpid()}"
-    try:
-        model.save_pretrained(tmp)
-        tokenizer.save_pretrained(tmp)
-        with open(os.path.join(tmp, "source.json"), "w") as f:
-            json.dump(stamp, f)
-        if not _stamped(cache_dir, stamp):  # a stale or damaged copy; never another's good one
-            shutil.rmtree(cache_dir, ignore_errors=True)
-        os.replace(tmp, cache_dir)
-    except OSError:  # a read-only disk, or another process swapped in its copy first: not needed
-        shutil.rmtree(tmp, ignore_errors=True)
+    save_aside(model, tokenizer, cache_dir, "source.json", stamp)
     return model, tokenizer
 
 
@@ -236,19 +228,18 @@ def smollm2_warm_start(env_name, env_kwargs=None, seed=0, cache_dir=SMOLLM2_CACH
     """SmolLM2 behaviour-cloned on `env_name`'s demonstrations (SMOLLM2_WARM_START, overridden by
     `settings`), built on first use and cached in cache_dir/<world>-<hash>; warm_start.json, written
     last, marks a finished build and records its losses and time. An interrupted build starts over
-    (about 15 minutes on 2 CPU cores)."""
+    (it took 35 minutes here, on 2 CPU cores shared with other work)."""
     settings = {**SMOLLM2_WARM_START, **settings, "seed": seed}
     key = json.dumps({"env": env_name, "env_kwargs": env_kwargs or {}, **settings},
                      sort_keys=True, default=str)
     folder = os.path.join(cache_dir, f"{env_name}-{hashlib.sha256(key.encode()).hexdigest()[:12]}")
-    damaged = False
     if os.path.isfile(os.path.join(folder, "warm_start.json")):
         try:
             return load_hf_files(folder, None)
         except Exception as e:  # noqa: BLE001 -- a damaged build: made again
-            damaged = True
             print(f"the cached SmolLM2 warm start in {folder} is damaged ({type(e).__name__}); "
                   f"building it again")
+            shutil.rmtree(folder, ignore_errors=True)
     model, tokenizer = load_smollm2()
     steps = settings["steps"]
     print(f"building SmolLM2's warm start for {env_name}: behaviour cloning on solver "
@@ -262,20 +253,29 @@ def smollm2_warm_start(env_name, env_kwargs=None, seed=0, cache_dir=SMOLLM2_CACH
                            on_step=lambda step, loss, _: print(
                                f"  step {step + 1}/{steps}: loss {loss:.3f}", flush=True))
     torch.random.set_rng_state(torch_state)
+    save_aside(model, tokenizer, folder, "warm_start.json",
+               {"env": env_name, "env_kwargs": env_kwargs or {}, **settings,
+                "seconds": time.time() - began, "losses": losses})
+    print(f"warm start built in {time.time() - began:.0f} s")
+    return model.eval(), tokenizer
+
+
+def save_aside(model, tokenizer, folder, record, content):
+    """Save a model and its tokenizer as `folder`: written to a folder of this process's, the JSON
+    file `record` (what marks a finished copy) last, then swapped in. A finished copy already
+    there -- another process's, made meanwhile -- is kept, and so is nothing on a read-only disk:
+    the caller's model serves as it is either way."""
     tmp = f"{folder}.tmp-{os.getpid()}"
     try:
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
-        with open(os.path.join(tmp, "warm_start.json"), "w") as f:
-            json.dump({"env": env_name, "env_kwargs": env_kwargs or {}, **settings,
-                       "seconds": time.time() - began, "losses": losses}, f)
-        if not os.path.isfile(os.path.join(folder, "warm_start.json")) or damaged:
-            shutil.rmtree(folder, ignore_errors=True)  # never another process's finished build
+        with open(os.path.join(tmp, record), "w") as f:
+            json.dump(content, f)
+        if not os.path.isfile(os.path.join(folder, record)):  # part-made; never a finished copy
+            shutil.rmtree(folder, ignore_errors=True)
         os.replace(tmp, folder)
-    except OSError:  # a read-only disk, or another process swapped in its copy first
+    except OSError:  # not writable, or the folder is another process's finished copy
         shutil.rmtree(tmp, ignore_errors=True)
-    print(f"warm start built in {time.time() - began:.0f} s")
-    return model.eval(), tokenizer
 
 
 def _stamped(folder, stamp):
