@@ -24,12 +24,12 @@ results/zero-shot/README.md is the table, made from them alone.
 """
 import argparse
 import json
-import math
 import os
 import sys
 import time
 
 import numpy as np
+import scipy.stats
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -42,18 +42,6 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 OUT = os.path.join(ROOT, "results", "zero-shot")
 WORLDS = ("frozenlake", "sokoban", "bandit")
 GROUPS, GROUP_SIZE = 8, 8  # the in-batch diagnosis: 64 first turns cross-scored over 8 prompts
-
-
-def wilson(k, n, z=1.96):
-    """95% Wilson interval of a share k / n: (low, high).
-
-    >>> [round(x, 3) for x in wilson(0, 64)]
-    [0.0, 0.057]
-    """
-    p, d = k / n, 1 + z * z / n
-    centre = (p + z * z / (2 * n)) / d
-    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / d
-    return max(0.0, centre - half), min(1.0, centre + half)
 
 
 def measure(model, world, val_seeds, groups, group_size, probe, max_new_tokens, threads, seed=0,
@@ -104,9 +92,9 @@ def measure(model, world, val_seeds, groups, group_size, probe, max_new_tokens, 
 
 
 def share(k_share, n):
-    """A share of n samples with its 95% Wilson interval, as text."""
-    low, high = wilson(round(k_share * n), n)
-    return f"{k_share:.3f} ({low:.3f}-{high:.3f})"
+    """A share of n samples with its 95% Wilson interval (scipy's), as text."""
+    ci = scipy.stats.binomtest(round(k_share * n), n).proportion_ci(0.95, method="wilson")
+    return f"{k_share:.3f} ({ci.low:.3f}-{ci.high:.3f})"
 
 
 ROWS = [  # (label, how to show it from an archive); | in a label is escaped for the table
