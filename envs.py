@@ -36,10 +36,10 @@ import random
 import re
 from collections import Counter
 
-from bandit import Bandit
-from frozenlake import FrozenLake
-from sokoban import Sokoban
-from textenv import TextEnv, as_int, check, solve
+from worlds.bandit import Bandit
+from worlds.frozenlake import FrozenLake
+from worlds.sokoban import Sokoban
+from worlds.textenv import TextEnv, as_int, check, solve
 
 # ----------------------------------------------------------------------------------------- registry
 

@@ -25,7 +25,7 @@ import copy
 import torch
 from torch import nn
 
-from defaults import KL_KINDS  # k1, k2, k3
+from plumbing.defaults import KL_KINDS  # k1, k2, k3
 
 AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
 

@@ -1,7 +1,7 @@
 """The agent-environment loop: batched multi-turn rollouts of a language-model policy in the worlds
 of envs.py.
 
-A new top-level file because the loop is a concept of its own: it turns a policy pi(z | x) and an
+Its own file because the loop is a concept of its own: it turns a policy pi(z | x) and an
 environment into the token-level data that PPO / GRPO train on (RAGEN-2, Sec. 4.1: prompt groups of
 K rollouts, up to 5 turns).
 

@@ -37,19 +37,22 @@ g*K .. g*K + K - 1 belong to group g), T tokens, D parameters. Inputs may be num
 torch tensors; outputs are torch tensors.
 
 Order of the file: the remedy first (select_groups, filter_stats, group_scores), then the
-mechanism it rests on (the bound, the spread buckets, the gradient decomposition), and last the
-controls (select_control, zero_spread_split).
+mechanism it rests on (the bound, the spread buckets, the gradient decomposition), then the
+controls (select_control, zero_spread_split), and last `select`: what train.py's --filter flags
+mean, decided here once for train.py and scaleout/trl_ragen.py.
 """
 import math
 import numbers
 
+import numpy as np
 import torch
 
-from defaults import CONTROLS, MODES, PROB_MODES  # the filters, controls, Top-P's kinds
 from grpo import group_advantages
+from plumbing.defaults import CONTROLS, MODES, PROB_MODES  # the filters, controls, Top-P's kinds
 from ppo import entropy_from_logits, policy_loss, token_logprobs
 
 SCORE_KINDS = ("std", "var")
+CONTROL_STREAM = 1  # the random control's draws: np.random.default_rng([seed, step, 1])
 
 
 def _as_float64(x, name):
@@ -406,3 +409,23 @@ def zero_spread_split(rewards, success):
     G = max(r.shape[0], 1)
     return {"zero_var_success_frac": int((zero & ok.all(1)).sum()) / G,
             "zero_var_fail_frac": int((zero & ~ok.any(1)).sum()) / G}
+
+
+# ----------------------------------------------------------------------------------- the flags
+
+def select(a, rewards, step=0):
+    """train.py's step 3 -> (keep [G], filter_stats): which groups to train on, from the spread
+    (unbiased std) of their total rewards [G, K], as the flags `a` (filter, top_p, top_k,
+    include_zero, filter_prob_mode, control_of, seed) say. The random control draws from its own
+    stream of (seed, step): the same choice on a resume."""
+    scores = group_scores(rewards)                                               # [G]
+    named = a.control_of if a.filter in CONTROLS else a.filter  # whose count is kept
+    value = a.top_p if named == "topp" else a.top_k
+    if a.filter in CONTROLS:
+        draw = int(np.random.default_rng([a.seed, step, CONTROL_STREAM]).integers(2 ** 62))
+        keep = select_control(scores, a.filter, named, value, a.include_zero,
+                                         a.filter_prob_mode, torch.Generator().manual_seed(draw))
+    else:
+        keep = select_groups(scores, a.filter, value, a.include_zero,
+                                        a.filter_prob_mode)
+    return keep, filter_stats(scores, keep)

@@ -14,16 +14,17 @@ One training step, as `train` below runs it (the right column names the code):
   6. update       clipped loss - entropy bonus (+ KL), micro-batches, grad clip 1.0   ppo.policy_loss
   7. bookkeeping  metrics.jsonl line, validation every 10 steps, checkpoint, figures
 
-The flags and their checks are in flags.py; everything else around the loop -- the run folder,
-resuming, one-line errors -- is in runs.py (its checkpoints in checkpoints.py), and loading the
-models is in models.py; a first reading may skip them.
+The flags and their checks are in plumbing/flags.py, step 2's sampling and cross-scoring in
+plumbing/diagnosis.py; everything else around the loop -- the run folder, resuming, one-line
+errors -- is in plumbing/runs.py (its checkpoints in plumbing/checkpoints.py), and loading the
+models in plumbing/models.py; a first reading may skip them (plumbing/README.md).
 """
 import os
 import sys
 import time
 
-import flags
-from flags import Args  # every flag, one line of help each: flags.py (or python train.py --help)
+from plumbing import flags
+from plumbing.flags import Args  # every flag, one line of help each (python train.py --help)
 
 if __name__ == "__main__":  # a bad flag is refused now, in about a second, before torch loads
     flags.refuse_now(flags.parse_args, Args, sys.argv[1:])
@@ -38,19 +39,13 @@ import torch  # noqa: E402
 
 import grpo  # noqa: E402
 import logprobs  # noqa: E402
-import mi  # noqa: E402
-import models  # noqa: E402
 import ppo  # noqa: E402
 import rollout  # noqa: E402
-import runs  # noqa: E402
-import sampler  # noqa: E402
 import snr_filter  # noqa: E402
-import templates  # noqa: E402
-from defaults import MAX_SKIPS  # noqa: E402
+from plumbing import models, runs, sampler  # noqa: E402
+from plumbing.defaults import MAX_SKIPS, VAL_SEED_BASE  # noqa: E402
+from plumbing.diagnosis import diagnose, probe  # noqa: E402
 
-VAL_SEED_BASE = 10_000_000  # validation seeds are 10_000_000 + i; training seeds are drawn below it
-PROBE_SEED_BASE = 20_000_000  # the probe set's prompts: 20_000_000 + i, held out like validation's
-CONTROL_STREAM = 1  # the random control's draws: np.random.default_rng([seed, step, 1])
 ANALYSIS_KL_COEF = 1e-3  # Fig. 4's KL coefficient without --kl-coef (the paper's analysis runs)
 AGGREGATION = {"ppo": "token-mean", "grpo": "seq-mean-token-mean",
                "drgrpo": "seq-mean-token-sum-norm"}
@@ -82,7 +77,7 @@ def train(run):
             m["grad_decomposition"] = decompose_gradients(run, episodes, rewards)
 
         # 3. the filter: whole groups, before any advantage is computed
-        keep, stats = select(a, rewards, step)                                              # [G]
+        keep, stats = snr_filter.select(a, rewards, step)                                   # [G]
         m.update(stats, time_scoring=time.time() - t1, skipped=not keep.any())
         m.update(snr_filter.zero_spread_split(rewards, [e.success for e in episodes]))
 
@@ -105,6 +100,24 @@ def train(run):
         if run.state["skips"] >= MAX_SKIPS:
             print(f"stopping: no group had any reward spread for {MAX_SKIPS} steps (step {step})")
             break
+
+
+def main(argv=None):
+    """Parse the flags, start the run (None: it is finished), validate the starting point, train,
+    finish; a failure ends in one line and an exit code (runs.failed)."""
+    run = None
+    try:
+        run = runs.start(runs.parse_args(Args, sys.argv[1:] if argv is None else argv))
+        if run is not None:
+            if run.step == 0 and (run.args.val_every or run.args.steps == 0):  # what training adds
+                runs.record(run, {"step": 0, "val_success": validate(run)})
+            train(run)
+            runs.finish(run)
+        return 0
+    except BaseException as e:  # noqa: B036 -- runs.failed raises again what it does not know
+        return runs.failed(e, run)
+    finally:
+        runs.close(run)
 
 
 # ---------------------------------------------------------------------------------------- the steps
@@ -138,126 +151,6 @@ def rollout_stats(episodes, rewards):
             "cut_frac": float(np.mean([e.cut for e in episodes]))}
 
 
-def diagnose(run, episodes, rng):
-    """Step 2: cross-score up to mi_samples first-turn reasonings under every group's first prompt
-    (Sec. 2.3). Identical prompts (Bandit repeats its 4 layouts; rooms can repeat) count as one.
-    diagnosis_logprob_diff: the largest |a sample's score under its own prompt - its sampling
-    log-prob|, 0 up to float rounding when the sampled ids are scored; template_share: the share of
-    those reasonings that are templates of --template-kind (templates.share_of), exact."""
-    a = run.args
-    picked = [episodes[i] for i in mi_sample(a.groups, a.group_size, a.mi_samples, rng)]
-    firsts = [next(e for e in episodes if e.group == g) for g in range(a.groups)]
-    scores, lengths = cross_score(run, firsts, picked)
-    prompts = [e.first_prompt for e in firsts]
-    metrics = mi.collapse_metrics(scores, [e.group for e in picked], lengths, prompt_keys=prompts)
-    metrics["mi_zscore_ema"], run.state["std_ema"] = mi.mi_zscore_ema(metrics, run.state["std_ema"])
-    out = {k: metrics[k] for k in mi.DIAGNOSIS_KEYS if k in metrics}
-    out["diagnosis_logprob_diff"] = logprob_diff(scores, [e.group for e in picked],
-                                                 [e.first_reasoning_logprob for e in picked])
-    out["template_share"] = templates.share_of(picked, a.env, a.template_kind)
-    return out
-
-
-def cross_score(run, prompt_episodes, episodes):
-    """mi.cross_scores of the episodes' first reasonings under the first prompts of
-    `prompt_episodes`: the ids as sampled, or with --retokenize the decoded texts tokenised again
-    (the official code's way)."""
-    a = run.args
-    if a.retokenize:
-        prompts = mi.tokenize(run.tokenizer, [e.first_prompt for e in prompt_episodes])
-        reasonings = mi.tokenize(run.tokenizer, [e.first_reasoning for e in episodes])
-    else:
-        prompts = [e.first_prompt_ids for e in prompt_episodes]
-        reasonings = [e.first_reasoning_ids for e in episodes]
-    with run.ctx:
-        return mi.cross_scores(run.policy, prompts, reasonings, batch_size=a.micro_batch,
-                               temperature=a.temperature, pad_id=run.pad_id)
-
-
-def logprob_diff(scores, owner, sampled):
-    """max_m |scores[m, owner[m]] - sampled[m]|: how far the diagnosis' own-prompt scores are from
-    the log-probs the samples were drawn with (None when the policy gave none)."""
-    if any(lp is None for lp in sampled):
-        return None
-    own = scores[torch.arange(len(owner)), torch.tensor(owner)].double()               # [M]
-    return (own - torch.tensor(sampled, dtype=torch.float64)).abs().max().item()
-
-
-def mi_sample(groups, group_size, num_samples, rng):
-    """Which episodes (indices, group-major) the diagnosis cross-scores: the same number from
-    every group, min(group_size, num_samples // groups), as the estimate's uniform mixture over the
-    prompts assumes. Fewer samples than groups: one from each of num_samples groups drawn uniformly
-    without replacement (`rng`), so every prompt is equally likely to own a sample.
-
-    >>> mi_sample(3, 4, 7, None)                    # 2 from each group; the 7th would skew owners
-    [0, 1, 4, 5, 8, 9]
-    """
-    per_group = min(group_size, num_samples // groups)
-    if per_group == 0:
-        return sorted(int(g) * group_size for g in rng.choice(groups, num_samples, replace=False))
-    return [g * group_size + k for g in range(groups) for k in range(per_group)]
-
-
-def probe(run):
-    """Step 2 on a fixed probe set: the diagnosis on the same held-out prompts at every diagnosis
-    (seeds PROBE_SEED_BASE + i, one first turn sampled probe_samples times each, on a forked RNG
-    seeded alike every time: the training stream is unchanged and the curve moves only when the
-    policy does). Logged as probe_<metric> with probe_<metric>_se over the prompts, and, on the
-    same samples, the answer's dependence on the reasoning, probe_action_mi (mi.action_dependence:
-    each answer a_k -- the rest of the first reply after the reasoning -- scored after every
-    reasoning z_j of its prompt); probe_diagnosis_logprob_diff over both scorings;
-    probe_template_share."""
-    a = run.args
-    if not a.probe_prompts:
-        return {}
-    seeds = [PROBE_SEED_BASE + i for i in range(a.probe_prompts)]
-    K = a.probe_samples
-    with torch.random.fork_rng(devices=[run.device] if run.device.type == "cuda" else []):
-        torch.manual_seed(a.seed)
-        run.policy.eval()
-        policy = sampler.hf_policy(run.policy, run.tokenizer, a.max_new_tokens, a.temperature,
-                                   a.sample_top_p)
-        with run.ctx:
-            episodes = rollout.play(policy, run.tokenizer, a.env, seeds, K, runs.env_kwargs(a), 1,
-                                    a.max_actions_per_turn, **run.prompt)
-    firsts = episodes[::K]
-    owner = [e.group for e in episodes]
-    scores, lengths = cross_score(run, firsts, episodes)
-    diff = logprob_diff(scores, owner, [e.first_reasoning_logprob for e in episodes])
-    actions = []  # [P, K, K]: L[k, j] = log p(a_k | x, z_j), within each prompt
-    for g in range(a.probe_prompts):
-        group = episodes[g * K:(g + 1) * K]
-        if a.retokenize:
-            turns = [split_answer(e) for e in group]
-            contexts, answers = (mi.tokenize(run.tokenizer, list(t)) for t in zip(*turns))
-        else:
-            contexts = [e.first_prompt_ids + e.first_reasoning_ids for e in group]
-            answers = [e.first_answer_ids for e in group]
-        with run.ctx:
-            L = mi.cross_scores(run.policy, contexts, answers, batch_size=a.micro_batch,
-                                temperature=a.temperature, pad_id=run.pad_id)[0]      # [K, K]
-        actions.append(L)
-        step = logprob_diff(L, list(range(K)), [e.first_answer_logprob for e in group])
-        diff = None if diff is None or step is None else max(diff, step)
-    out = mi.metrics_with_se(scores, owner, lengths, prompt_keys=[e.first_prompt for e in firsts])
-    out.update(mi.action_dependence(torch.stack(actions)))
-    out["diagnosis_logprob_diff"] = diff
-    out["template_share"] = templates.share_of(episodes, a.env, a.template_kind)
-    return {"probe_" + k: v for k, v in out.items() if not k.endswith("upper_bound")}
-
-
-def split_answer(episode):
-    """(X + Z + "</think>", the answer after it) of an episode's first reply as text, for
-    --retokenize; an unclosed think gives an empty answer (it scores 0 under every reasoning: no
-    dependence)."""
-    full = episode.prompt_text + episode.responses[0]
-    cut = full.find("</think>", len(episode.first_prompt))
-    if cut < 0:
-        return full, ""
-    cut += len("</think>")
-    return full[:cut], full[cut:]
-
-
 def decompose_gradients(run, episodes, rewards):
     """Fig. 4 on this batch: task / KL / entropy gradient norms per reward-spread bucket, no
     optimiser step. The task term trains on the advantages an update of the whole batch would
@@ -274,25 +167,9 @@ def decompose_gradients(run, episodes, rewards):
             run.policy, batch["input_ids"], batch["attention_mask"], batch["policy_mask"], rewards,
             ref_logp=ref, kl_coef=a.kl_coef or ANALYSIS_KL_COEF, kl_kind=a.kl_kind,
             entropy_coef=a.entropy_coef, temperature=a.temperature, advantages=advantages,
-            agg=AGGREGATION[a.algo], norm_length=response_budget(a))
+            agg=AGGREGATION[a.algo], norm_length=flags.response_budget(a))
     run.policy.zero_grad(set_to_none=True)
     return [{k: v for k, v in b.items() if k != "groups"} for b in buckets]
-
-
-def select(a, rewards, step=0):
-    """Step 3: which groups to train on, from the spread (unbiased std) of their total rewards.
-    The random control draws from its own stream of (seed, step): the same choice on a resume."""
-    scores = snr_filter.group_scores(rewards)                                               # [G]
-    named = a.control_of if a.filter in snr_filter.CONTROLS else a.filter  # whose count is kept
-    value = a.top_p if named == "topp" else a.top_k
-    if a.filter in snr_filter.CONTROLS:
-        draw = int(np.random.default_rng([a.seed, step, CONTROL_STREAM]).integers(2 ** 62))
-        keep = snr_filter.select_control(scores, a.filter, named, value, a.include_zero,
-                                         a.filter_prob_mode, torch.Generator().manual_seed(draw))
-    else:
-        keep = snr_filter.select_groups(scores, a.filter, value, a.include_zero,
-                                        a.filter_prob_mode)
-    return keep, snr_filter.filter_stats(scores, keep)
 
 
 def update_policy(run, episodes, rewards, shuffle):
@@ -374,7 +251,7 @@ def micro_batch_backward(run, micro, t, weight, token_weight):
         logp, t["old_logp"], t["advantages"], t["mask"], AGGREGATION[a.algo], entropy=entropy,
         entropy_coef=a.entropy_coef, ref_logp=t.get("ref_logp"), kl_coef=a.kl_coef,
         kl_kind=a.kl_kind, clip_low=a.clip_low, clip_high=a.clip_high, clip_c=a.clip_c or None,
-        norm_length=response_budget(a))
+        norm_length=flags.response_budget(a))
     (weight * runs.finite(loss, "the policy loss", step)).backward()
     if run.critic is not None:
         value_loss = ppo.value_loss(critic_pass(run, micro), t["old_values"], t["returns"],
@@ -502,15 +379,6 @@ def micro_batch_weight(mask, mini_batch, rows, agg):
         return float(mask[rows].sum() / mask[mini_batch].sum().clamp_min(1))
     return float((mask[rows].sum(-1) > 0).sum()
                  / (mask[mini_batch].sum(-1) > 0).sum().clamp_min(1))
-
-
-def response_budget(args):
-    """The most tokens the policy can write in an episode: Dr.GRPO's constant normaliser."""
-    return args.max_turns * args.max_new_tokens
-
-
-def main(argv=None):
-    return runs.main(Args, train, validate, sys.argv[1:] if argv is None else argv)
 
 
 if __name__ == "__main__":

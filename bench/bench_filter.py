@@ -12,7 +12,7 @@ Data: G groups x K episodes of tiny-policy transcripts (random tokens, 3 turns o
 response, lengths varying by episode) with synthetic total rewards in the pattern the paper
 describes (Fig. 11): a quarter of the groups without any spread (all failed with the same format
 penalties, or all succeeded), the others spread from almost uniform to mixed. The filter is
-train.select (Top-P, p = 0.9, linear), as in a training step.
+snr_filter.select (Top-P, p = 0.9, linear), as in a training step.
 
 Score (higher is better, 1 = the time saved equals the compute dropped):  1 - |time ratio - kept fraction|.
 Target: time ratio within 0.1 of the kept fraction, i.e. score >= 0.9.
@@ -32,8 +32,8 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import rollout  # noqa: E402
 import snr_filter  # noqa: E402
-import tiny  # noqa: E402
 import train  # noqa: E402
+from plumbing import tiny  # noqa: E402
 from bench_cross_scores import median_seconds  # noqa: E402
 from bench_step import make_run  # noqa: E402
 
@@ -142,7 +142,7 @@ def main():
     episodes = synthetic_episodes(
         rewards, args.turns, args.template_len, args.response_len, len(tokenizer), generator
     )
-    keep, stats = train.select(run.args, rewards)  # [G]
+    keep, stats = snr_filter.select(run.args, rewards)  # [G]
     everything = torch.ones_like(keep)  # [G]
 
     def update(groups_kept):

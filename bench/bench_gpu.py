@@ -46,7 +46,7 @@ def qwen_shaped(size, device, vocab_size=VOCAB):
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
-    import tiny
+    from plumbing import tiny
 
     hidden, inter, layers, heads, kv = SHAPES[size]
     base = tiny.build_tokenizer()
@@ -84,9 +84,8 @@ def qwen_shaped(size, device, vocab_size=VOCAB):
 
 
 def one_row(args):
-    import models
-    import runs
     import train
+    from plumbing import models, runs
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if device.type == "cuda" and args.budget_gb:

@@ -43,12 +43,11 @@ import torch  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import logprobs  # noqa: E402
-import models  # noqa: E402
 import ppo  # noqa: E402
 import rollout  # noqa: E402
-import runs  # noqa: E402
-import sampler  # noqa: E402
+import snr_filter  # noqa: E402
 import train  # noqa: E402
+from plumbing import defaults, diagnosis, models, runs, sampler  # noqa: E402
 
 
 def plain_policy(model, tokenizer, max_new_tokens, temperature=1.0, top_p=1.0):
@@ -202,7 +201,7 @@ def main():
     hf_policy = sampler.hf_policy
     for repeat in range(args.repeats):
         seeds = torch.Generator().manual_seed(repeat)
-        seeds = torch.randint(0, train.VAL_SEED_BASE, (a.groups,), generator=seeds).tolist()
+        seeds = torch.randint(0, defaults.VAL_SEED_BASE, (a.groups,), generator=seeds).tolist()
         tokens = {}
         for side in ("plain", "this code"):
             restore(run, start)
@@ -218,8 +217,8 @@ def main():
             rewards = torch.tensor([e.total_reward for e in episodes]).view(a.groups, a.group_size)
 
             def scoring():
-                train.diagnose(run, episodes, np.random.default_rng(0))
-                return train.select(a, rewards)[0]
+                diagnosis.diagnose(run, episodes, np.random.default_rng(0))
+                return snr_filter.select(a, rewards)[0]
 
             keep, t_scoring = timed(scoring)
             kept = [e for e in episodes if keep[e.group]]

@@ -35,7 +35,8 @@ def step_seconds(script, flags, out, threads):
     the first, and the metrics lines."""
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "HF_HUB_OFFLINE": "1",
            "TOKENIZERS_PARALLELISM": "false"}
-    done = subprocess.run([sys.executable, os.path.join(ROOT, script), *flags, "--out", out],
+    command = ["-m", script[:-3].replace("/", ".")] if "/" in script else [script]
+    done = subprocess.run([sys.executable, *command, *flags, "--out", out],
                           capture_output=True, text=True, env=env, cwd=ROOT)
     if done.returncode != 0:
         sys.exit(f"{script} failed:\n{done.stderr[-3000:]}")
@@ -76,12 +77,12 @@ def main():
                      "--threads", str(a.threads), "--val-every", "0", "--val-seeds", "1",
                      "--save-every", "0", "--no-plot"]
     trl = shared + ["--loss-type", "grpo", "--scale-rewards", "group"]
-    sides = {"train.py": ("train.py", ours), "trl_ragen.py (TRL)": ("trl_ragen.py", trl)}
+    sides = {"train.py": ("train.py", ours), "trl_ragen.py (TRL)": ("scaleout/trl_ragen.py", trl)}
     times, lines = {name: [] for name in sides}, {name: [] for name in sides}
     with tempfile.TemporaryDirectory() as tmp:
         for r in range(a.rounds):  # the sides take turns: a change in a shared machine's load
             for name, (script, flags) in sides.items():  # hits both alike
-                t, records = step_seconds(script, flags, os.path.join(tmp, f"{script}-{r}"),
+                t, records = step_seconds(script, flags, os.path.join(tmp, f"{name[:5]}-{r}"),
                                           a.threads)
                 times[name] += t
                 lines[name] += records

@@ -11,9 +11,24 @@ import pytest
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 import torch  # noqa: E402
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # tests never touch the network
+
+
+def project_modules(root=ROOT):
+    """{dotted name: path} of the project's modules: the top level's (the paper) and those of each
+    package folder (one with an __init__.py; tests/ and bench/ are none)."""
+    out = {}
+    for name in sorted(os.listdir(root)):
+        path = os.path.join(root, name)
+        if name.endswith(".py"):
+            out[name[:-3]] = path
+        elif os.path.isfile(os.path.join(path, "__init__.py")):
+            out.update({f"{name}.{f[:-3]}": os.path.join(path, f) for f in sorted(os.listdir(path))
+                        if f.endswith(".py") and f != "__init__.py"})
+    return out
 
 
 @pytest.fixture(autouse=True)
@@ -22,7 +37,7 @@ def one_thread(monkeypatch):
     not depend on the machine's core count. A run or a warm-start build under test takes one too
     (train.py's tiny default and tiny.BUILD_THREADS are 2): the suite runs one worker a core.
     Only where the test imported them: a pure test does not depend on them."""
-    for module, name in (("runs", "TINY_THREADS"), ("tiny", "BUILD_THREADS")):
+    for module, name in (("plumbing.runs", "TINY_THREADS"), ("plumbing.tiny", "BUILD_THREADS")):
         if module in sys.modules:
             monkeypatch.setattr(sys.modules[module], name, 1)
     threads = torch.get_num_threads()

@@ -31,9 +31,11 @@ def load(script):
 def project_modules_restored():
     """Every attribute of the project's and bench's modules as it was before; a module first
     imported inside is forgotten, so the next import loads it afresh."""
-    def ours(module):
+    def ours(module):  # the root's, a package folder's (worlds/, plumbing/, ...) or bench's
         path = getattr(module, "__file__", None)
-        return bool(path) and os.path.dirname(os.path.abspath(path)) in (ROOT, BENCH)
+        folder = os.path.dirname(os.path.abspath(path)) if path else None
+        return bool(path) and (folder in (ROOT, BENCH) or os.path.dirname(folder) == ROOT
+                               and os.path.isfile(os.path.join(folder, "__init__.py")))
 
     saved = {module: dict(vars(module)) for module in list(sys.modules.values()) if ours(module)}
     path = list(sys.path)
@@ -73,11 +75,11 @@ def test_quick_mode_reports_a_result(script, name, monkeypatch, capsys):
 
 def test_a_quick_mode_leaves_the_project_as_it_found_it(monkeypatch, capsys):
     """bench_gpu swaps models.load_policy for its in-memory model; later tests must get the real one."""
-    import models
+    from plumbing import models
 
     load_policy = models.load_policy
     run_quick("bench_gpu.py", monkeypatch, capsys)
-    assert models.load_policy is load_policy and sys.modules["models"] is models
+    assert models.load_policy is load_policy and sys.modules["plumbing.models"] is models
 
 
 def test_the_gpu_bench_refuses_a_cpu_unless_asked(monkeypatch, capsys):

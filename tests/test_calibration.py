@@ -11,14 +11,9 @@ import shutil
 
 import pytest
 
-import calibration
-import demos
-import experiments
-import grids
-import report
-import templates
-import tiny
 import train
+from lab import calibration, experiments, grids, report
+from plumbing import demos, templates, tiny
 
 
 def row(alpha, build, share, mi, se=0.05, prompts=32, world="frozenlake"):

@@ -7,11 +7,9 @@ import random
 import pytest
 import torch
 
-import demos
 import envs
 import rollout
-import templates
-import tiny
+from plumbing import demos, templates, tiny
 
 
 @pytest.fixture(scope="module")

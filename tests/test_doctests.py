@@ -1,19 +1,20 @@
 """Every `>>>` example in every module's docstrings runs, so no worked example can drift from the code; every
 module's deprecated calls are errors in the suite."""
 import doctest
-import glob
 import importlib
 import os
 import re
 
 import pytest
+from conftest import project_modules
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-MODULES = sorted(os.path.basename(p)[:-3] for p in glob.glob(os.path.join(ROOT, "*.py")))
+MODULES = sorted(project_modules())
 
 
 def test_every_module_is_collected():
-    assert {"envs", "mi", "ppo", "grpo", "snr_filter", "rollout", "tiny", "train"} <= set(MODULES)
+    assert {"envs", "mi", "ppo", "grpo", "snr_filter", "rollout", "plumbing.tiny", "train",
+            "lab.grids", "course.exercises", "scaleout.trl_ragen", "worlds.sokoban"} <= set(MODULES)
 
 
 @pytest.mark.parametrize("name", MODULES)

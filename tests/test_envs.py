@@ -12,8 +12,8 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 import envs
-import textenv
 from envs import Bandit, FrozenLake, Sokoban, make_env, parse_response, solve
+from worlds import textenv
 
 
 def test_docstring_examples():

@@ -18,9 +18,9 @@ import sys
 
 import pytest
 
-import exercises
 import grpo
 import ppo
+from course import exercises
 import test_grading
 
 ROOT = exercises.ROOT
@@ -94,9 +94,9 @@ PLANTED = {
          "return torch.where(flat, torch.zeros_like(centred), centred)", "return centred"),
     ],
     "experiment": [
-        ("exercises.py", '"verdict": "undecided"}',
+        ("course/exercises.py", '"verdict": "undecided"}',
          '"verdict": "filter" if last_val[0] > last_val[1] else "control"}'),
-        ("exercises.py", '"kept_spread_gap": first[0]["mean_score_kept"] - first[1]["mean_score_kept"],',
+        ("course/exercises.py", '"kept_spread_gap": first[0]["mean_score_kept"] - first[1]["mean_score_kept"],',
          '"kept_spread_gap": first[1]["mean_score_kept"] - first[0]["mean_score_kept"],'),  # the sign
     ],
     "silent_bug": [],  # the planted defect itself is its wrong version (DEFECTS)
@@ -136,7 +136,7 @@ def variant(texts, monkeypatch):
     code compiled from texts[file] (the module's source as a whole: a student or planted
     version)."""
     for file, text in texts.items():
-        module = importlib.import_module(file[:-3])
+        module = importlib.import_module(file[:-3].replace("/", "."))
         solution = source(file)  # the regions are found in the solution: a planted defect hides its own
         names = {node.name for node in ast.parse(solution).body if isinstance(node, ast.FunctionDef)
                  and any(node.lineno <= b + 1 <= node.end_lineno
@@ -213,8 +213,8 @@ def test_a_stub_keeps_the_code_around_it_and_the_other_regions():
     assert "# advantages: [B, T]" in out and "# BEGIN SOLUTION gae" in out
     assert region_text("ppo.py", "clip_loss") in out and region_text("ppo.py", "grpo") in out
     assert "per_token = torch.maximum(unclipped, clipped)" in out
-    sampler_text = source("sampler.py")
-    planted = exercises.student_source(sampler_text, {"silent_bug"}, "sampler.py")
+    sampler_text = source("plumbing/sampler.py")
+    planted = exercises.student_source(sampler_text, {"silent_bug"}, "plumbing/sampler.py")
     assert "SOLUTION" not in planted and "[::-1]" in planted and ast.parse(planted)
 
 
@@ -348,7 +348,7 @@ def test_a_copy_of_some_exercises_grades_them_only(tmp_path, capsys):
     exercises.list_exercises(str(copy))
     assert capsys.readouterr().out.splitlines()[-1] == "assigned in this copy: gae"
     shutil.copy(os.path.join(ROOT, "ppo.py"), copy / "ppo.py")  # the student solves it
-    done = subprocess.run([sys.executable, "exercises.py", "check", "--json", "result.json"],
+    done = subprocess.run([sys.executable, "-m", "course.exercises", "check", "--json", "result.json"],
                           cwd=copy, capture_output=True, text=True,
                           env={**os.environ, "EXERCISE_RUNS": ""})
     assert done.returncode == 0, done.stdout + done.stderr[-2000:]
@@ -392,7 +392,7 @@ def test_the_student_copy_runs_fails_every_exercise_and_holds_no_solution(tmp_pa
             leaked = [line for line in distinctive if line in text]
             assert not leaked, f"{file} holds solution text: {leaked[:3]}"
     # the copy imports everything, lists, and fails every exercise on its stubs (or the defect)
-    code = ("import sys, train, plots, experiments, exercises; exercises.main(['list']); "
+    code = ("import sys, train, plumbing.plots, lab.experiments; from course import exercises; exercises.main(['list']); "
             "sys.exit(exercises.main(['check', '--json', 'result.json']))")
     done = subprocess.run([sys.executable, "-c", code], cwd=copy, capture_output=True, text=True,
                           env={**os.environ, "EXERCISE_RUNS": ""})

@@ -16,12 +16,9 @@ from hypothesis import given
 from hypothesis import strategies as st
 from scipy.stats import t
 
-import defaults
-import experiments
-import grids
-import report
-import stats
 import train
+from lab import experiments, grids, report, stats
+from plumbing import defaults
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 OUTPUTS = ("table.md", "table.csv", "decisions.csv", "correlations.csv", "leadlag.csv", "numbers.json",
@@ -115,7 +112,7 @@ def test_the_registrations_before_measuring_are_well_formed():
     (the template kind and the filler read back), every rule reads a metric a run logs, and each
     grid asks what it claims: five levels of ALPHA a world, no template-rich KL reference in
     template-grow, equal optimiser steps in template-control."""
-    import calibration
+    from lab import calibration
     for name in ("iso-hz", "iso-hzx"):
         g = grids.GRIDS[name]
         assert g["kind"] == "calibration" and g["seed_flags"] == ["--warm-start-seed"]

@@ -5,8 +5,8 @@ forms or numbers worked out by hand (in the comments), never a second implementa
 answer must have the expected shape too (same, not torch.allclose, which broadcasts). No fixtures:
 tests/test_exercises.py calls these functions directly to check that each exercise fails alone.
 
-    python exercises.py check            # all of them, one row per exercise
-    python exercises.py check gae        # one exercise
+    python -m course.exercises check            # all of them, one row per exercise
+    python -m course.exercises check gae        # one exercise
 """
 import json
 import math
@@ -17,15 +17,14 @@ import numpy as np
 import pytest
 import torch
 
-import exercises
 import grpo
 import logprobs
 import mi
 import ppo
 import rollout
-import sampler
 import snr_filter
-import tiny
+from course import exercises
+from plumbing import sampler, tiny
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LOG2, LOG3 = math.log(2.0), math.log(3.0)

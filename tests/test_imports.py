@@ -1,31 +1,52 @@
-"""The top-level modules form layers: no module imports, directly or through others, one that
+"""The project's modules form layers. No module imports, directly or through others, one that
 imports it back, counting imports inside functions (which only hide a circle until the function
-runs). A module's place in the layering is then plain from its imports."""
+runs); each folder imports only the layers its README names; no module imports train.py (the
+experiment a student reads; only tests and bench scripts may)."""
 import ast
-import glob
 import os
 import subprocess
 import sys
 
 import pytest
+from conftest import project_modules
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# layer: the layers its modules may import (its own included). The root's paper files are the
+# reference; worlds/ stands below them, plumbing/ beside them (both import each other's modules,
+# never in a circle), train.py above both; lab/, course/ and scaleout/ use what they need, but
+# never train.py.
+LAYERS = {"worlds": {"worlds"},
+          "paper": {"paper", "worlds", "plumbing"},
+          "plumbing": {"plumbing", "paper", "worlds"},
+          "train": {"paper", "worlds", "plumbing"},
+          "lab": {"lab", "plumbing", "paper", "worlds"},
+          "course": {"course", "plumbing", "paper", "worlds"},
+          "scaleout": {"scaleout", "plumbing", "paper", "worlds"}}
+SAID = {"paper": "the root's modules but train.py", "plumbing": "plumbing/", "worlds": "worlds/"}
+
+
+def layer(module):
+    """The layer of a dotted module name: its package folder, or paper / train at the root."""
+    return module.split(".")[0] if "." in module else "train" if module == "train" else "paper"
 
 
 def imports(root=ROOT):
-    """{module: the top-level modules it imports anywhere in its source} for every top-level .py."""
-    names = {os.path.basename(p)[:-3] for p in glob.glob(os.path.join(root, "*.py"))}
+    """{module: the project's modules it imports anywhere in its source} for every module of
+    conftest.project_modules (dotted: "plumbing.runs"); `from plumbing import runs` imports
+    plumbing.runs, `from plumbing.flags import Args` plumbing.flags."""
+    modules = project_modules(root)
     graph = {}
-    for name in names:
-        with open(os.path.join(root, name + ".py"), encoding="utf-8") as f:
+    for name, path in modules.items():
+        with open(path, encoding="utf-8") as f:
             tree = ast.parse(f.read())
         found = set()
         for node in ast.walk(tree):  # every node: imports inside functions and classes too
             if isinstance(node, ast.Import):
-                found |= {alias.name.split(".")[0] for alias in node.names}
+                found |= {alias.name for alias in node.names}
             elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-                found.add(node.module.split(".")[0])
-        graph[name] = found & names - {name}
+                found.add(node.module)
+                found |= {f"{node.module}.{alias.name}" for alias in node.names}
+        graph[name] = found & set(modules) - {name}
     return graph
 
 
@@ -66,25 +87,50 @@ def cycles(graph):
 
 
 def test_the_cycle_finder_sees_a_circle_hidden_in_a_function(tmp_path):
-    (tmp_path / "low.py").write_text("import os\n\n\ndef f():\n    import high\n")
-    (tmp_path / "high.py").write_text("from low import f\n")
-    (tmp_path / "alone.py").write_text("import low\n")
+    (tmp_path / "low.py").write_text("import os\n\n\ndef f():\n    from pkg import high\n")
+    (tmp_path / "pkg").mkdir()
+    (tmp_path / "pkg" / "__init__.py").write_text("")
+    (tmp_path / "pkg" / "high.py").write_text("from low import f\n")
+    (tmp_path / "alone.py").write_text("import low\nfrom pkg.high import x\n")
     graph = imports(str(tmp_path))
-    assert graph == {"low": {"high"}, "high": {"low"}, "alone": {"low"}}
-    assert cycles(graph) == [["high", "low"]]
+    assert graph == {"low": {"pkg.high"}, "pkg.high": {"low"}, "alone": {"low", "pkg.high"}}
+    assert cycles(graph) == [["low", "pkg.high"]]
     assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
 
 
-def test_no_import_cycle_among_the_top_level_modules():
+def test_no_import_cycle_among_the_modules():
     graph = imports()
-    assert {"envs", "rollout", "sampler", "models", "tiny", "demos", "train", "runs",
-            "flags"} <= set(graph)
+    assert {"envs", "rollout", "plumbing.sampler", "plumbing.tiny", "train", "plumbing.runs",
+            "plumbing.flags", "lab.grids", "scaleout.trl_ragen", "worlds.textenv"} <= set(graph)
     assert graph["train"] and graph["rollout"]  # imports are found at all
     assert cycles(graph) == []
 
 
+def test_each_layer_imports_only_what_its_readme_allows():
+    graph = imports()
+    assert {layer(m) for m in graph} == set(LAYERS)
+    wrong = sorted((m, i) for m, found in graph.items() for i in found
+                   if layer(i) not in LAYERS[layer(m)])
+    assert wrong == []
+
+
+def test_no_module_imports_train():
+    graph = imports()
+    assert graph["scaleout.trl_ragen"]  # the TRL port imports the project at all
+    assert sorted(m for m, found in graph.items() if "train" in found) == []
+
+
+def test_every_folder_says_what_it_holds_and_may_import():
+    for folder in sorted(set(LAYERS) - {"paper", "train"}):
+        with open(os.path.join(ROOT, folder, "README.md"), encoding="utf-8") as f:
+            text = f.read()
+        allowed = ", ".join(SAID[x] for x in sorted(LAYERS[folder] - {folder}))
+        line = next((x for x in text.splitlines() if x.startswith("May import:")), "")
+        assert line == f"May import: {allowed or 'nothing outside this folder'}.", (folder, line)
+
+
 def below(graph, name):
-    """Every top-level module that `name` imports, directly or through others."""
+    """Every module that `name` imports, directly or through others."""
     seen, todo = set(), [name]
     while todo:
         for m in graph[todo.pop()] - seen:
@@ -94,12 +140,13 @@ def below(graph, name):
 
 
 def test_the_flags_stand_below_every_module_that_loads_torch():
-    """flags.py (and what it imports) never imports a module of the project that loads torch,
-    numpy or transformers: the command line is checked before any of them loads."""
+    """plumbing/flags.py (and what it imports) never imports a module of the project that loads
+    torch, numpy or transformers: the command line is checked before any of them loads."""
     graph = imports()
     heavy = {"torch", "numpy", "transformers", "trl"}
-    for name in below(graph, "flags") | {"flags"}:
-        with open(os.path.join(ROOT, name + ".py"), encoding="utf-8") as f:
+    modules = project_modules()
+    for name in below(graph, "plumbing.flags") | {"plumbing.flags"}:
+        with open(modules[name], encoding="utf-8") as f:
             tree = ast.parse(f.read())
         found = {alias.name.split(".")[0] for node in ast.walk(tree)
                  if isinstance(node, ast.Import) for alias in node.names}
@@ -111,15 +158,17 @@ def test_the_flags_stand_below_every_module_that_loads_torch():
 @pytest.mark.parametrize("argv, said", [
     (["train.py", "--top-p", "7"], "error: --top-p must be in (0, 1], got 7.0"),
     (["train.py", "--nosuch"], "error: unrecognized arguments: --nosuch"),
-    (["trl_ragen.py", "--top-p", "7"], "error: --top-p must be in (0, 1], got 7.0")])
+    (["-m", "scaleout.trl_ragen", "--top-p", "7"], "error: --top-p must be in (0, 1], got 7.0")])
 def test_a_refused_flag_answers_before_torch_is_imported(argv, said):
     """The script, run as `python <argv>`, refuses the flag in one line with exit code 2, and at
     its exit neither torch nor transformers has been imported (so it answers in about a second)."""
+    run = (f"runpy.run_module({argv[1]!r}, run_name='__main__', alter_sys=True)" if argv[0] == "-m"
+           else f"runpy.run_path({argv[0]!r}, run_name='__main__')")
+    argv = argv[1:] if argv[0] == "-m" else argv
     script = ("import atexit, runpy, sys\n"
               "atexit.register(lambda: print(sorted(m for m in ('torch', 'transformers', 'trl')\n"
               "                                     if m in sys.modules)))\n"
-              f"sys.argv = {argv!r}\n"
-              f"runpy.run_path({argv[0]!r}, run_name='__main__')\n")
+              f"sys.argv = {argv!r}\n" + run + "\n")
     out = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True)
     assert (out.returncode, out.stderr, out.stdout) == (2, said + "\n", "[]\n")
 

@@ -2,7 +2,7 @@
 import json
 import os
 
-import plots
+from plumbing import plots
 
 
 def write_run(folder, steps, success):

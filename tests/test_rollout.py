@@ -7,7 +7,7 @@ from transformers import PreTrainedTokenizerFast
 
 import envs
 import rollout
-import tiny
+from plumbing import tiny
 from conftest import tiny_qwen2
 from rollout import Generation
 

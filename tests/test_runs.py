@@ -17,12 +17,8 @@ import time
 import pytest
 import torch
 
-import models
-import checkpoints
-import flags
-import runs
-import tiny
 import train
+from plumbing import checkpoints, flags, models, runs, tiny
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SMALL = ["--model", "tiny", "--no-warm-start", "--groups", "2", "--group-size", "2", "--max-turns", "2",

@@ -10,7 +10,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from transformers.cache_utils import DynamicLayer
 
 import rollout
-import sampler
+from plumbing import sampler
 from test_rollout import DEVICES, LAKE, SYSTEM, make_model, make_tokenizer, scripted
 
 

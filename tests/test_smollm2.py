@@ -11,10 +11,9 @@ import pytest
 import torch
 
 import envs
-import models
 import rollout
-import runs
 import train
+from plumbing import diagnosis, models, runs
 
 CPU = torch.device("cpu")
 IM_END = "<|im_end|>"
@@ -107,9 +106,9 @@ def test_the_diagnosis_is_token_exact_on_the_real_model():
         torch.manual_seed(0)
         episodes = train.collect_rollouts(run, [3, 4], 2, temperature, 1.0)
         assert all(e.first_reasoning_ids for e in episodes)
-        assert train.diagnose(run, episodes, None)["diagnosis_logprob_diff"] < 1e-4
+        assert diagnosis.diagnose(run, episodes, None)["diagnosis_logprob_diff"] < 1e-4
         if temperature > 1:  # the probe set (its answers too) scores with the same code
-            assert train.probe(run)["probe_diagnosis_logprob_diff"] < 1e-4
+            assert diagnosis.probe(run)["probe_diagnosis_logprob_diff"] < 1e-4
         back += [rollout._encode(run.tokenizer, e.first_reasoning) == e.first_reasoning_ids
                  for e in episodes]
     assert not all(back)  # the case that scoring the sampled ids exists for

@@ -8,11 +8,9 @@ import random
 import numpy as np
 import pytest
 
-import demos
 import envs
 import mi
-import templates
-import tiny
+from plumbing import demos, templates, tiny
 
 
 @pytest.fixture(scope="module")
@@ -268,7 +266,7 @@ def test_surface_templates_are_labelled_exactly(tok):
 def test_the_families_levels_are_the_closed_forms():
     """grids.FILLER_EPS holds H(Z|X) level: at each ALPHA the filler's entropy is I(X;Z) (the law
     of f on a tenth of the 40,000 first turns, within 0.01 of eps)."""
-    import grids
+    from lab import grids
     for world, eps in grids.FILLER_EPS.items():
         probs = templates.task_entropy(world, seeds=range(demos.DEMO_SEEDS, demos.DEMO_SEEDS + 4000),
                                        prompts=())["probs"]

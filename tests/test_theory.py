@@ -15,14 +15,14 @@ import grpo
 import mi
 import ppo
 import snr_filter
-import templates
+from plumbing import templates
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 THEORY = os.path.join(ROOT, "theory.md")
 README = os.path.join(ROOT, "README.md")
 README_SECTIONS = ("Reading alongside the paper", "Exercises")
 
-CODE_REF = re.compile(r"\b([A-Za-z_]\w*)\.py:([A-Za-z_][\w.]*)")
+CODE_REF = re.compile(r"(?<![\w/])((?:[a-z]+/)?[A-Za-z_]\w*)\.py:([A-Za-z_][\w.]*)")
 TEST_REF = re.compile(r"(tests/test_\w+\.py)::(\w+)")
 NUMBER_LINE = re.compile(r"^([A-Za-z_][\w.]*)\s*=\s*(.+?)\s*$")
 

@@ -9,11 +9,9 @@ import time
 import pytest
 import torch
 
-import demos
 import envs
 import rollout
-import templates
-import tiny
+from plumbing import demos, templates, tiny
 
 SIZES = dict(hidden_size=32, intermediate_size=64)
 

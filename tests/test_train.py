@@ -13,18 +13,13 @@ import pytest
 import torch
 
 import envs
-import flags
 import grpo
 import logprobs
-import models
 import ppo
 import rollout
-import runs
-import sampler
 import snr_filter
-import templates
-import tiny
 import train
+from plumbing import diagnosis, flags, models, runs, sampler, templates, tiny
 
 SMALL = ["--model", "tiny", "--no-warm-start", "--groups", "3", "--group-size", "4", "--max-turns", "2",
          "--max-new-tokens", "8", "--val-seeds", "1", "--mi-samples", "6", "--no-plot",
@@ -360,7 +355,7 @@ def test_update_on_kept_groups_equals_an_update_on_a_batch_without_the_dropped_o
                 4 if seeds[group] == 8 else 2) == 0)
             episodes = rollout.play(policy, run.tokenizer, "frozenlake", seeds, 4, max_turns=2, **run.prompt)
             rewards = torch.tensor([e.total_reward for e in episodes]).view(len(seeds), 4)
-            keep, _ = train.select(run.args, rewards)
+            keep, _ = snr_filter.select(run.args, rewards)
             assert keep.tolist() == [s in (3, 5) for s in seeds]
             kept = [e for e in episodes if keep[e.group]]
             stats = train.update_policy(run, kept, rewards[keep], torch.Generator().manual_seed(1))
@@ -384,21 +379,21 @@ def test_the_diagnosis_scores_the_sampled_ids_at_any_temperature(tmp_path):
     episodes = train.collect_rollouts(run, [3, 4, 5], 4, 2.5, 1.0)
     text = [rollout._encode(run.tokenizer, e.first_reasoning) for e in episodes]
     assert sum(t != e.first_reasoning_ids for t, e in zip(text, episodes)) >= 3  # they do not come back
-    assert train.diagnose(run, episodes, None)["diagnosis_logprob_diff"] < 1e-4
-    assert train.probe(run)["probe_diagnosis_logprob_diff"] < 1e-4
+    assert diagnosis.diagnose(run, episodes, None)["diagnosis_logprob_diff"] < 1e-4
+    assert diagnosis.probe(run)["probe_diagnosis_logprob_diff"] < 1e-4
     run.args.retokenize = True
-    assert train.diagnose(run, episodes, None)["diagnosis_logprob_diff"] > 1e-2
-    assert train.probe(run)["probe_diagnosis_logprob_diff"] > 1e-2
+    assert diagnosis.diagnose(run, episodes, None)["diagnosis_logprob_diff"] > 1e-2
+    assert diagnosis.probe(run)["probe_diagnosis_logprob_diff"] > 1e-2
 
 
 def test_the_diagnosis_counts_identical_prompts_as_one_target(tmp_path):
     """Two groups of the same layout have the same prompt: as in the official metric, a reasoning is
     retrieved when its best prompt is identical to its own, and chance is count / N (here 1)."""
     run = make_run(tmp_path, env="frozenlake", groups=2, group_size=4, mi_samples=8)
-    same = train.diagnose(run, play_scripted(run, [5, 5]), None)
+    same = diagnosis.diagnose(run, play_scripted(run, [5, 5]), None)
     assert same["retrieval_chance"] == 1.0 and same["retrieval_acc"] == 1.0
     assert abs(same["mi_estimate"]) < 1e-6  # identical prompts: the reasoning cannot tell them apart
-    different = train.diagnose(run, play_scripted(run, [5, 6]), None)
+    different = diagnosis.diagnose(run, play_scripted(run, [5, 6]), None)
     assert different["retrieval_chance"] == 0.5
 
 
@@ -409,18 +404,18 @@ def test_the_diagnosis_samples_every_prompt_alike(tmp_path, monkeypatch):
     run = make_run(tmp_path, env="frozenlake", groups=4, group_size=2, mi_samples=2)
     episodes = play_scripted(run, [1, 2, 3, 4], group_size=2)
     owners = []
-    monkeypatch.setattr(train.mi, "cross_scores", lambda model, prompts, reasonings, **kw: (
+    monkeypatch.setattr(diagnosis.mi, "cross_scores", lambda model, prompts, reasonings, **kw: (
         torch.zeros(len(reasonings), len(prompts)), torch.ones(len(reasonings))))
-    monkeypatch.setattr(train.mi, "collapse_metrics", lambda scores, owner, *args, **kw: (
+    monkeypatch.setattr(diagnosis.mi, "collapse_metrics", lambda scores, owner, *args, **kw: (
         owners.append(owner) or {"mi_estimate": 0.0, "marginal_std": 0.0}))
     for seed in range(400):
-        train.diagnose(run, episodes, np.random.default_rng(seed))
+        diagnosis.diagnose(run, episodes, np.random.default_rng(seed))
     assert all(len(set(o)) == 2 for o in owners)
     counts = np.bincount(np.concatenate(owners), minlength=4)  # 200 expected each, sd 12
     assert counts.min() > 150 and counts.max() < 250
     run.args.mi_samples = 7  # one from every group: three more would make three prompts likelier
     owners.clear()
-    train.diagnose(run, episodes, None)
+    diagnosis.diagnose(run, episodes, None)
     assert owners == [[0, 1, 2, 3]]
 
 
@@ -440,9 +435,9 @@ def test_template_share_labels_every_diagnosed_reasoning_exactly(tmp_path, monke
                    probe_samples=4)
     episodes = rollout.play(writer(run.tokenizer), run.tokenizer, "frozenlake", [3, 5], 4, max_turns=1,
                             **run.prompt)
-    assert train.diagnose(run, episodes, None)["template_share"] == 0.5
+    assert diagnosis.diagnose(run, episodes, None)["template_share"] == 0.5
     monkeypatch.setattr(train.sampler, "hf_policy", lambda model, tokenizer, *args, **kwargs: writer(tokenizer))
-    assert train.probe(run)["probe_template_share"] == 0.5
+    assert diagnosis.probe(run)["probe_template_share"] == 0.5
 
 
 # ------------------------------------------------------------------------------------------- Fig. 4
@@ -594,13 +589,13 @@ def test_optimizer_steps_fix_the_number_of_steps_whatever_is_kept(tmp_path):
 def test_random_control_keeps_the_filters_count_reproducibly_per_step(tmp_path):
     a = train.Args(filter="random", control_of="topk", top_k=0.5)
     rewards = torch.tensor([[0.0, 1.0]] * 6 + [[1.0, 1.0]] * 2)  # 8 groups, 2 without spread
-    picks = [train.select(a, rewards, step)[0] for step in range(1, 30)]
+    picks = [snr_filter.select(a, rewards, step)[0] for step in range(1, 30)]
     assert all(int(p.sum()) == 4 for p in picks)  # Top-K 0.5 of 8
     assert any(p[6:].any() for p in picks)  # random: zero-spread groups can be drawn
-    assert torch.equal(picks[3], train.select(a, rewards, 4)[0])  # same seed and step, same choice
+    assert torch.equal(picks[3], snr_filter.select(a, rewards, 4)[0])  # same seed and step, same choice
     assert len({tuple(p.tolist()) for p in picks}) > 5
     a.filter, a.top_k = "bottom", 0.375
-    keep = train.select(a, torch.tensor([[0.0, s] for s in (1.0, 4.0, 2.0, 3.0)] + [[1.0, 1.0]] * 4), 1)[0]
+    keep = snr_filter.select(a, torch.tensor([[0.0, s] for s in (1.0, 4.0, 2.0, 3.0)] + [[1.0, 1.0]] * 4), 1)[0]
     assert keep.tolist() == [True, False, True, True] + [False] * 4  # int(0.375 * 8) = 3 lowest with spread
 
 
@@ -627,17 +622,17 @@ def test_the_probe_set_leaves_training_unchanged_and_repeats_itself(tmp_path):
     # the same prompts and the same sampling noise at every diagnosis: an unchanged policy gives
     # the same numbers, even after the training stream has moved on between two diagnoses
     run = make_run(tmp_path, env="frozenlake", probe_prompts=2, probe_samples=3)
-    first = train.probe(run)
+    first = diagnosis.probe(run)
     torch.rand(1000)
-    assert train.probe(run) == first
+    assert diagnosis.probe(run) == first
 
 
 def test_split_answer_cuts_after_the_reasoning():
     e = rollout.Episode(env=None, group=0, seed=0, noise_seed=0, ids=[], policy_mask=[], logprobs=None,
                         prompt_text="Q", first_prompt="Q<think>", responses=["<think> go </think> <answer> Up </answer>"])
-    assert train.split_answer(e) == ("Q<think> go </think>", " <answer> Up </answer>")
+    assert diagnosis.split_answer(e) == ("Q<think> go </think>", " <answer> Up </answer>")
     e.responses = ["<think> unclosed"]
-    assert train.split_answer(e) == ("Q<think> unclosed", "")
+    assert diagnosis.split_answer(e) == ("Q<think> unclosed", "")
 
 
 def test_the_algorithms_are_those_the_loop_aggregates():

@@ -25,14 +25,12 @@ from datasets import Dataset
 from trl import GRPOConfig, GRPOTrainer
 
 import envs
-import flags
 import mi
 import rollout
-import runs
 import snr_filter
-import tiny
 import train
-import trl_ragen
+from plumbing import defaults, flags, runs, tiny
+from scaleout import trl_ragen
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import trl_ragen_script as script  # noqa: E402
@@ -113,14 +111,14 @@ def test_step_count_costs_nothing_before_training(tmp_path):
     a.lr, a.max_new_tokens = 1e-4, 8
     trainer = trl_ragen.build_trainer(a, *trl_ragen.load_model(a, cuda=False))
     assert trainer.train_dataset.num_rows == a.groups and trainer.args.max_steps == runs.MAX_STEPS
-    train_py = np.random.default_rng([0, 2]).integers(0, train.VAL_SEED_BASE, 3)  # train.train
+    train_py = np.random.default_rng([0, 2]).integers(0, defaults.VAL_SEED_BASE, 3)  # train.train
     assert trl_ragen.step_seeds(0, 2, 3) == train_py.tolist()
 
 
 def test_the_flags_the_entry_points_share_are_defined_once_in_train_py(tmp_path):
     """Every flag both take is train.Args's own (type, default, help, choices), but the two
     trl_ragen.py re-declares; a flag added to train.Args and named shared is a flag of both; what
-    --filter means is train.select's, so the controls run here too."""
+    --filter means is snr_filter.select's, so the controls run here too."""
     ours = {f.name: f for f in dataclasses.fields(train.Args)}
     both = [f for f in dataclasses.fields(trl_ragen.Args) if f.name in ours]
     assert {f.name for f in both} == set(trl_ragen.SHARED) | {"grad_checkpointing", "out"}
@@ -306,13 +304,13 @@ def test_entropy_bonus_under_gradient_accumulation_is_that_of_one_batch():
 def test_dr_grpo_loss_and_gradient_are_train_pys_on_one_batch():
     """trl_ragen.py's dr_grpo (no std division) and train.py's drgrpo on the same 2-turn
     episodes: one loss and one gradient (train.py's one SGD step of lr 1). Both divide each
-    episode's token sum by max_turns x max_new_tokens (train.response_budget), where TRL's
+    episode's token sum by max_turns x max_new_tokens (flags.response_budget), where TRL's
     max_completion_length is one turn's limit."""
     seeds, solves = [5, 6, 7], lambda r: r in (1, 2)
     args = train.Args(algo="drgrpo", max_turns=2, max_new_tokens=8, entropy_coef=0.0,
                       micro_batch=64, grad_clip=1e9)
     trainer, inputs = trainer_on(seeds, solves, loss_type="dr_grpo", scale="none", filter="none",
-                                 max_turns=2, budget=train.response_budget(args))
+                                 max_turns=2, budget=flags.response_budget(args))
     policy = copy.deepcopy(trainer.model)
     loss, grad = loss_and_gradient(trainer, trainer._generate_and_score_completions(inputs))
 
@@ -411,6 +409,6 @@ def test_a_control_keeps_the_groups_train_select_keeps():
     trainer, inputs = trainer_on([5, 6, 7], lambda r: r % K == 0, filter="random")
     trainer._generate_and_score_completions(inputs)
     rewards = torch.tensor(trainer.last_selection["group_rewards"])               # [G, K]
-    keep, _ = train.select(train.Args(filter="random", seed=trainer.args.seed), rewards, 1)
+    keep, _ = snr_filter.select(train.Args(filter="random", seed=trainer.args.seed), rewards, 1)
     assert trainer.last_selection["kept_groups"] == keep.nonzero()[:, 0].tolist()
     assert len(trainer.last_selection["kept_groups"]) == 1  # topk's count: int(0.5 x 3)

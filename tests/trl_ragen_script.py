@@ -83,7 +83,7 @@ def vllm_episodes(trainer):
 
     from trl.generation.vllm_generation import VLLMGeneration
 
-    import trl_ragen
+    from scaleout import trl_ragen
     rank = trainer.accelerator.process_index
     end = rollout.end_of_turn_ids(trainer.processing_class)[0]
 
@@ -117,8 +117,8 @@ def fsdp_episodes(trainer):
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
     from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 
-    import tiny
-    import trl_ragen
+    from plumbing import tiny
+    from scaleout import trl_ragen
     rank, plain = trainer.accelerator.process_index, tiny.build_model(trainer.processing_class)
     plain.load_state_dict(trainer.model.state_dict())  # a copy without TRL's patched forward
     layer = type(plain.model.layers[0])
@@ -144,7 +144,7 @@ def main(out):
     import torch
     from accelerate import PartialState
 
-    import trl_ragen
+    from scaleout import trl_ragen
     torch.set_num_threads(1)
     state = PartialState(cpu=True)  # gloo across the launched processes
     a = trl_ragen.parse_args(ARGS + ["--steps", "1", "--out", out])

@@ -1,7 +1,7 @@
 """The embedded tiny policy: a small Qwen2 and a word-level tokenizer built in code, warm-started
 once per world.
 
-A new top-level file because it holds one concept of its own: the policy that lets the main job run,
+Its own file because it holds one concept of its own: the policy that lets the main job run,
 and learn, on a laptop CPU with no download. The rest of the code treats it exactly like a Qwen2.5
 model.
 
@@ -43,10 +43,9 @@ import torch
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
-import demos
 import envs
 import rollout
-import templates
+from plumbing import demos, templates
 
 # bump when demonstrations, tokenizer or default sizes / training settings change: no stale cache
 FORMAT_VERSION = 7

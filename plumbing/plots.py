@@ -1,6 +1,6 @@
 """The paper's training-curve figures, drawn from the metrics.jsonl of one or several run folders.
 
-A new top-level file because reading logs back is a concept of its own: train.py writes one JSON
+Its own file because reading logs back is a concept of its own: train.py writes one JSON
 object per step, this file turns those into PNGs. Runs given the same label (several seeds of one
 setting) are drawn as their mean with a band of +- one standard error; runs with their own labels
 are overlaid in distinct styles.
@@ -13,9 +13,9 @@ are overlaid in distinct styles.
     filter.png    kept ratio and zero-variance group fraction (Fig. 11a-b)
     length.png    response length per turn (Fig. 8)
 
-    python plots.py runs/topp                 # PNGs into the run folder (train.py writes them too)
-    python plots.py runs/topp runs/none       # an overlay: PNGs into runs/topp+none, printed
-    python plots.py RUN [RUN ...] --out figures/
+    python -m plumbing.plots runs/topp                 # PNGs into the run folder (train.py writes them too)
+    python -m plumbing.plots runs/topp runs/none       # an overlay: PNGs into runs/topp+none, printed
+    python -m plumbing.plots RUN [RUN ...] --out figures/
 """
 
 import argparse

@@ -1,10 +1,10 @@
 """The paper's claims in miniature: run the pre-registered grids of grids.py side by side, resumable,
 archive each finished run's metrics under results/<grid>/runs/, and report from those archives alone.
 
-    python experiments.py list [GRID ...]        # the grids, their claims, rules and wall time
-    python experiments.py run collapse-env --jobs 2   # run what is missing (1 thread each), report
-    python experiments.py run calibration --only frozenlake   # the settings named so, only
-    python experiments.py report [GRID ...]      # every table, figure and number from the archives
+    python -m lab.experiments list [GRID ...]        # the grids, their claims, rules and wall time
+    python -m lab.experiments run collapse-env --jobs 2   # run what is missing (1 thread each), report
+    python -m lab.experiments run calibration --only frozenlake   # the settings named so, only
+    python -m lab.experiments report [GRID ...]      # every table, figure and number from the archives
 
 Run folders go to runs/experiments/<grid>/<setting>-s<seed> (not committed); a finished run is never
 run again, an interrupted one is resumed (train.py --resume). When a run's process ends having done
@@ -22,12 +22,11 @@ import subprocess
 import sys
 import time
 
-import calibration
-import report
-from grids import BUCKET, GRIDS, RESULTS, describe, done, estimate_hours, runs_of
-from plots import read_jsonl
+from lab import calibration, report
+from lab.grids import BUCKET, GRIDS, RESULTS, describe, done, estimate_hours, runs_of
+from plumbing.plots import read_jsonl
 
-ROOT = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository
 
 
 def finished(folder, steps):
@@ -128,7 +127,7 @@ def six_digits(v):
 
 def main(argv=None):
     parser = argparse.ArgumentParser(
-        prog="experiments.py", description=" ".join(__doc__.split("\n\n")[0].split()))
+        prog="python -m lab.experiments", description=" ".join(__doc__.split("\n\n")[0].split()))
     parser.add_argument("command", choices=("list", "run", "report"))
     parser.add_argument("grids", nargs="*", help=f"grid names: {', '.join(GRIDS)} (list, report: "
                                                   f"all when none is named)")
@@ -143,7 +142,7 @@ def main(argv=None):
     if args.jobs < 1:
         return fail("--jobs must be >= 1")
     if args.command == "run" and not args.grids:
-        return fail(f"name the grids to run (hours each: python experiments.py list): "
+        return fail(f"name the grids to run (hours each: python -m lab.experiments list): "
                     f"{', '.join(GRIDS)}")
     for name in args.grids if args.only is not None else ():
         if not any(args.only in setting for setting in GRIDS[name]["settings"]):

@@ -8,7 +8,7 @@ Gymnasium's slippery one.
 
 Symbols: `_` frozen, `O` hole, `G` goal, `P` player, `X` player in a hole, `√` player on the goal.
 """
-from textenv import DIRECTIONS, MOVES, TextEnv, check, rngs
+from worlds.textenv import DIRECTIONS, MOVES, TextEnv, check, rngs
 
 PERPENDICULAR = {"Up": ("Left", "Right"), "Down": ("Left", "Right"),
                  "Left": ("Up", "Down"), "Right": ("Up", "Down")}

@@ -23,7 +23,7 @@ a wall or another box, does not move.
 Symbols: `#` wall, `_` floor, `O` target, `X` box, `√` box on target, `P` player, `S` player on
 target.
 """
-from textenv import DIRECTIONS, MOVES, TextEnv, check, rngs, search
+from worlds.textenv import DIRECTIONS, MOVES, TextEnv, check, rngs, search
 
 STEP_REWARD = -0.1      # every Sokoban action
 BOX_ON_TARGET = 1.0     # a push puts a box onto a target

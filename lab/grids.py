@@ -2,7 +2,7 @@
 RAGEN-2 (or a search for a regime, said to be one) as train.py runs -- its exact flags, settings,
 seeds and steps -- with the comparisons that decide it.
 
-A new top-level file because a pre-registration is a thing of its own: experiments.py runs what is
+Its own file because a pre-registration is a thing of its own: experiments.py runs what is
 written here, stats.py holds the statistics the rules use, report.py turns the archived runs into
 tables and verdicts. A registered grid is not changed once it has run: a re-run is a replication,
 and a changed grid gets a new name.
@@ -18,7 +18,7 @@ import gzip
 import json
 import os
 
-from defaults import MAX_SKIPS
+from plumbing.defaults import MAX_SKIPS
 
 RUNS = os.path.join("runs", "experiments")
 RESULTS = "results"

@@ -1,7 +1,7 @@
 """Every table, figure and number of a grid, from its committed per-run archives alone
 (results/<grid>/runs/<setting>-s<seed>.jsonl.gz).
 
-A new top-level file because the report is a concept of its own: what a stranger runs to check every
+Its own file because the report is a concept of its own: what a stranger runs to check every
 number of RESULTS.md. It reads the archives and nothing else, and writes results/<grid>/:
 table.md (means over seeds with 95% t intervals, the decision rules and their verdicts, onsets,
 correlations, and beside each verdict the first report's, replication.csv), the same as csv files,
@@ -23,10 +23,10 @@ import random
 import shutil
 import zlib
 
-import stats
-from defaults import GROUP_SIZE
-from grids import (BUCKET, COMMON, DIAGNOSTICS, GRIDS, METRICS, ONSET, PHASE, RESULTS,
-                   TEMPLATE, WINDOW, done, runs_of, world_of)
+from lab import stats
+from plumbing.defaults import GROUP_SIZE
+from lab.grids import (BUCKET, COMMON, DIAGNOSTICS, GRIDS, METRICS, ONSET, PHASE, RESULTS,
+                       TEMPLATE, WINDOW, done, runs_of, world_of)
 
 FIRST_REPORT = "round3"  # results/round3/<grid>/: the first report, whose archives were never kept
 

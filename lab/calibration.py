@@ -1,7 +1,7 @@
 """The calibration's report: the MI diagnosis measured against ground truth, from its archives alone
 (results/calibration/runs/).
 
-A new top-level file because this report is a thing apart from report.py's: each run there is a
+Its own file because this report is a thing apart from report.py's: each run there is a
 training curve, each run here is one policy measured once -- a warm start with a template prior
 ALPHA (templates.py), a build seed, a probe size -- whose input dependence is known by construction,
 I(X;Z) = (1 - ALPHA) I_task. It reads and writes as report.py does (the archives and their manifest,
@@ -29,10 +29,9 @@ import math
 import os
 import random
 
-import report
-import stats
-import templates
-from grids import ALPHAS, GRIDS, RESULTS
+from lab import report, stats
+from lab.grids import ALPHAS, GRIDS, RESULTS
+from plumbing import templates
 
 GROUPS = 8  # train.Args.groups: the in-batch estimate's prompts
 POWER_Z = 1.96 + 0.84  # a 5% two-sided test with 80% power

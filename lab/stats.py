@@ -2,7 +2,7 @@
 number of optimiser steps, one onset rule for every series, correlations summarised per run and then
 per seed, the Fig. 4 statistics and the regime search's criteria.
 
-A new top-level file because the statistics are a concept apart from the grids (grids.py) and the
+Its own file because the statistics are a concept apart from the grids (grids.py) and the
 tables (report.py); it is not named `statistics`, which the standard library already is.
 
 Intervals. A mean over runs gets the 95% t interval at n - 1 degrees of freedom,
@@ -23,7 +23,7 @@ like.
 """
 import math
 
-from grids import AT_THE_STEP, ONSET, WINDOW
+from lab.grids import AT_THE_STEP, ONSET, WINDOW
 
 MIN_RUNS = 5  # no interval from fewer runs
 CADENCE = 10  # onset series at the validation steps (diagnoses every 5: every other one)

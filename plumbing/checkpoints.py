@@ -18,7 +18,7 @@ import shutil
 import numpy as np
 import torch
 
-import models
+from plumbing import models
 
 
 class CheckpointError(Exception):

@@ -2,11 +2,11 @@
 the student (as Spinning Up's problem sets, CS336's stubs graded against stored outputs, and
 nbgrader's solution regions -- here in plain .py modules).
 
-    python exercises.py list                           # name, points, where, what to read first
-    python exercises.py make DIR [--only NAME ...]     # the student copy, chosen regions stubbed
-    python exercises.py check [NAME ...]               # grade: one row per exercise, a total
+    python -m course.exercises list                           # name, points, where, what to read first
+    python -m course.exercises make DIR [--only NAME ...]     # the student copy, chosen regions stubbed
+    python -m course.exercises check [NAME ...]               # grade: one row per exercise, a total
 
-A new top-level file because setting and grading assignments is a concept of its own: it changes no
+Its own file because setting and grading assignments is a concept of its own: it changes no
 module's behaviour, it only reads them.
 
 Solution regions. In a module, the lines between the comments `# BEGIN SOLUTION name` and
@@ -49,7 +49,7 @@ import subprocess
 import sys
 import time
 
-ROOT = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository
 GRADING_TESTS = os.path.join("tests", "test_grading.py")
 STUDENT_TESTS = ("tests/conftest.py", GRADING_TESTS)  # the only files of tests/ a copy gets
 # instructor material a student copy leaves out: the experiment's reference runs, the planted
@@ -179,11 +179,10 @@ def enclosing_function(tree, line):
 
 
 def solution_map(root=ROOT):
-    """{exercise: [(file, function, begin, end)]} over the top-level .py files of `root`."""
+    """{exercise: [(file, function, begin, end)]} over the project's .py files of `root`: the
+    top level and its packages (folders with an __init__.py; tests/ and bench/ are none)."""
     out = {}
-    for name in sorted(os.listdir(root)):
-        if not name.endswith(".py"):
-            continue
+    for name in project_files(root):
         with open(os.path.join(root, name), encoding="utf-8") as f:
             text = f.read()
         found = regions(text, name)
@@ -192,6 +191,15 @@ def solution_map(root=ROOT):
             out.setdefault(exercise, []).append(
                 (name, enclosing_function(tree, begin), begin, end))
     return out
+
+
+def project_files(root):
+    """The project's .py files, relative to `root`: the top level's, then each package's."""
+    top = sorted(n for n in os.listdir(root) if n.endswith(".py"))
+    packages = sorted(d for d in os.listdir(root)
+                      if os.path.isfile(os.path.join(root, d, "__init__.py")))
+    return top + [f"{d}/{n}" for d in packages
+                  for n in sorted(os.listdir(os.path.join(root, d))) if n.endswith(".py")]
 
 
 def shape_comments(lines):
@@ -290,7 +298,7 @@ def make(out_dir, only=(), root=ROOT):
         raise UsageError(f"{out_dir} exists and is not an empty folder")
     if out_dir == root or out_dir.startswith(root + os.sep):
         raise UsageError(f"{out_dir} is inside the repository; choose a folder outside it")
-    copied = 0
+    copied, sources = 0, set(project_files(root))  # the files whose regions become stubs
     for rel in tracked_files(root):
         src = os.path.join(root, rel)
         if (not os.path.isfile(src) or rel.startswith(INSTRUCTOR_ONLY)
@@ -298,7 +306,7 @@ def make(out_dir, only=(), root=ROOT):
             continue
         dst = os.path.join(out_dir, rel)
         os.makedirs(os.path.dirname(dst), exist_ok=True)
-        if rel.endswith(".py") and "/" not in rel:
+        if rel in sources:
             with open(src, encoding="utf-8") as f:
                 text = student_source(f.read(), chosen, rel)
             with open(dst, "w", encoding="utf-8") as f:
@@ -310,7 +318,7 @@ def make(out_dir, only=(), root=ROOT):
     with open(os.path.join(out_dir, ASSIGNMENT), "w", encoding="utf-8") as f:
         f.write("".join(name + "\n" for name in chosen))
     print(f"wrote {out_dir}: {copied} files, exercises {', '.join(chosen)} to do; "
-          f"grade with: cd {out_dir} && python exercises.py check")
+          f"grade with: cd {out_dir} && python -m course.exercises check")
 
 
 class Grades:
@@ -479,7 +487,7 @@ def main(argv=None):
         def error(self, message):  # argparse would print the usage too; one line is enough
             raise UsageError(message)
 
-    parser = Parser(prog="exercises.py", description="Course assignments on the reference: list "
+    parser = Parser(prog="python -m course.exercises", description="Course assignments on the reference: list "
                     "them, make a student copy, grade a copy.", allow_abbrev=False)
     sub = parser.add_subparsers(dest="command", required=True, parser_class=Parser)
     sub.add_parser("list", help="one line per exercise")

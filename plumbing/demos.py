@@ -1,7 +1,7 @@
 """What the tiny policy is shown and taught: its prompts, the solver's demonstrations, and behaviour
 cloning on them.
 
-A new top-level file because the warm start is a concept of its own. A random network never writes a
+Its own file because the warm start is a concept of its own. A random network never writes a
 valid action, so every turn would earn the format penalty and RL would see no reward spread
 (RAGEN-2, Sec. 3: no variance, no task gradient). The tiny policy (tiny.py) is therefore first
 trained on demonstrations, played through rollout.play so that the data is token for token the

@@ -45,16 +45,15 @@ import numpy as np
 import torch
 
 import envs
-import models
 import rollout
-import tiny
-from checkpoints import (CheckpointError, atomic_write, checkpoint_step, last_logged_step,
-                         recover_checkpoint, restore, restore_metrics, save_checkpoint)
+from plumbing import models, tiny
+from plumbing.checkpoints import (CheckpointError, atomic_write, checkpoint_step, last_logged_step,
+                                  recover_checkpoint, restore, restore_metrics, save_checkpoint)
 # the command line, here too for the modules and tests that know it as runs'
-from flags import (MAX_COEF, MAX_EPISODES, MAX_EPOCHS, MAX_GROUP_SIZE, MAX_LR,  # noqa: F401
-                   MAX_MAP, MAX_SCORED, MAX_STEPS, MIN_TEMPERATURE, REPORT_TO, RESUMABLE,
-                   UsageError, build_parser, check_args, check_diagnosis, check_ignored,
-                   env_kwargs, parse_args, read_config)
+from plumbing.flags import (MAX_COEF, MAX_EPISODES, MAX_EPOCHS, MAX_GROUP_SIZE, MAX_LR,  # noqa: F401
+                            MAX_MAP, MAX_SCORED, MAX_STEPS, MIN_TEMPERATURE, REPORT_TO, RESUMABLE,
+                            UsageError, build_parser, check_args, check_diagnosis, check_ignored,
+                            env_kwargs, parse_args, read_config)
 
 TINY_THREADS = 2  # --threads for the tiny policy on a CPU, whatever the machine: results depend on it
 PHASES = {"collect_rollouts": "rollouts", "diagnose": "the MI diagnosis", "validate": "validation",
@@ -108,50 +107,29 @@ def diverged(e, a, done, created):
             f"{again} anew (another --out) with a lower --lr")
 
 
-def main(Args, train, validate, argv):
-    """Parse, start, train (or evaluate), finish; each failure becomes one line and an exit code."""
-    from transformers.utils import logging as hf_logging
-    hf_logging.disable_progress_bar()  # no loading bars of transformers between our lines
-    run = None
-    try:
-        args = parse_args(Args, argv)
-        run = start(args)
-        if run is None:
-            return 0
-        if args.steps == 0:
-            print(f"evaluating {args.model} on {args.env}: {args.val_seeds} held-out seeds, one "
-                  f"rollout each, temperature {args.val_temperature}; results in {args.out}")
-            record(run, {"step": 0, "val_success": validate(run)})
-        else:
-            if run.step == 0 and args.val_every:  # the starting point, to judge what training adds
-                record(run, {"step": 0, "val_success": validate(run)})
-            train(run)
-        finish(run)
-        return 0
-    except (UsageError, CheckpointError, models.ModelError) as e:
-        close(run)  # the progress bar ends its line first
+def failed(e, run):
+    """The exit code of the exception `e` that stopped train.py, said in one line after the
+    progress bar has ended its own; an exception it does not know is raised again."""
+    close(run)
+    if isinstance(e, (UsageError, CheckpointError, models.ModelError)):
         print(f"error: {e}", file=sys.stderr)
         return 2
-    except Diverged as e:
-        close(run)
+    if isinstance(e, Diverged):
         print(f"error: {diverged(e, run.args, run.step, run.created)}", file=sys.stderr)
         return 2
-    except torch.OutOfMemoryError as e:
-        close(run)
+    if isinstance(e, torch.OutOfMemoryError):
         frames = reversed(traceback.extract_tb(e.__traceback__))
         phase = next((PHASES[f.name] for f in frames if f.name in PHASES), "loading the models")
         print(f"error: out of GPU memory during {phase}; the last checkpoint is intact. Try "
               f"--micro-batch 1, --rollout-batch 16, --grad-checkpointing, --lora 16 or fewer "
               f"--max-new-tokens", file=sys.stderr)
         return 3
-    except KeyboardInterrupt:
-        close(run)
+    if isinstance(e, KeyboardInterrupt):
         resume = (f"; continue with: python train.py --resume {run.args.out}"
                   if run and run.step else "")
         print(f"\ninterrupted{resume}", file=sys.stderr)
         return 130
-    finally:
-        close(run)
+    raise e
 
 
 # ------------------------------------------------------------------- the checks that need the model
@@ -240,6 +218,8 @@ class Run:
 def start(a):
     """Resolve the defaults, open (or resume) the run folder, load the models, restore the
     checkpoint. None: a finished run, nothing to do."""
+    from transformers.utils import logging as hf_logging
+    hf_logging.disable_progress_bar()  # no loading bars of transformers between our lines
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     resolve_defaults(a, device)
     check_folder(a)
@@ -278,6 +258,9 @@ def start(a):
         if a.steps > 0:
             from tqdm import tqdm
             run.bar = tqdm(total=a.steps, initial=run.step, desc=a.out, dynamic_ncols=True)
+        else:
+            print(f"evaluating {a.model} on {a.env}: {a.val_seeds} held-out seeds, one rollout "
+                  f"each, temperature {a.val_temperature}; results in {a.out}")
         return run
     except BaseException:
         if lock is not None:
@@ -468,7 +451,7 @@ def finish(run):
     if run.bar is not None:
         run.bar.close()
     if run.args.plot and run.args.steps > 0:
-        import plots
+        from plumbing import plots
         plots.plot_runs([run.args.out], run.args.out)
     keys = ("step", "train_success", "val_success", "kept_ratio", "mi_estimate", "retrieval_acc")
     print(json_line({k: run.last[k] for k in keys if k in run.last}))

@@ -16,7 +16,7 @@ import sys
 from dataclasses import dataclass, field
 
 import envs
-from defaults import CONTROLS, GROUP_SIZE, KL_KINDS, MODES, PROB_MODES
+from plumbing.defaults import CONTROLS, GROUP_SIZE, KL_KINDS, MODES, PROB_MODES
 
 # what a resumed run may change
 RESUMABLE = ("steps", "val_every", "save_every", "plot", "threads", "report_to")
@@ -374,3 +374,8 @@ def refuse_now(parse, *args):
     except UsageError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
+
+
+def response_budget(args):
+    """The most tokens the policy can write in an episode: Dr.GRPO's constant normaliser."""
+    return args.max_turns * args.max_new_tokens

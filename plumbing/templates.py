@@ -1,7 +1,7 @@
 """The template prior: template collapse with ground truth, a warm start whose reasoning is, with
 a known probability, a fluent sentence that says nothing about the input.
 
-A new top-level file because the prior is a concept of its own: it gives the MI diagnosis a policy
+Its own file because the prior is a concept of its own: it gives the MI diagnosis a policy
 whose input dependence is known by construction. With probability ALPHA a demonstration turn's
 reasoning is replaced by a sentence drawn uniformly from a pool of boilerplate of the kind a
 pretrained model writes ("Let me plan ahead now."), the answer still the solver's move (demos.py).
@@ -161,7 +161,7 @@ def task_entropy(env_name, seeds=None, env_kwargs=None, noise=NOISE, prompts=(8,
     """The task reasoning of the demonstrations' first turns over `seeds` (the first TASK_TURNS
     demonstration seeds) -> {i_task: the plug-in H(f(X)), h_given_x: mean H(Z_task | X = x),
     h_task: their sum, gap: {N: G(N)}, support: the number of distinct f, samples}."""
-    import demos  # here: the report reads TASK and the pools without torch, which demos needs
+    from plumbing import demos  # here: the report reads TASK and the pools without torch
 
     seeds = range(demos.DEMO_SEEDS, demos.DEMO_SEEDS + TASK_TURNS) if seeds is None else seeds
     counts, h_given_x = collections.Counter(), 0.0
@@ -223,7 +223,7 @@ TEMPLATE_KINDS = ("pool", "surface")
 def task_reasoning(env, rng, noise=NOISE):
     """The demonstrator's reasoning for the env's current state, as demos.demonstration writes it
     (the solver's plan described, then w.p. `noise` -- always without a plan -- "Try <move>.")."""
-    import demos
+    from plumbing import demos
 
     plan = envs.solve(env) or []
     if not plan or rng.random() < noise:
@@ -349,7 +349,7 @@ def surface_truth(env_name, alpha, eps=None, n_prompts=(8, 32)):
 def own_reasonings(env):
     """Every reasoning the demonstrator can write for the env's current state (task_reasoning's
     support)."""
-    import demos
+    from plumbing import demos
 
     plan = envs.solve(env) or []
     said = demos.describe(env, plan)

@@ -1,13 +1,13 @@
 """RAGEN-2 inside TRL: the SNR-aware filter and the MI diagnosis in TRL's GRPOTrainer, on whole
 multi-turn episodes of envs.py's worlds, for several processes (GPUs) and vLLM rollouts.
 
-A new top-level file because it holds one concept of its own: the paper's method on a released
+Its own file because it holds one concept of its own: the paper's method on a released
 multi-GPU trainer. train.py is the readable one-process loop; this file adds to TRL (pinned at
 1.16.0: the subclass overrides private methods) what its GRPOTrainer lacks -- a group filter and
 a collapse diagnosis -- with the project's own functions, not copies.
 
-    python trl_ragen.py --env sokoban --filter topp --model tiny --steps 2 --out DIR
-    accelerate launch --num_processes 8 trl_ragen.py --model Qwen/Qwen2.5-3B-Instruct --use-vllm ...
+    python -m scaleout.trl_ragen --env sokoban --filter topp --model tiny --steps 2 --out DIR
+    accelerate launch --num_processes 8 -m scaleout.trl_ragen --model Qwen/Qwen2.5-3B-Instruct --use-vllm ...
 
 One step of TRL's GRPOTrainer, with what this file adds (+):
   1. rollouts    rollout_func: each process plays its share of the G groups x K episodes with
@@ -15,7 +15,7 @@ One step of TRL's GRPOTrainer, with what this file adds (+):
                  the turn-1 prompt, env_mask = 0 on observation tokens, the sampler's log-probs
   2. rewards     one reward per episode, its total R (env rewards + format penalties), gathered
                  by TRL from every process: one prompt's K episodes may sit on different ones
-  + filter       train.select (train.py's --filter) on the spread of the gathered raw totals
+  + filter       snr_filter.select (train.py's --filter) on the spread of the gathered raw totals
                  [G, K], before any normalisation: the same choice on every process
   + diagnosis    step 1 and every mi_every steps: mi.cross_scores of first-turn reasonings (the
                  ids sampled) under every group's prompt, mi.collapse_metrics
@@ -26,7 +26,7 @@ One step of TRL's GRPOTrainer, with what this file adds (+):
                  step), masked with the token count recounted -- exact for the losses divided by
                  the batch's token count (TOKEN_NORMALISED, TRL's default "dapo")
   4. loss        TRL's, with the entropy bonus a token mean over the whole batch and Dr.GRPO's
-                 constant train.py's (train.response_budget); a step that keeps nothing leaves
+                 constant train.py's (flags.response_budget); a step that keeps nothing leaves
                  the weights and the optimiser's state as they are
 
 Metrics carry train.py's names (kept_ratio, zero_var_frac, mi_estimate, ...), so that plots.py
@@ -42,8 +42,8 @@ import time
 import types
 import warnings
 
-import flags
-from flags import arg  # the same one-line flag declarations as train.py's
+from plumbing import defaults, flags
+from plumbing.flags import arg  # the same one-line flag declarations as train.py's
 
 # ------------------------------------------------------------------------------------- command line
 
@@ -90,7 +90,7 @@ def parse_args(argv):
     """Args from the command line (flags.build_parser: one flag per field); bad input raises
     flags.UsageError."""
     parser = flags.build_parser(Args)
-    parser.prog, parser.usage = "trl_ragen.py", "python trl_ragen.py [flags]"
+    parser.prog, parser.usage = "scaleout.trl_ragen", "python -m scaleout.trl_ragen [flags]"
     parser.description = ("RAGEN-2 in TRL's GRPOTrainer: SNR-aware filtering and the MI diagnosis "
                           "on multi-turn episodes. Defaults in brackets.")
     a = Args(**vars(parser.parse_args(argv)))
@@ -112,10 +112,9 @@ import torch  # noqa: E402
 
 import mi  # noqa: E402
 import rollout  # noqa: E402
-import runs  # noqa: E402
-import sampler  # noqa: E402
-import train  # noqa: E402
-from defaults import MAX_SKIPS  # noqa: E402
+import snr_filter  # noqa: E402
+from plumbing import diagnosis, runs, sampler  # noqa: E402
+from plumbing.defaults import MAX_SKIPS  # noqa: E402
 
 os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")  # rollout_func is marked experimental
 from trl import GRPOConfig, GRPOTrainer  # noqa: E402
@@ -134,7 +133,7 @@ def group_prompt(g):
 
 def step_seeds(seed, step, groups):
     """The env seeds of a step's groups, drawn as train.py draws them."""
-    return np.random.default_rng([seed, step]).integers(0, train.VAL_SEED_BASE, groups).tolist()
+    return np.random.default_rng([seed, step]).integers(0, defaults.VAL_SEED_BASE, groups).tolist()
 
 
 def rollout_function(env_name, seeds, env_kwargs=None, max_turns=5, max_actions_per_turn=2,
@@ -288,20 +287,20 @@ def vllm_generate(trainer, prompt_ids, n):
 class RagenGRPOTrainer(GRPOTrainer):
     """TRL's GRPOTrainer with RAGEN-2's SNR-aware filter and MI diagnosis (module docstring):
     filter, control_of, top_p, top_k, prob_mode, include_zero: train.py's filter flags, which
-    train.select reads (a control draws from the stream of (TRL's seed, step)); mi_every,
+    snr_filter.select reads (a control draws from the stream of (TRL's seed, step)); mi_every,
     mi_samples: the diagnosis at step 1 and every mi_every steps (0 = off) on up to mi_samples
     first-turn reasonings (it needs the FIRST_TURN fields of rollout_function's episodes).
-    response_budget: Dr.GRPO's constant (train.response_budget). After each step
+    response_budget: Dr.GRPO's constant (flags.response_budget). After each step
     `last_selection` holds the gathered rewards [G][K] and the kept groups."""
 
     def __init__(self, *args, filter="topp", top_p=0.9, top_k=0.5, prob_mode="linear",
                  include_zero=False, control_of="topk", mi_every=5, mi_samples=64,
                  response_budget=None, **kwargs):
         super().__init__(*args, **kwargs)
-        self.flags = types.SimpleNamespace(  # what train.select reads
+        self.flags = types.SimpleNamespace(  # what snr_filter.select reads
             filter=filter, control_of=control_of, top_p=top_p, top_k=top_k,
             filter_prob_mode=prob_mode, include_zero=include_zero, seed=self.args.seed)
-        train.select(self.flags, torch.ones(1, 2))  # bad settings raise here
+        snr_filter.select(self.flags, torch.ones(1, 2))  # bad settings raise here
         self.mi_every, self.mi_samples = mi_every, mi_samples
         # Dr.GRPO's |o|: TRL's max_completion_length is a turn's limit (vLLM's, a call), and an
         # episode writes up to max_turns of them; its only other use was vLLM's, at __init__
@@ -348,7 +347,7 @@ class RagenGRPOTrainer(GRPOTrainer):
         if self.mi_every and (self.generation_step == 1
                               or self.generation_step % self.mi_every == 0):
             m.update(self.diagnose(inputs))
-        keep, stats = train.select(self.flags, rewards, self.generation_step)  # [G]
+        keep, stats = snr_filter.select(self.flags, rewards, self.generation_step)  # [G]
         m.update(stats, skipped=not keep.any(), time_scoring=time.time() - t1)
         B = out["advantages"].shape[0]
         first = self.accelerator.process_index * B
@@ -414,16 +413,16 @@ class RagenGRPOTrainer(GRPOTrainer):
         return loss
 
     def diagnose(self, inputs):
-        """train.diagnose on the gathered episodes: up to mi_samples first-turn reasonings, as
-        many from every group (train.mi_sample), their sampled ids cross-scored under every
+        """diagnosis.diagnose on the gathered episodes: up to mi_samples first-turn reasonings, as
+        many from every group (diagnosis.mi_sample), their sampled ids cross-scored under every
         group's first prompt at the sampling temperature, and diagnosis_logprob_diff
-        (train.logprob_diff). Every process scores the same matrix and gets the same numbers."""
+        (diagnosis.logprob_diff). Every process scores the same matrix and gets the same numbers."""
         from accelerate.utils import gather_object
         rows = gather_object([[x[k] for k in FIRST_TURN] for x in inputs])
         K = self.num_generations
         firsts = rows[::K]  # each group's first row
         # the same draw on every process: its generator is seeded by the step
-        picked = train.mi_sample(len(firsts), K, self.mi_samples,
+        picked = diagnosis.mi_sample(len(firsts), K, self.mi_samples,
                                  np.random.default_rng([self.args.seed, self.state.global_step]))
         owner = [m // K for m in picked]
         with full_parameters(self) as model:
@@ -434,7 +433,7 @@ class RagenGRPOTrainer(GRPOTrainer):
         metrics = mi.collapse_metrics(scores, owner, lengths, prompt_keys=[r[0] for r in firsts])
         metrics["mi_zscore_ema"], self.std_ema = mi.mi_zscore_ema(metrics, self.std_ema)
         out = {k: metrics[k] for k in mi.DIAGNOSIS_KEYS if k in metrics}
-        out["diagnosis_logprob_diff"] = train.logprob_diff(scores, owner,
+        out["diagnosis_logprob_diff"] = diagnosis.logprob_diff(scores, owner,
                                                            [rows[m][3] for m in picked])
         return out
 
@@ -466,8 +465,7 @@ def trim_padding(out):
 
 def load_model(a, cuda):
     """(model, tokenizer, rollout.play's prompt pieces) for --model."""
-    import models
-    import tiny
+    from plumbing import models, tiny
     if a.model == "tiny":
         return (*tiny.load_tiny(a.env, runs.env_kwargs(a), cache_dir=a.tiny_cache,
                                 warm_start=a.warm_start), tiny.prompts(a.env))
@@ -513,7 +511,7 @@ def build_trainer(a, model, tokenizer, prompt, num_processes=1, make_policy=None
             top_p=a.top_p, top_k=a.top_k, prob_mode=a.filter_prob_mode,
             include_zero=a.include_zero, control_of=a.control_of, mi_every=a.mi_every,
             mi_samples=a.mi_samples,
-            response_budget=train.response_budget(a))
+            response_budget=flags.response_budget(a))
     except ValueError as e:  # settings TRL or the filter cannot use
         raise runs.UsageError(str(e).strip().splitlines()[0]) from None
     for callback in trainer.callback_handler.callbacks:  # TensorBoard's events in <out>/tensorboard

@@ -1,7 +1,7 @@
 """What every world shares: the TextEnv base class (a Gymnasium-style API), its two seeded random
 streams, and the breadth-first solver that plans in any world through the world's own next_state.
 
-A new top-level file because each world (sokoban.py, frozenlake.py, bandit.py) builds on it, and
+Its own file because each world (sokoban.py, frozenlake.py, bandit.py) builds on it, and
 envs.py, the registry that names the worlds, sits above them all.
 
 A world sets `name`, `actions`, `rules`, `legend`, `max_steps` and implements five things:
@@ -93,7 +93,7 @@ def solve(env):
     FrozenLake with success_rate=1; for a slippery lake it is the shortest plan if nothing slips;
     for Bandit it is the better arm. Returns [] when the episode has already succeeded and None
     when success cannot be reached.
-    >>> from sokoban import Sokoban
+    >>> from worlds.sokoban import Sokoban
     >>> env = Sokoban(room="#####\\n#PXO#\\n#####"); _ = env.reset(); solve(env)
     ['Right']
     """

@@ -1,7 +1,7 @@
 """Sampling many episodes at once: a Hugging Face causal LM as the policy that rollout.play calls,
 one explicit decode loop whose key/value cache is kept across an episode's turns.
 
-A new top-level file because sampling is a concept of its own, apart from the agent-environment
+Its own file because sampling is a concept of its own, apart from the agent-environment
 loop: rollout.play needs only some policy(prompt_ids, envs) -> list[rollout.Generation] (tests and
 demos pass scripted ones), while what is here -- the decode loop, the nucleus, a cache layer that
 subclasses transformers internals -- is what makes the tiny policy's rollouts fast on a CPU and a

@@ -5,7 +5,7 @@ arms are described, are drawn from `seed`, so the right choice depends on readin
 pull ends the episode; success means pulling the arm with the higher expected payout (the risky one
 by default: 0.25 > 0.1).
 """
-from textenv import TextEnv, check, rngs
+from worlds.textenv import TextEnv, check, rngs
 
 
 class Bandit(TextEnv):
