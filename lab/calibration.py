@@ -44,6 +44,7 @@ POLICY = ["template_share", "mi_estimate", "mi_seq_estimate", "retrieval_acc", "
           "probe_action_mi_se", "token_entropy", "response_length", "diagnosis_logprob_diff",
           "probe_diagnosis_logprob_diff"]
 TRUTH = ["I_XZ", "H_Z_given_X", "H_Z", "expected_mi_seq_batch", "expected_mi_seq_probe"]
+SURFACE = ["expected_template_share", "expected_reasoning_entropy_seq_probe"]  # surface_truth's
 SUMMARY = ["probe_template_share", "template_share", "mi_estimate", "mi_seq_estimate",
            "probe_mi_estimate", "probe_mi_seq_estimate", "probe_retrieval_acc",
            "probe_conditional_entropy_seq", "probe_reasoning_entropy_seq",
@@ -53,6 +54,9 @@ SHOWN = ["probe_template_share", "mi_estimate", "probe_mi_estimate", "probe_mi_s
          "probe_retrieval_acc", "probe_conditional_entropy_seq", "probe_reasoning_entropy_seq",
          "token_entropy", "response_length", "probe_action_mi", "val_success"]
 SAMPLED = ["probe_mi_estimate", "probe_mi_seq_estimate", "probe_retrieval_acc"]
+# the iso-entropy families: the per-token entropies too (a level rule names them), each against
+# the exact I(X;Z), which is not linear in ALPHA there
+FAMILY_SHOWN = SHOWN + ["probe_conditional_entropy", "probe_reasoning_entropy"]
 
 
 # ------------------------------------------------------------------------------------ the policies
@@ -124,7 +128,7 @@ def summary(rows):
         row = {"world": world, "prompts": prompts, "alpha": alpha, "builds": len(group)}
         for key in SUMMARY:
             row[key], row[key + "_ci95"], _ = stats.interval([r[key] for r in group])
-        row.update({k: group[0][k] for k in TRUTH})
+        row.update({k: group[0][k] for k in TRUTH + SURFACE if k in group[0]})
         out.append(row)
     return out
 
@@ -292,26 +296,42 @@ def tables(name, data):
 
 def markdown(name, table, decisions, needed):
     g = report.fmt
+    surface = SURFACE[0] in table[0]  # an iso-entropy family: surface-matched templates
     lines = [f"# {name}", "", GRIDS[name]["claim"], "",
              f"Flags: `{' '.join(GRIDS[name]['flags'])}` and the settings' (world, "
              f"`--template-prior`, `--probe-prompts`); builds {GRIDS[name]['seeds']} "
              f"(`--warm-start-seed` = `--seed`). Mean ± half-width of the 95% t interval over "
-             f"builds; every policy in policies.csv. Closed forms (templates.py): I(X;Z) = (1 - "
-             f"ALPHA) I_task; E[probe mi_seq] = (1 - ALPHA) G(N) under the demonstrations; "
-             f"H(Z|X), H(Z) of the demonstrations.", ""]
+             f"builds; every policy in policies.csv. " + (
+                 "Closed forms (plumbing/templates.py, surface_truth) of the demonstrations, not "
+                 "the policies: I(X;Z), H(Z|X), H(Z) of the mixture of the task reasoning and, "
+                 "with probability ALPHA, another layout's (not linear in ALPHA); E[share]: the "
+                 "share of their reasonings that are not their own input's (below ALPHA: another "
+                 "layout can share the reasoning; a policy's errors count as templates too); "
+                 "E[mi_seq], E[H(Z) seq]: the probe's expected estimates at N prompts."
+                 if surface else
+                 "Closed forms (plumbing/templates.py): I(X;Z) = (1 - ALPHA) I_task; E[probe "
+                 "mi_seq] = (1 - ALPHA) G(N) under the demonstrations; H(Z|X), H(Z) of the "
+                 "demonstrations."), ""]
+    shown = FAMILY_SHOWN if surface else SHOWN
+    extra = ["E[share]", "E[H(Z) seq]"] if surface else []
     for world in sorted({r["world"] for r in table}):
         task = templates.TASK[world]
+        rows = [r for r in table if r["world"] == world]
+        what = (f"templates: another layout's task reasoning{filler_note(name, world)}."
+                if surface else f"pool of {len(templates.pool(world))} (log n = "
+                f"{math.log(len(templates.pool(world))):.3f}) nats.")
         lines += [f"## {world}", "",
-                  f"I_task = {task['i_task']:.3f}, H(Z_task|X) = {task['h_given_x']:.3f}, "
-                  f"pool of {len(templates.pool(world))} (log n = "
-                  f"{math.log(len(templates.pool(world))):.3f}) nats.", "",
+                  f"I_task = {task['i_task']:.3f}, H(Z_task|X) = {task['h_given_x']:.3f}"
+                  + (" nats; " if surface else ", ") + what, "",
                   "| N | ALPHA | builds | I(X;Z) | E[mi_seq] | H(Z\\|X) | H(Z) | "
-                  + " | ".join(SHOWN) + " |", "|---" * (7 + len(SHOWN)) + "|"]
-        for row in (r for r in table if r["world"] == world):
+                  + "".join(f"{e} | " for e in extra) + " | ".join(shown) + " |",
+                  "|---" * (7 + len(extra) + len(shown)) + "|"]
+        for row in rows:
             lines.append(f"| {row['prompts']} | {row['alpha']:g} | {row['builds']} | "
                          f"{g(row['I_XZ'])} | {g(row['expected_mi_seq_probe'])} | "
                          f"{g(row['H_Z_given_X'])} | {g(row['H_Z'])} | "
-                         + " | ".join(g(row[k], row[k + "_ci95"]) for k in SHOWN) + " |")
+                         + "".join(f"{g(row[k])} | " for k in (SURFACE if surface else []))
+                         + " | ".join(g(row[k], row[k + "_ci95"]) for k in shown) + " |")
         lines.append("")
     lines += ["## Predictions (written before measuring)", "",
               "| rule | estimate | 95% interval | builds | per ALPHA | verdict |",
@@ -334,8 +354,16 @@ def markdown(name, table, decisions, needed):
     return "\n".join(lines) + "\n"
 
 
+def filler_note(name, world):
+    """The filler a family's settings add, said in a few words ("" without one)."""
+    eps = sorted({template_of(name, setting)[1] for setting in GRIDS[name]["settings"]
+                  if policy(name, setting)[0] == world} - {None}, reverse=True)
+    return f"; a filler of 5 digits, eps {', '.join(f'{e:g}' for e in eps)}" if eps else ""
+
+
 def figure(rows, out):
-    """calibration.png: each SHOWN metric against ALPHA, a colour per world and a line style per
+    """calibration.png: each shown metric against ALPHA -- for an iso-entropy family against the
+    exact I(X;Z), which is not linear in ALPHA there -- a colour per world and a line style per
     probe size (each build a dot, the builds' mean a line), with the closed form or prediction
     where there is one (thin black)."""
     import matplotlib
@@ -343,9 +371,16 @@ def figure(rows, out):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    surface = SURFACE[0] in rows[0]
+    x, shown = ("I_XZ", FAMILY_SHOWN) if surface else ("alpha", SHOWN)
+    truths = {"probe_template_share": SURFACE[0] if surface else "alpha",
+              "probe_mi_seq_estimate": "expected_mi_seq_probe",
+              "probe_conditional_entropy_seq": "H_Z_given_X",
+              "probe_reasoning_entropy_seq": SURFACE[1] if surface else "H_Z"}
     worlds = sorted({r["world"] for r in rows})
-    fig, axes = plt.subplots(3, 4, figsize=(15, 10), squeeze=False)
-    for ax, key in zip(axes.flat, SHOWN):
+    fig, axes = plt.subplots(4 if surface else 3, 4, figsize=(15, 13 if surface else 10),
+                             squeeze=False)
+    for ax, key in zip(axes.flat, shown):
         for w, world in enumerate(worlds):
             for prompts, style in zip(sorted({r["prompts"] for r in rows}), ("-", "--", ":")):
                 group = [r for r in rows if r["world"] == world and r["prompts"] == prompts
@@ -353,23 +388,21 @@ def figure(rows, out):
                 if not group:
                     continue
                 color = plt.cm.tab10(w % 10)
-                ax.scatter([r["alpha"] for r in group], [r[key] for r in group], s=10,
+                ax.scatter([r[x] for r in group], [r[key] for r in group], s=10,
                            color=color, alpha=0.5)
-                alphas = sorted({r["alpha"] for r in group})
-                means = [stats.interval([r[key] for r in group if r["alpha"] == a])[0]
-                         for a in alphas]
-                ax.plot(alphas, means, style, color=color, label=f"{world}, N={prompts}")
-                truth = {"probe_template_share": "alpha", "probe_mi_seq_estimate":
-                         "expected_mi_seq_probe", "probe_conditional_entropy_seq": "H_Z_given_X",
-                         "probe_reasoning_entropy_seq": "H_Z"}.get(key)
-                if truth:
-                    ax.plot(alphas, [next(r for r in group if r["alpha"] == a)[truth]
-                                     for a in alphas], style, color="black", lw=0.8)
+                xs = sorted({r[x] for r in group})
+                means = [stats.interval([r[key] for r in group if r[x] == v])[0] for v in xs]
+                ax.plot(xs, means, style, color=color, label=f"{world}, N={prompts}")
+                if key in truths:
+                    ax.plot(xs, [next(r for r in group if r[x] == v)[truths[key]] for v in xs],
+                            style, color="black", lw=0.8)
         ax.set_title(key, fontsize=9)
-        ax.set_xlabel("template prior ALPHA")
+        ax.set_xlabel("exact I(X;Z) of the demonstrations (nats)" if surface
+                      else "template prior ALPHA")
         ax.grid(alpha=0.3)
     axes.flat[0].legend(fontsize=7)
-    axes.flat[-1].axis("off")
+    for ax in list(axes.flat)[len(shown):]:
+        ax.axis("off")
     fig.tight_layout()
     fig.savefig(os.path.join(out, "calibration.png"), dpi=90)
     plt.close(fig)
