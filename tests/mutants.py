@@ -81,7 +81,7 @@ MUTANTS = [
       SAMPLER + "test_sampling_logprobs_equal_a_forward_pass[0.7-0.5-cpu]"),
     m("nucleus-drops-the-token-that-crosses-p", "plumbing/sampler.py", "nucleus",
       "drop = ranked.cumsum(-1) - ranked >= top_p", "drop = ranked.cumsum(-1) >= top_p",
-      DOCTESTS + "[sampler]"),
+      DOCTESTS + "[plumbing.sampler]"),
     m("a-later-turn-restarts-its-positions", "plumbing/sampler.py", "hf_policy",
       "positions = position[:, None] + (real.cumsum(1) - 1).clamp(min=0)",
       "positions = (real.cumsum(1) - 1).clamp(min=0)",
@@ -243,7 +243,7 @@ MUTANTS = [
     # --------------------------------------------------------------------------------- plots.py
     m("standard-error-is-the-std", "plumbing/plots.py", "mean_and_se",
       "ses.append(sd / math.sqrt(len(xs)))", "ses.append(sd)",
-      DOCTESTS + "[plots]"),
+      DOCTESTS + "[plumbing.plots]"),
     # ----------------------------------------------------------------------------- trl_ragen.py
     m("trl-top-p-not-passed", "scaleout/trl_ragen.py", "build_trainer",
       "top_p=a.top_p, top_k=a.top_k, prob_mode=a.filter_prob_mode,",

@@ -8,6 +8,8 @@ import sys
 import textwrap
 import time
 
+from conftest import project_modules
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 spec = importlib.util.spec_from_file_location("mutants", os.path.join(HERE, "mutants.py"))
@@ -33,6 +35,8 @@ def test_every_mutant_applies_once_and_names_tests_that_exist():
                     defined[path] = {node.name for node in ast.walk(ast.parse(f.read()))
                                      if isinstance(node, ast.FunctionDef)}
             assert function.split("[")[0] in defined[path], f"{mu.name}: no test {test}"
+            if function.startswith("test_docstring_examples["):  # its cases are the module names
+                assert function[len("test_docstring_examples["):-1] in project_modules(), test
 
 
 def test_a_mutant_changes_one_line_of_its_function_only():
