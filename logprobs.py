@@ -43,28 +43,29 @@ def policy_logprobs(model, input_ids, mask, with_entropy=False, temperature=1.0,
                                             else None)
 
 
-def head_logprobs(lm, hidden, targets, with_entropy=False, temperature=1.0, chunk_elements=2 ** 24):
+def head_logprobs(lm, hidden, targets, with_entropy=False, temperature=1.0, chunk_elements=2 ** 24,
+                  dtype=torch.float32):
     """log pi(targets) -- and the entropy of pi -- from hidden states [N, D] and targets [N] ->
-    ([N], [N] or None) float32, pi = softmax(logits / temperature): `lm`'s output layer runs on
+    ([N], [N] or None) in `dtype`, pi = softmax(logits / temperature): `lm`'s output layer runs on
     chunk_elements / V positions at a time under torch.utils.checkpoint, so neither the forward nor
     the backward pass holds more than one chunk's [n, V] logits. mi.cross_scores uses it too
-    (without gradients)."""
+    (without gradients, in float64: its sums over a reply's tokens are compared with the sampler's)."""
     if not temperature > 0:
         raise ValueError(f"temperature must be > 0, got {temperature!r}")
     head = lm.get_output_embeddings()
     size = max(1, chunk_elements // head.weight.shape[0])
     parts = [torch.utils.checkpoint.checkpoint(_head_logprobs, head, h, y, with_entropy,
-                                               temperature, use_reentrant=False)
+                                               temperature, dtype, use_reentrant=False)
              for h, y in zip(hidden.split(size), targets.split(size))]  # [n, D], [n] each
-    out = [torch.cat([p[i] for p in parts]) if parts else hidden.new_zeros(0, dtype=torch.float32)
+    out = [torch.cat([p[i] for p in parts]) if parts else hidden.new_zeros(0, dtype=dtype)
            for i in range(2 if with_entropy else 1)]                           # [N] each
     return out[0], out[1] if with_entropy else None
 
 
-def _head_logprobs(head, hidden, targets, with_entropy, temperature):
+def _head_logprobs(head, hidden, targets, with_entropy, temperature, dtype):
     # the log-softmax in float64, as the sampler's: in float32 the sum over a real vocabulary
     # (SmolLM2's 49,152 tokens, logits up to ~35) is off by ~1e-5 nats a token, with one sign, so a
     # reply's score would drift 1e-4 from the log-prob it was sampled with
     logits = head(hidden).double() / temperature                               # [n, V]
-    logp = ppo.token_logprobs(logits, targets).float()                         # [n]
-    return (logp, ppo.entropy_from_logits(logits).float()) if with_entropy else (logp,)
+    logp = ppo.token_logprobs(logits, targets).to(dtype)                        # [n]
+    return (logp, ppo.entropy_from_logits(logits).to(dtype)) if with_entropy else (logp,)

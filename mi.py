@@ -408,8 +408,9 @@ def tokenize(tokenizer, texts):
 
 @torch.inference_mode()
 def cross_scores(model, prompt_ids, reasoning_ids, batch_size=8, temperature=1.0, pad_id=0):
-    """Score every reasoning under every prompt: returns (scores_sum [M, N] float32, lengths [M]
-    int64), on the CPU.
+    """Score every reasoning under every prompt: returns (scores_sum [M, N] float64, lengths [M]
+    int64), on the CPU. float64 from the log-softmax on: a float32 sum of a 64-token reply's
+    log-probs (-100 or less) is itself rounded by ~1e-5, which the diagnosis' check would see.
 
     scores_sum[m, j] = sum_t log p(z_m,t | x_j, z_m,<t) under `model` at the sampling temperature
     (p = softmax(logits / temperature), the policy that wrote z; teacher forcing, no gradients),
@@ -436,7 +437,7 @@ def cross_scores(model, prompt_ids, reasoning_ids, batch_size=8, temperature=1.0
                          "the reasoning)")
     device = next(model.parameters()).device
     lengths = torch.tensor([len(ids) for ids in reasoning_ids], dtype=torch.long)   # [M]
-    scores = torch.zeros(len(reasoning_ids), len(prompt_ids), dtype=torch.float32)  # [M, N]
+    scores = torch.zeros(len(reasoning_ids), len(prompt_ids), dtype=torch.float64)  # [M, N]
     # Batch reasonings of similar length together (less padding), once for all prompts; empty ones
     # keep score 0.
     order = sorted((m for m in range(len(reasoning_ids)) if reasoning_ids[m]),
@@ -461,7 +462,7 @@ def cross_scores(model, prompt_ids, reasoning_ids, batch_size=8, temperature=1.0
             out = model(input_ids=prompt, use_cache=True, logits_to_keep=1)
             # float64 as logprobs.py and the sampler: the same numbers the reply was sampled with
             first_logp = torch.log_softmax(out.logits[0, -1].double() / temperature,
-                                           dim=-1).float()                      # [V]
+                                           dim=-1)                              # [V]
             for batch, tokens, real in batches:
                 rows = len(batch)
                 total = first_logp[tokens[:, 0]]                           # [B]
@@ -476,8 +477,8 @@ def cross_scores(model, prompt_ids, reasoning_ids, batch_size=8, temperature=1.0
                         use_cache=True).last_hidden_state                  # [B, R - 1, D]
                     targets = tokens[:, 1:]                                # [B, R - 1]
                     logp = logprobs.head_logprobs(lm, hidden.reshape(-1, hidden.shape[-1]),
-                                                  targets.reshape(-1),
-                                                  temperature=temperature)[0].view(targets.shape)
+                                                  targets.reshape(-1), temperature=temperature,
+                                                  dtype=torch.float64)[0].view(targets.shape)
                     total = total + (logp * real[:, 1:]).sum(dim=1)        # padding counts 0
                 scores[batch, j] = total.cpu()
     finally:

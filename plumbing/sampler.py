@@ -180,7 +180,7 @@ def hf_policy(model, tokenizer, max_new_tokens, temperature=1.0, top_p=1.0):
             running = still
 
         tokens = torch.stack(tokens, 1).cpu().tolist()                         # [B, N]
-        logprobs = torch.stack(logprobs, 1).float().cpu().tolist()             # [B, N]
+        logprobs = torch.stack(logprobs, 1).cpu().tolist()  # [B, N], float64 as mi.cross_scores
         entropies = torch.stack(entropies, 1).float().cpu().tolist()           # [B, N]
         fed = torch.stack(fed, 1).cpu().tolist() if fed else [[] for _ in new]  # [B, N-1]
         last.update(cache=cache, attention=attention, position=position, rows={

@@ -302,7 +302,7 @@ def test_cross_scores_equal_plain_loop_and_ignore_padding(tiny_lm):
     model.train()  # cross_scores must switch dropout off itself and restore the mode
     scores, lengths = _scores(model, tokenizer, PROMPTS, REASONINGS, batch_size=4)
     model.eval()
-    assert scores.shape == (6, 3) and scores.dtype == torch.float32
+    assert scores.shape == (6, 3) and scores.dtype == torch.float64
     assert lengths.tolist() == [len(z) for z in REASONINGS]  # one character = one token
     want = _plain_loop(model, tokenizer, PROMPTS, REASONINGS)
     assert torch.allclose(scores.double(), want, atol=1e-4)
