@@ -115,11 +115,12 @@ def test_step_count_costs_nothing_before_training(tmp_path):
     assert trl_ragen.step_seeds(0, 2, 3) == train_py.tolist()
 
 
-def test_the_flags_the_entry_points_share_are_defined_once_in_train_py(tmp_path):
-    """Every flag both take is train.Args's own (type, default, help, choices), but the two
-    trl_ragen.py re-declares; a flag added to train.Args and named shared is a flag of both; what
-    --filter means is snr_filter.select's, so the controls run here too."""
-    ours = {f.name: f for f in dataclasses.fields(train.Args)}
+def test_the_flags_the_entry_points_share_are_defined_once_in_flags_py(tmp_path):
+    """Every flag both take is plumbing.flags.Args's own (type, default, help, choices), but the
+    two trl_ragen.py re-declares; a flag added to flags.Args and named shared is a flag of both;
+    what --filter means is snr_filter.select's, so the controls run here too."""
+    assert train.Args is flags.Args  # train.py's flags are these
+    ours = {f.name: f for f in dataclasses.fields(flags.Args)}
     both = [f for f in dataclasses.fields(trl_ragen.Args) if f.name in ours]
     assert {f.name for f in both} == set(trl_ragen.SHARED) | {"grad_checkpointing", "out"}
     for f in both:
@@ -128,7 +129,7 @@ def test_the_flags_the_entry_points_share_are_defined_once_in_train_py(tmp_path)
                                                        ours[f.name].metadata), f.name
 
     @dataclasses.dataclass
-    class Grown(train.Args):
+    class Grown(flags.Args):
         new_flag: int = flags.arg(7, "a flag defined once")
     shared = trl_ragen.shared_flags(Grown, trl_ragen.SHARED + ("new_flag",))
     assert "a flag defined once [7]" in runs.build_parser(shared).format_help()
