@@ -174,16 +174,17 @@ def test_large_but_real_settings_are_kept(tmp_path):
 
 
 def test_the_readmes_experiment_block_runs_as_written():
-    """Each line of README's "Running the experiment" block works after the lines above it: valid
-    flags and settings, no globs or placeholders, every folder it reads made by an --out above."""
-    text = open(os.path.join(ROOT, "README.md")).read()
+    """Each line of plumbing/README.md's "Running the experiment" block works after the lines above
+    it: valid flags and settings, no globs or placeholders, every folder it reads made by an --out
+    above."""
+    text = open(os.path.join(ROOT, "plumbing", "README.md")).read()
     block = text.split("## Running the experiment", 1)[1].split("```bash\n", 1)[1].split("```", 1)[0]
     made = set()
     for line in block.splitlines():
         argv = shlex.split(line, comments=True)
         assert not any(c in arg for arg in argv for c in "*?[]<>"), line
-        if argv[1] == "plots.py":
-            assert set(argv[2:]) <= made, line
+        if argv[1:3] == ["-m", "plumbing.plots"]:
+            assert set(argv[3:]) <= made, line
         if argv[1] != "train.py" or "--help" in argv:
             continue
         a = train.Args(**vars(runs.build_parser(train.Args).parse_args(argv[2:])))
@@ -199,10 +200,11 @@ def test_the_readmes_experiment_block_runs_as_written():
 
 
 def test_every_train_command_in_the_readme_parses_and_passes_the_checks():
-    """Every `python train.py` line of the README's code blocks (the quick start, the main command,
-    the real model's command, ...) is a valid command line whose settings pass runs.check_args."""
-    text = open(os.path.join(ROOT, "README.md")).read()
-    blocks = [b.split("```", 1)[0] for b in text.split("```bash\n")[1:]]
+    """Every `python train.py` command of the code blocks of README.md (the quick start, the main
+    command) and plumbing/README.md (running the experiment, the real model's command, ...) is a
+    valid command line whose settings pass runs.check_args."""
+    text = "".join(open(os.path.join(ROOT, *p)).read() for p in (["README.md"], ["plumbing", "README.md"]))
+    blocks = [b.split("```", 1)[0].replace("\\\n", " ") for b in text.split("```bash\n")[1:]]
     lines = [line for b in blocks for line in b.splitlines() if line.startswith("python train.py")]
     assert len(lines) >= 5
     for line in lines:
@@ -279,17 +281,17 @@ def test_the_log_is_strict_json_an_unmeasured_number_is_null(tmp_path, monkeypat
 
 
 def readme_metrics_table():
-    """{key: its row} of README's "What is logged" table: every backquoted name in a row's first
-    column."""
-    text = open(os.path.join(ROOT, "README.md")).read().split("### What is logged", 1)[1]
+    """{key: its row} of plumbing/README.md's "What is logged" table: every backquoted name in a
+    row's first column."""
+    text = open(os.path.join(ROOT, "plumbing", "README.md")).read().split("### What is logged", 1)[1]
     rows = [line for line in text.split("\n\n|", 1)[1].split("\n\n", 1)[0].splitlines()[2:]]
     return {key: row for row in rows for key in re.findall(r"`([a-z0-9_]+)`", row.split("|")[1])}
 
 
 def test_every_logged_key_is_in_the_readmes_table_and_every_row_is_logged(tmp_path):
     """One step with every part of the loop on (validation, diagnosis, probe set, PPO with a KL
-    term, the gradient decomposition) logs exactly the keys the README's table lists; only the
-    GPU's memory is logged on a GPU alone."""
+    term, the gradient decomposition) logs exactly the keys plumbing/README.md's table lists; only
+    the GPU's memory is logged on a GPU alone."""
     documented = readme_metrics_table()
     assert {"step", "train_success", "mi_estimate", "val_success"} <= set(documented)
     out = str(tmp_path / "run")
