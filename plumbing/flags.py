@@ -2,8 +2,8 @@
 shares; light on purpose: a script parses its command line with this module before it loads
 torch, so that a refused flag answers in about a second (refuse_now).
 
-Bad input is a UsageError: runs.main and trl_ragen.main print it as one line on stderr and exit
-with code 2.
+Bad input is a UsageError: train.main (runs.failed) and trl_ragen.main print it as one line on
+stderr and exit with code 2.
 """
 import argparse
 import dataclasses
