@@ -85,7 +85,8 @@ def qwen_shaped(size, device, vocab_size=VOCAB):
 
 def one_row(args):
     import train
-    from plumbing import models, runs
+    from plumbing import models
+    from plumbing.flags import parse_args
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if device.type == "cuda" and args.budget_gb:
@@ -125,7 +126,7 @@ def one_row(args):
                   "--probe-samples", "2"]
     flags += ["--micro-batch", str(args.micro_batch)] if args.micro_batch else []
     flags += ["--grad-checkpointing"] if args.grad_checkpointing else []
-    a = runs.parse_args(train.Args, flags)
+    a = parse_args(train.Args, flags)
     if (
         device.type == "cuda"
         and args.budget_gb

@@ -48,6 +48,7 @@ import rollout  # noqa: E402
 import snr_filter  # noqa: E402
 import train  # noqa: E402
 from plumbing import defaults, diagnosis, models, runs, sampler  # noqa: E402
+from plumbing.flags import parse_args  # noqa: E402
 
 
 def plain_policy(model, tokenizer, max_new_tokens, temperature=1.0, top_p=1.0):
@@ -123,7 +124,7 @@ def plain_pieces(batch, rows, size):
 def make_run(flags, model=None, tokenizer=None):
     """A runs.Run from train.py flags (no run folder is created); with `model` and `tokenizer`
     given, the run uses them instead of loading --model."""
-    a = runs.parse_args(train.Args, flags + ["--out", "/dev/null/unused"])
+    a = parse_args(train.Args, flags + ["--out", "/dev/null/unused"])
     runs.resolve_defaults(a, torch.device("cpu"))
     if model is None:
         return runs.load_run(a, torch.device("cpu"), a.model)

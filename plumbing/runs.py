@@ -49,11 +49,7 @@ import rollout
 from plumbing import models, tiny
 from plumbing.checkpoints import (CheckpointError, atomic_write, checkpoint_step, last_logged_step,
                                   recover_checkpoint, restore, restore_metrics, save_checkpoint)
-# the command line, here too for the modules and tests that know it as runs'
-from plumbing.flags import (MAX_COEF, MAX_EPISODES, MAX_EPOCHS, MAX_GROUP_SIZE, MAX_LR,  # noqa: F401
-                            MAX_MAP, MAX_SCORED, MAX_STEPS, MIN_TEMPERATURE, REPORT_TO, RESUMABLE,
-                            UsageError, build_parser, check_args, check_diagnosis, check_ignored,
-                            env_kwargs, parse_args, read_config)
+from plumbing.flags import UsageError, env_kwargs, read_config
 
 TINY_THREADS = 2  # --threads for the tiny policy on a CPU, whatever the machine: results depend on it
 PHASES = {"collect_rollouts": "rollouts", "diagnose": "the MI diagnosis", "validate": "validation",

@@ -18,7 +18,7 @@ from scipy.stats import t
 
 import train
 from lab import experiments, grids, report, stats
-from plumbing import defaults
+from plumbing import defaults, flags
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 OUTPUTS = ("table.md", "table.csv", "decisions.csv", "correlations.csv", "leadlag.csv", "numbers.json",
@@ -95,7 +95,7 @@ def test_every_grid_parses_as_train_flags_and_claims_get_five_seeds():
     assert grids.GRIDS
     for name, g in grids.GRIDS.items():
         for _, _, _, argv in grids.runs_of(name):
-            args = train.runs.parse_args(train.Args, argv)  # every flag is a real train.py flag
+            args = flags.parse_args(train.Args, argv)  # every flag is a real train.py flag
             assert args.model == ("smollm2" if name == "smollm2" else "tiny")  # named, never by machine
         if g["decide"] and g["decide"][0]["kind"] != "search":
             assert g["seeds"] == [0, 1, 2, 3, 4], name  # 5 seeds for every claim
@@ -117,7 +117,7 @@ def test_the_registrations_before_measuring_are_well_formed():
         g = grids.GRIDS[name]
         assert g["kind"] == "calibration" and g["seed_flags"] == ["--warm-start-seed"]
         for setting, _, _, argv in grids.runs_of(name):
-            a = train.runs.parse_args(train.Args, argv)
+            a = flags.parse_args(train.Args, argv)
             assert a.template_kind == "surface" and a.probe_prompts == 32
             assert (a.filler is None) == (name == "iso-hz")
             assert a.template_prior in grids.ALPHAS
@@ -129,13 +129,13 @@ def test_the_registrations_before_measuring_are_well_formed():
         assert all(r["metric"] in calibration.POLICY and r["world"] in worlds for r in g["decide"])
     levels = {r["metric"] for r in grids.GRIDS["iso-hzx"]["decide"] if r["kind"] == "level"}
     assert {"token_entropy", "probe_conditional_entropy_seq"} <= levels
-    with pytest.raises(train.runs.UsageError, match="--filler must be in"):
-        train.runs.parse_args(train.Args, ["--filler", "0.9"])
+    with pytest.raises(flags.UsageError, match="--filler must be in"):
+        flags.parse_args(train.Args, ["--filler", "0.9"])
     for _, _, _, argv in grids.runs_of("template-grow"):
-        a = train.runs.parse_args(train.Args, argv)
+        a = flags.parse_args(train.Args, argv)
         assert a.kl_template_prior is None and a.kl_coef > 0 and a.success_rate < 1
         assert 0.1 <= a.template_prior <= 0.25 and a.steps == 300
-    steps = {s: train.runs.parse_args(train.Args, argv).optimizer_steps
+    steps = {s: flags.parse_args(train.Args, argv).optimizer_steps
              for s, _, _, argv in grids.runs_of("template-control")}
     assert steps == {"topk-opt2": 2, "random-opt2": 2, "random-opt4": 4}
     for name in ("template-grow", "template-control"):

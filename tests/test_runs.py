@@ -63,7 +63,7 @@ def fails(argv, capsys, words, code=2, started=False):
 
 def test_help_is_one_line_per_flag_with_its_default(capsys):
     with pytest.raises(SystemExit):
-        runs.build_parser(train.Args).parse_args(["--help"])
+        flags.build_parser(train.Args).parse_args(["--help"])
     lines = capsys.readouterr().out.splitlines()
     options = lines[[i for i, line in enumerate(lines) if line.startswith("options")][0] + 1:]
     # no wrapped lines
@@ -162,16 +162,16 @@ def test_bad_arguments_print_one_line_exit_2_and_leave_nothing(tmp_path, argv, w
 def test_large_but_real_settings_are_kept(tmp_path):
     argv = ["--steps", "100000", "--groups", "512", "--group-size", "64", "--val-seeds", "4096", "--room-size",
             "20", "--max-new-tokens", "256", "--mi-every", "1000"]
-    a = runs.parse_args(train.Args, argv + ["--model", "tiny", "--no-warm-start"])
+    a = flags.parse_args(train.Args, argv + ["--model", "tiny", "--no-warm-start"])
     runs.resolve_defaults(a, torch.device("cpu"))
     runs.check_fits(a, *tiny.load_tiny(a.env, warm_start=False), tiny.prompts(a.env))
     # a group of one is plain PPO without a filter: it learns from the critic
-    runs.parse_args(train.Args, ["--group-size", "1", "--filter", "none", "--algo", "ppo"])
+    flags.parse_args(train.Args, ["--group-size", "1", "--filter", "none", "--algo", "ppo"])
     # one group without the diagnosis; a control with its count; one trajectory per optimiser step
-    runs.parse_args(train.Args, ["--groups", "1", "--mi-every", "0"])
-    runs.parse_args(train.Args, ["--filter", "random", "--control-of", "topp"])
-    assert runs.parse_args(train.Args, ["--optimizer-steps", "128"]).optimizer_steps == 128
-    assert runs.parse_args(train.Args, ["--probe-prompts", "0"]).probe_prompts == 0
+    flags.parse_args(train.Args, ["--groups", "1", "--mi-every", "0"])
+    flags.parse_args(train.Args, ["--filter", "random", "--control-of", "topp"])
+    assert flags.parse_args(train.Args, ["--optimizer-steps", "128"]).optimizer_steps == 128
+    assert flags.parse_args(train.Args, ["--probe-prompts", "0"]).probe_prompts == 0
 
 
 def test_the_readmes_experiment_block_runs_as_written():
@@ -188,11 +188,11 @@ def test_the_readmes_experiment_block_runs_as_written():
             assert set(argv[3:]) <= made, line
         if argv[1] != "train.py" or "--help" in argv:
             continue
-        a = train.Args(**vars(runs.build_parser(train.Args).parse_args(argv[2:])))
+        a = train.Args(**vars(flags.build_parser(train.Args).parse_args(argv[2:])))
         if a.resume:
             assert a.resume in made, line
             continue
-        runs.check_args(a)
+        flags.check_args(a)
         if a.model not in (None, "tiny"):
             assert os.path.dirname(os.path.normpath(a.model)) in made, line
         if a.out:
@@ -203,7 +203,7 @@ def test_the_readmes_experiment_block_runs_as_written():
 def test_every_train_command_in_the_readme_parses_and_passes_the_checks():
     """Every `python train.py` command of the code blocks of README.md (the quick start, the main
     command) and plumbing/README.md (running the experiment, the real model's command, ...) is a
-    valid command line whose settings pass runs.check_args."""
+    valid command line whose settings pass flags.check_args."""
     text = "".join(open(os.path.join(ROOT, *p)).read() for p in (["README.md"], ["plumbing", "README.md"]))
     blocks = [b.split("```", 1)[0].replace("\\\n", " ") for b in text.split("```bash\n")[1:]]
     lines = [line for b in blocks for line in b.splitlines() if line.startswith("python train.py")]
@@ -211,7 +211,7 @@ def test_every_train_command_in_the_readme_parses_and_passes_the_checks():
     for line in lines:
         argv = shlex.split(line, comments=True)[2:]
         if not {"--resume", "--help"} & set(argv):  # a resumed run's are checked against its folder
-            assert isinstance(runs.parse_args(train.Args, argv), train.Args), line  # parse checks
+            assert isinstance(flags.parse_args(train.Args, argv), train.Args), line  # parse checks
 
 
 def test_bad_arguments_from_the_shell_give_no_traceback():

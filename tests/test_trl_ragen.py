@@ -106,11 +106,11 @@ def test_a_skipped_step_leaves_the_weights_and_the_optimiser_state_unchanged(one
 def test_step_count_costs_nothing_before_training(tmp_path):
     """--steps up to train.py's bound: the dataset holds each group once (TRL cycles it, a pass a
     step), not one row per step."""
-    a = trl_ragen.parse_args(script.ARGS + ["--steps", str(runs.MAX_STEPS), "--out",
+    a = trl_ragen.parse_args(script.ARGS + ["--steps", str(flags.MAX_STEPS), "--out",
                                             str(tmp_path)])
     a.lr, a.max_new_tokens = 1e-4, 8
     trainer = trl_ragen.build_trainer(a, *trl_ragen.load_model(a, cuda=False))
-    assert trainer.train_dataset.num_rows == a.groups and trainer.args.max_steps == runs.MAX_STEPS
+    assert trainer.train_dataset.num_rows == a.groups and trainer.args.max_steps == flags.MAX_STEPS
     train_py = np.random.default_rng([0, 2]).integers(0, defaults.VAL_SEED_BASE, 3)  # train.train
     assert trl_ragen.step_seeds(0, 2, 3) == train_py.tolist()
 
@@ -132,7 +132,7 @@ def test_the_flags_the_entry_points_share_are_defined_once_in_flags_py(tmp_path)
     class Grown(flags.Args):
         new_flag: int = flags.arg(7, "a flag defined once")
     shared = trl_ragen.shared_flags(Grown, trl_ragen.SHARED + ("new_flag",))
-    assert "a flag defined once [7]" in runs.build_parser(shared).format_help()
+    assert "a flag defined once [7]" in flags.build_parser(shared).format_help()
     a = trl_ragen.parse_args(["--filter", "random", "--control-of", "topp", "--out", str(tmp_path)])
     assert (a.filter, a.control_of) == ("random", "topp")
 
