@@ -19,16 +19,11 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")  # tests never touch the network
 
 def project_modules(root=ROOT):
     """{dotted name: path} of the project's modules: the top level's (the paper) and those of each
-    package folder (one with an __init__.py; tests/ and bench/ are none)."""
-    out = {}
-    for name in sorted(os.listdir(root)):
-        path = os.path.join(root, name)
-        if name.endswith(".py"):
-            out[name[:-3]] = path
-        elif os.path.isfile(os.path.join(path, "__init__.py")):
-            out.update({f"{name}.{f[:-3]}": os.path.join(path, f) for f in sorted(os.listdir(path))
-                        if f.endswith(".py") and f != "__init__.py"})
-    return out
+    package folder (exercises.project_files: tests/ and bench/ are none)."""
+    from course.exercises import project_files
+
+    return {f[:-3].replace("/", "."): os.path.join(root, f) for f in project_files(root)
+            if os.path.basename(f) != "__init__.py"}
 
 
 @pytest.fixture(autouse=True)

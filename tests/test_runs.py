@@ -200,20 +200,6 @@ def test_the_readmes_experiment_block_runs_as_written():
     assert len(made) >= 2  # the runs it compares
 
 
-def test_every_train_command_in_the_readme_parses_and_passes_the_checks():
-    """Every `python train.py` command of the code blocks of README.md (the quick start, the main
-    command) and plumbing/README.md (running the experiment, the real model's command, ...) is a
-    valid command line whose settings pass flags.check_args."""
-    text = "".join(open(os.path.join(ROOT, *p)).read() for p in (["README.md"], ["plumbing", "README.md"]))
-    blocks = [b.split("```", 1)[0].replace("\\\n", " ") for b in text.split("```bash\n")[1:]]
-    lines = [line for b in blocks for line in b.splitlines() if line.startswith("python train.py")]
-    assert len(lines) >= 5
-    for line in lines:
-        argv = shlex.split(line, comments=True)[2:]
-        if not {"--resume", "--help"} & set(argv):  # a resumed run's are checked against its folder
-            assert isinstance(flags.parse_args(train.Args, argv), train.Args), line  # parse checks
-
-
 def test_bad_arguments_from_the_shell_give_no_traceback():
     proc = subprocess.run([sys.executable, "train.py", "--top-p", "7"], cwd=ROOT, capture_output=True, text=True,
                           env={**os.environ, "HF_HUB_OFFLINE": "1"})
