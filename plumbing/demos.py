@@ -263,6 +263,7 @@ def imitate(model, tokenizer, env_name, env_kwargs=None, steps=600, batch_size=1
     prompts the demonstrations are played in (demonstrations; default the tiny policy's).
     """
     pad = rollout.pad_token_id(tokenizer)
+    device = next(model.parameters()).device  # the demonstrations go where the model is
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
     if state is not None:
         optimizer.load_state_dict(state)
@@ -281,7 +282,8 @@ def imitate(model, tokenizer, env_name, env_kwargs=None, steps=600, batch_size=1
             random.Random(first).shuffle(batches)
         for group in optimizer.param_groups:
             group["lr"] = lr * schedule(step, steps)
-        loss = demo_loss(model, rollout.collate(batches[step % ROUND], pad))
+        batch = rollout.collate(batches[step % ROUND], pad)
+        loss = demo_loss(model, {k: v.to(device) for k, v in batch.items()})
         optimizer.zero_grad()
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)

@@ -80,7 +80,7 @@ def load_policy(a, source, device, env_kwargs):
     if source == "smollm2":
         if not a.warm_start:
             return (*load_smollm2(), {})
-        return (*smollm2_warm_start(a.env, env_kwargs, seed=a.warm_start_seed), {})
+        return (*smollm2_warm_start(a.env, env_kwargs, seed=a.warm_start_seed, device=device), {})
     if source == "tiny":
         try:
             model, tokenizer = tiny.load_tiny(
@@ -222,11 +222,13 @@ def load_smollm2(cache_dir=SMOLLM2_CACHE):
 SMOLLM2_WARM_START = dict(steps=40, batch_size=8, lr=1e-4, turns=2)
 
 
-def smollm2_warm_start(env_name, env_kwargs=None, seed=0, cache_dir=SMOLLM2_CACHE, **settings):
+def smollm2_warm_start(env_name, env_kwargs=None, seed=0, cache_dir=SMOLLM2_CACHE, device="cpu",
+                       **settings):
     """SmolLM2 behaviour-cloned on `env_name`'s demonstrations (SMOLLM2_WARM_START, overridden by
-    `settings`), built on first use and cached in cache_dir/<world>-<hash>; warm_start.json, written
-    last, marks a finished build and records its losses and time. An interrupted build starts over
-    (it took 35 minutes here, on 2 CPU cores shared with other work)."""
+    `settings`), built on first use on `device` and cached in cache_dir/<world>-<hash>;
+    warm_start.json, written last, marks a finished build and records its losses and time. An
+    interrupted build starts over (it took 35 minutes here, on 2 CPU cores shared with other work).
+    The model comes back on the CPU either way."""
     settings = {**SMOLLM2_WARM_START, **settings, "seed": seed}
     key = json.dumps({"env": env_name, "env_kwargs": env_kwargs or {}, **settings},
                      sort_keys=True, default=str)
@@ -239,6 +241,7 @@ def smollm2_warm_start(env_name, env_kwargs=None, seed=0, cache_dir=SMOLLM2_CACH
                   f"building it again")
             shutil.rmtree(folder, ignore_errors=True)
     model, tokenizer = load_smollm2()
+    model.to(device)
     steps = settings["steps"]
     print(f"building SmolLM2's warm start for {env_name}: behaviour cloning on solver "
           f"demonstrations, {steps} steps of {settings['batch_size']} episodes; a one-time build, "
@@ -251,6 +254,7 @@ def smollm2_warm_start(env_name, env_kwargs=None, seed=0, cache_dir=SMOLLM2_CACH
                            on_step=lambda step, loss, _: print(
                                f"  step {step + 1}/{steps}: loss {loss:.3f}", flush=True))
     torch.random.set_rng_state(torch_state)
+    model.cpu()
     save_aside(model, tokenizer, folder, "warm_start.json",
                {"env": env_name, "env_kwargs": env_kwargs or {}, **settings,
                 "seconds": time.time() - began, "losses": losses})
