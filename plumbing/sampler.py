@@ -92,7 +92,9 @@ def hf_policy(model, tokenizer, max_new_tokens, temperature=1.0, top_p=1.0):
 
     The policy remembers the key/value cache of its last call, one row per prompt. A prompt that
     continues a remembered row (the row's tokens are a prefix of it) reuses the row and encodes only
-    its new tokens; otherwise the whole batch is encoded afresh. The cache holds holes -- padding,
+    its new tokens; otherwise the whole batch is encoded afresh, each token once: what every prompt
+    shares (the system prompt), then each distinct prompt's rest, its cache copied to the rows that
+    share it (a group's rollouts). The cache holds holes -- padding,
     and the steps after a row stopped, with attention mask 0 -- and every token gets its true
     position id, so attention and RoPE see exactly the tokens of its own transcript, as a fresh
     forward pass does.
@@ -109,43 +111,54 @@ def hf_policy(model, tokenizer, max_new_tokens, temperature=1.0, top_p=1.0):
     def policy(prompt_ids, env_list=None):  # the environments are not needed to sample
         device, B = model.device, len(prompt_ids)
         keys = [id(env) for env in env_list] if env_list is not None else list(range(B))
-        rows = _continued_rows(last["rows"], prompt_ids, keys)
-        if rows is None:  # start afresh: an empty cache
-            cache = Cache(layer_class_to_replicate=GrowingLayer)
-            attention = torch.zeros(B, 0, dtype=torch.long, device=device)
-            position, known = torch.zeros(B, dtype=torch.long, device=device), [0] * B
-        else:  # keep the rows of the prompts that continue, in the new order
-            index = torch.tensor(rows, device=device)
-            cache, attention, position = (
-                last["cache"],
-                last["attention"][index],
-                last["position"][index],
-            )
-            cache.batch_select_indices(index)
-            known = [len(last["rows"][key][1]) for key in keys]
+        state = {}  # the cache, attention [B, W] and positions [B] of the rows being encoded
 
-        # ---- encode what is new in every prompt, left-padded to the longest new piece
-        # BEGIN SOLUTION silent_bug
-        new = [p[k:] for p, k in zip(prompt_ids, known)]
-        # END SOLUTION silent_bug
-        width = max(len(n) for n in new)
-        ids = torch.full((B, width), pad, dtype=torch.long)                    # [B, W]
-        real = torch.zeros((B, width), dtype=torch.long)                       # [B, W]
-        for b, n in enumerate(new):
-            ids[b, width - len(n):] = torch.tensor(n, dtype=torch.long)
-            real[b, width - len(n):] = 1
-        ids, real = ids.to(device), real.to(device)
-        positions = position[:, None] + (real.cumsum(1) - 1).clamp(min=0)      # [B, W]
-        attention = torch.cat([attention, real], dim=1)                        # [B, W_cache + W]
-        logits = model(
-            input_ids=ids,
-            attention_mask=attention,
-            position_ids=positions,
-            cache=cache,
-            use_cache=True,
-            logits_to_keep=1,
-        ).logits[:, -1]                                                        # [B, V]
-        position = position + real.sum(1)                                      # [B]
+        def select(index):  # keep, reorder or copy the cache's rows: row b becomes old row index[b]
+            state["cache"].batch_select_indices(index)
+            state["attention"], state["position"] = (state["attention"][index],
+                                                     state["position"][index])
+
+        def encode(prompt_ids, known):
+            """Feed the cache's rows what is new in their prompts, left-padded to the longest new
+            piece -> the logits of each prompt's last token [B, V]."""
+            B = len(prompt_ids)
+            # BEGIN SOLUTION silent_bug
+            new = [p[k:] for p, k in zip(prompt_ids, known)]
+            # END SOLUTION silent_bug
+            width = max(len(n) for n in new)
+            ids = torch.full((B, width), pad, dtype=torch.long)                # [B, W]
+            real = torch.zeros((B, width), dtype=torch.long)                   # [B, W]
+            for b, n in enumerate(new):
+                ids[b, width - len(n):] = torch.tensor(n, dtype=torch.long)
+                real[b, width - len(n):] = 1
+            ids, real = ids.to(device), real.to(device)
+            positions = state["position"][:, None] + (real.cumsum(1) - 1).clamp(min=0)  # [B, W]
+            state["attention"] = torch.cat([state["attention"], real], dim=1)  # [B, W_cache + W]
+            state["position"] = state["position"] + real.sum(1)                # [B]
+            return model(input_ids=ids, attention_mask=state["attention"], position_ids=positions,
+                         cache=state["cache"], use_cache=True, logits_to_keep=1).logits[:, -1]
+
+        rows = _continued_rows(last["rows"], prompt_ids, keys)
+        if rows is None:  # start afresh: what prompts share is encoded once, then copied
+            distinct = [list(p) for p in dict.fromkeys(map(tuple, prompt_ids))]
+            shared = _shared_prefix(distinct)  # the system prompt, the template's first tokens
+            state.update(cache=Cache(layer_class_to_replicate=GrowingLayer),
+                         attention=torch.zeros(1, 0, dtype=torch.long, device=device),
+                         position=torch.zeros(1, dtype=torch.long, device=device))
+            if shared:
+                encode([distinct[0][:shared]], [0])
+            select(torch.zeros(len(distinct), dtype=torch.long, device=device))
+            logits = encode(distinct, [shared] * len(distinct))                # [U, V]
+            # a group's rollouts share their first prompt: its cache is copied to each of them
+            index = torch.tensor([distinct.index(list(p)) for p in prompt_ids], device=device)
+            select(index)
+            logits = logits[index]                                             # [B, V]
+        else:  # keep the rows of the prompts that continue, in the new order
+            state.update(cache=last["cache"], attention=last["attention"],
+                         position=last["position"])
+            select(torch.tensor(rows, device=device))
+            logits = encode(prompt_ids, [len(last["rows"][key][1]) for key in keys])  # [B, V]
+        cache, attention, position = state["cache"], state["attention"], state["position"]
 
         # ---- sample token by token; a row that stopped is fed padding, attention 0, until all rows
         # stopped
@@ -182,13 +195,22 @@ def hf_policy(model, tokenizer, max_new_tokens, temperature=1.0, top_p=1.0):
         tokens = torch.stack(tokens, 1).cpu().tolist()                         # [B, N]
         logprobs = torch.stack(logprobs, 1).cpu().tolist()  # [B, N], float64 as mi.cross_scores
         entropies = torch.stack(entropies, 1).float().cpu().tolist()           # [B, N]
-        fed = torch.stack(fed, 1).cpu().tolist() if fed else [[] for _ in new]  # [B, N-1]
+        fed = torch.stack(fed, 1).cpu().tolist() if fed else [[] for _ in range(B)]  # [B, N-1]
         last.update(cache=cache, attention=attention, position=position, rows={
             key: (b, p + [t for t, f in zip(row, on) if f])
             for b, (key, p, row, on) in enumerate(zip(keys, prompt_ids, tokens, fed))})
         return as_generations(tokens, logprobs, stop_ids, entropies)
 
     return policy
+
+
+def _shared_prefix(prompts):
+    """How many first tokens every prompt shares, leaving each at least one of its own (its last
+    token's logits are the first reply token's distribution): _shared_prefix([[1, 2, 3], [1, 2,
+    4, 5]]) == 2, _shared_prefix([[1, 2]]) == 1."""
+    shortest = min(len(p) for p in prompts)
+    same = next((i for i in range(shortest) if len({p[i] for p in prompts}) > 1), shortest)
+    return min(same, shortest - 1)
 
 
 def _continued_rows(remembered, prompt_ids, keys):
