@@ -26,21 +26,76 @@ def policy_logprobs(model, input_ids, mask, with_entropy=False, temperature=1.0,
     verl and TRL divide the logits before every log-prob). Scoring samples drawn at T = 0.7 with
     the T = 1 softmax would make the ratio, the entropy bonus and the KL those of another policy.
 
-    The output layer is what costs memory: full logits are [B, T, V] floats (V = 151,936 for Qwen).
-    Here the transformer body runs once, its hidden states are gathered at the masked positions
-    ([N, D]), and the output layer runs on them a chunk at a time (head_logprobs), so the backward
-    pass keeps only the [N, D] inputs and recomputes one chunk's [n, V] logits at a time. Equal to
-    ppo.token_logprobs and ppo.entropy_from_logits on the full tempered logits (tests check it).
-    Works for peft models (the adapters stay active).
+    Rows that share their first tokens (prefix_cells: a group's rollouts share their prompt) run
+    them once (shared_prefix_hidden). The output layer is what costs memory: full logits are
+    [B, T, V] floats (V = 151,936 for Qwen). Here the hidden states are gathered at the masked
+    positions ([N, D]), and the output layer runs on them a chunk at a time (head_logprobs), so
+    the backward pass keeps only the [N, D] inputs and recomputes one chunk's [n, V] logits at a
+    time. Equal to ppo.token_logprobs and ppo.entropy_from_logits on the full tempered logits
+    (tests check it). Works for peft models (the adapters stay active).
     """
     lm = model.get_base_model() if hasattr(model, "get_base_model") else model
-    hidden = lm.get_decoder()(input_ids=input_ids).last_hidden_state[:, :-1]  # [B, T-1, D]
     at = mask.bool()                                                           # [B, T-1]
-    logp, entropy = head_logprobs(lm, hidden[at], input_ids[:, 1:][at], with_entropy,
-                                  temperature, chunk_elements)                 # [N] each
-    zeros = torch.zeros(at.shape, dtype=logp.dtype, device=logp.device)        # [B, T-1]
-    return zeros.masked_scatter(at, logp), (zeros.masked_scatter(at, entropy) if with_entropy
-                                            else None)
+    logp = torch.zeros(at.shape, device=input_ids.device)                      # [B, T-1]
+    entropy = torch.zeros(at.shape, device=input_ids.device) if with_entropy else None
+    for rows, n in prefix_cells(input_ids, at, shared=not _drops_the_cache(lm)):
+        hidden = shared_prefix_hidden(lm.get_decoder(), input_ids[rows], n)[:, :-1]  # [k, T-1-n, D]
+        cell = at[rows, n:]                                                    # [k, T-1-n]
+        out = head_logprobs(lm, hidden[cell], input_ids[rows, n + 1:][cell], with_entropy,
+                            temperature, chunk_elements)                       # [N_k] each
+        zeros = torch.zeros(len(rows), at.shape[1], dtype=out[0].dtype, device=at.device)
+        logp = logp.index_copy(0, rows, zeros.masked_scatter(at[rows], out[0]))
+        if with_entropy:
+            entropy = entropy.index_copy(0, rows, zeros.masked_scatter(at[rows], out[1]))
+    return logp, entropy
+
+
+def prefix_cells(input_ids, at, shared=True):
+    """The rows with policy tokens, in cells of rows that share their first n tokens -> [(rows, n)]
+    (rows: a LongTensor). Rows with the same prompt (the tokens before the first policy token: a
+    group's rollouts) share all of it but its last token, whose hidden state predicts the first
+    policy token; the rows whose prompt no other row has share what all of them share (the system
+    prompt). shared=False: every row with policy tokens in one cell, n = 0.
+
+    >>> ids = torch.tensor([[1, 2, 3, 9], [1, 2, 3, 8], [1, 5, 6, 7]])
+    >>> at = torch.tensor([[0, 0, 1], [0, 0, 1], [0, 1, 1]])
+    >>> [(rows.tolist(), n) for rows, n in prefix_cells(ids, at)]
+    [([0, 1], 2), ([2], 1)]
+    """
+    with_tokens = at.any(1)                                                    # [B]
+    first = at.float().argmax(1).tolist()  # position of each row's last prompt token
+    if not shared:
+        return [(with_tokens.nonzero()[:, 0], 0)] if with_tokens.any() else []
+    by_prompt = {}
+    for b in with_tokens.nonzero()[:, 0].tolist():
+        by_prompt.setdefault(tuple(input_ids[b, :first[b]].tolist()), []).append(b)
+    cells = [(rows, len(prompt)) for prompt, rows in by_prompt.items() if len(rows) > 1]
+    alone = [(rows[0], prompt) for prompt, rows in by_prompt.items() if len(rows) == 1]
+    if alone:
+        prompts = [prompt for _, prompt in alone]
+        same = next((i for i in range(min(map(len, prompts)))
+                     if len({p[i] for p in prompts}) > 1), min(map(len, prompts)))
+        cells.append(([b for b, _ in alone], same))
+    return [(torch.tensor(rows, device=input_ids.device), n) for rows, n in cells]
+
+
+def shared_prefix_hidden(decoder, ids, n):
+    """The decoder's last hidden states at positions n.. of rows `ids` [k, T] whose first n tokens
+    are the same -> [k, T-n, D]. The prefix runs once, on one row, and its keys and values are
+    copied to every row (a copy autograd sums back: the prefix's gradient is the sum over the
+    rows, exactly as if each row had run it; the idea of "Prefix Grouper", arXiv 2506.05433)."""
+    if n == 0:
+        return decoder(input_ids=ids).last_hidden_state
+    cache = decoder(input_ids=ids[:1, :n], use_cache=True).cache
+    cache.batch_repeat_interleave(len(ids))
+    return decoder(input_ids=ids[:, n:], cache=cache, use_cache=True).last_hidden_state
+
+
+def _drops_the_cache(lm):
+    """Hugging Face layers under gradient checkpointing ignore a cache while training with
+    gradients: a shared prefix would be lost, so every row then runs its whole transcript."""
+    return (getattr(lm, "is_gradient_checkpointing", False) and lm.training
+            and torch.is_grad_enabled())
 
 
 def head_logprobs(lm, hidden, targets, with_entropy=False, temperature=1.0, chunk_elements=2 ** 24,

@@ -67,7 +67,8 @@ class Diverged(Exception):
 
 @contextlib.contextmanager
 def finite_sampling(step):
-    """torch.multinomial's error on a distribution that is not finite, as Diverged at `step`."""
+    """The sampler's error on a distribution that is not finite (sampler.draw, as torch.multinomial
+    says it), as Diverged at `step`."""
     try:
         yield
     except RuntimeError as e:

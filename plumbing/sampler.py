@@ -43,7 +43,7 @@ def as_generations(tokens, logprobs, stop_ids, entropies=None):
 
 def nucleus(probs, top_p):
     """Top-p filtering: zero every token whose likelier tokens already hold top_p of the mass -> [B,
-    V] (unnormalised; torch.multinomial does not need the sum to be 1). The most likely token always
+    V] (unnormalised; draw does not need the sum to be 1). The most likely token always
     stays.
 
     >>> nucleus(torch.tensor([[0.1, 0.6, 0.3]]), 0.7)
@@ -52,6 +52,24 @@ def nucleus(probs, top_p):
     ranked, order = probs.sort(dim=-1, descending=True)                        # [B, V]
     drop = ranked.cumsum(-1) - ranked >= top_p                                 # [B, V]
     return torch.zeros_like(probs).scatter(-1, order, ranked.masked_fill(drop, 0.0))
+
+
+def draw(probs):
+    """One token a row from unnormalised probabilities [B, V], by inverse transform: a uniform
+    number a row, scaled to the row's total, looked up in its running sum -> [B]. The same law as
+    torch.multinomial, which draws an exponential for every entry of the row (with a 49,152-token
+    vocabulary, most of a decode step's sampling time); this draws one number. A token of
+    probability 0 is never drawn; a row that is not finite is an error, as in torch.multinomial
+    (runs.finite_sampling reads it as a diverged run).
+
+    >>> draw(torch.tensor([[0.0, 2.0, 0.0], [1.0, 0.0, 0.0]])).tolist()
+    [1, 0]
+    """
+    cdf = probs.cumsum(-1)                                                     # [B, V]
+    if not torch.isfinite(cdf[:, -1]).all():  # nan and inf run on into the row's total
+        raise RuntimeError("probability tensor contains a number that is not finite")
+    u = torch.rand(len(probs), 1, dtype=cdf.dtype, device=cdf.device) * cdf[:, -1:]  # [B, 1]
+    return torch.searchsorted(cdf, u, right=True)[:, 0].clamp_max(probs.shape[-1] - 1)
 
 
 class GrowingLayer(DynamicLayer):
@@ -172,7 +190,7 @@ def hf_policy(model, tokenizer, max_new_tokens, temperature=1.0, top_p=1.0):
             if temperature == 0:
                 token = table.argmax(-1)                                       # [B]
             else:
-                token = torch.multinomial(probs if top_p == 1.0 else nucleus(probs, top_p), 1)[:, 0]
+                token = draw(probs if top_p == 1.0 else nucleus(probs, top_p))         # [B]
             token = torch.where(running, token, pad)
             tokens.append(token)
             logprobs.append(table.gather(1, token[:, None])[:, 0])

@@ -165,3 +165,20 @@ def test_greedy_sampling_replays_a_learned_transcript(tokenizer):
     assert nll.max().item() < -math.log(0.9)
     model.eval()
     assert greedy_success(model, tokenizer, [0, 1], max_new_tokens=60) == 1.0
+
+
+def test_draw_follows_the_probabilities_and_refuses_what_is_not_finite():
+    """sampler.draw's inverse transform has torch.multinomial's law: over 40,000 draws a row, each
+    token's frequency lies within 4 standard errors of its probability (the probabilities
+    unnormalised, one row with zeros that are never drawn); a row with a nan or inf is the error
+    runs.finite_sampling reads as a diverged run."""
+    probs = torch.tensor([[0.1, 0.2, 0.3, 0.4], [0.0, 3.0, 0.0, 1.0]], dtype=torch.float64)
+    torch.manual_seed(0)
+    draws = sampler.draw(probs.repeat(40_000, 1)).view(40_000, 2)                    # [n, 2]
+    p = probs / probs.sum(-1, keepdim=True)
+    freq = torch.stack([torch.bincount(draws[:, b], minlength=4) for b in range(2)]) / 40_000
+    assert ((freq - p).abs() <= 4 * (p * (1 - p) / 40_000).sqrt() + 1e-12).all(), freq
+    assert freq[1, 0] == freq[1, 2] == 0
+    for bad in (math.nan, math.inf):
+        with pytest.raises(RuntimeError, match="probability tensor contains"):
+            sampler.draw(torch.tensor([[0.5, bad]]))

@@ -157,6 +157,36 @@ def test_policy_logprobs_equal_the_full_logits_and_their_gradient(tmp_path):
         run.policy.zero_grad()
 
 
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_shared_prefixes_run_once_and_change_nothing(tmp_path, checkpointing):
+    """Two groups' rollouts share their prompts, lone episodes share only the system prompt, one
+    row has no policy token: prefix_cells runs each group's prompt (but its last token) once and the
+    lone rows' common part once; the log-probs, entropies and their gradient are the plain forward
+    pass's. Under gradient checkpointing Hugging Face drops a cache while training, so every row
+    then runs whole: the same numbers."""
+    run = make_run(tmp_path, env="frozenlake", grad_checkpointing=checkpointing)
+    episodes = play_scripted(run, [3, 5], group_size=3) + play_scripted(run, [7, 9, 11], group_size=1)
+    batch = train.rollout_batch(run, episodes)
+    ids, mask = batch["input_ids"], batch["policy_mask"][:, 1:].clone()         # [B, T-1]
+    mask[-1] = 0  # a row with no policy token: scored 0, no gradient
+    prompt = [len(e.first_prompt_ids) for e in episodes]  # its last token predicts the reply
+    cells = [(rows.tolist(), n) for rows, n in logprobs.prefix_cells(ids, mask.bool())]
+    assert cells[:2] == [([0, 1, 2], prompt[0] - 1), ([3, 4, 5], prompt[3] - 1)]
+    assert cells[2][0] == [6, 7] and 0 < cells[2][1] < prompt[6] - 1  # what lone rows share
+    run.policy.train()
+    logits = run.policy(input_ids=ids, attention_mask=batch["attention_mask"]).logits[:, :-1]
+    plain, plain_entropy = ppo.token_logprobs(logits, ids[:, 1:]) * mask, ppo.entropy_from_logits(logits) * mask
+    (plain.sum() + plain_entropy.sum()).backward()
+    plain_grads = [p.grad.clone() for p in run.policy.parameters()]
+    run.policy.zero_grad()
+    logp, entropy = logprobs.policy_logprobs(run.policy, ids, mask, with_entropy=True)
+    torch.testing.assert_close(logp, plain, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(entropy, plain_entropy, atol=1e-5, rtol=1e-5)
+    (logp.sum() + entropy.sum()).backward()
+    for p, g in zip(run.policy.parameters(), plain_grads):
+        torch.testing.assert_close(p.grad, g, atol=1e-4, rtol=1e-4)
+
+
 def test_policy_logprobs_score_the_policy_at_its_sampling_temperature(tmp_path):
     """Episodes sampled at T = 0.7: logprobs.policy_logprobs at that temperature recomputes the
     sampler's own log-probs (and the tempered entropy); scoring them at T = 1 -- what the update
@@ -313,21 +343,27 @@ def test_the_update_equals_a_plain_full_batch_step(tmp_path, algo):
 def test_grad_checkpointing_really_recomputes_in_the_update(tmp_path, algo):
     """--grad-checkpointing saves memory only if the layers recompute in backward, which Hugging Face
     does only in training mode: the rollouts leave the policy in eval mode (and a critic copied from
-    a loaded policy starts so), so the update must switch both back. Recomputation shows as extra
-    calls of each model's attention."""
-    calls = {}
+    a loaded policy starts so), so the update must switch both back. Recomputation shows as a second
+    call of each model's attention for every call of its body with gradients."""
+    ratios = {}
     for ckpt in (False, True):
         run = make_run(tmp_path, env="sokoban", algo=algo, grad_checkpointing=ckpt)
         episodes = play_scripted(run, [3, 5], group_size=4)
         rewards = torch.tensor([e.total_reward for e in episodes]).view(2, 4)
         bodies = [run.policy.get_decoder()] + ([run.critic.body] if run.critic is not None else [])
-        attentions, seen = [body.layers[0].self_attn for body in bodies], []
-        for body, attention in zip(bodies, attentions):
+        seen = []
+
+        def training_pass(module, *_):  # a pass with gradients: one that trains
+            if torch.is_grad_enabled():
+                seen.append(module)
+
+        for body in bodies:
             body.eval()
-            attention.register_forward_hook(lambda module, *_: seen.append(module))
+            body.register_forward_hook(training_pass)
+            body.layers[0].self_attn.register_forward_hook(training_pass)
         train.update_policy(run, episodes, rewards, torch.Generator().manual_seed(0))
-        calls[ckpt] = [seen.count(attention) for attention in attentions]
-    assert all(with_ > without > 0 for with_, without in zip(calls[True], calls[False]))
+        ratios[ckpt] = [seen.count(body.layers[0].self_attn) / seen.count(body) for body in bodies]
+    assert ratios == {False: [1.0] * len(bodies), True: [2.0] * len(bodies)}
 
 
 def test_later_mini_batches_compare_against_the_policy_before_the_update(tmp_path):
