@@ -25,8 +25,7 @@ import copy
 import torch
 from torch import nn
 
-from plumbing.defaults import KL_KINDS  # k1, k2, k3
-
+KL_KINDS = ("k1", "k2", "k3")  # the KL estimators (kl_estimate)
 AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
 
 

@@ -48,9 +48,11 @@ import numpy as np
 import torch
 
 from grpo import group_advantages
-from plumbing.defaults import CONTROLS, MODES, PROB_MODES  # the filters, controls, Top-P's kinds
 from ppo import entropy_from_logits, policy_loss, token_logprobs
 
+MODES = ("none", "topp", "topk")  # the filters (select_groups)
+CONTROLS = ("random", "bottom")  # the controls for the filter's claims, not remedies (select_control)
+PROB_MODES = ("linear", "softmax")  # Top-P on the spread itself or on its softmax
 SCORE_KINDS = ("std", "var")
 CONTROL_STREAM = 1  # the random control's draws: np.random.default_rng([seed, step, 1])
 

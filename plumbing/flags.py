@@ -6,6 +6,7 @@ Bad input is a UsageError: train.main (runs.failed) and trl_ragen.main print it 
 stderr and exit with code 2.
 """
 import argparse
+import ast
 import dataclasses
 import functools
 import importlib.util
@@ -16,8 +17,27 @@ import sys
 from dataclasses import dataclass, field
 
 import envs
-from plumbing.defaults import CONTROLS, GROUP_SIZE, KL_KINDS, MODES, PROB_MODES
+from plumbing.defaults import GROUP_SIZE
 
+
+def paper_names(module, *names):
+    """Module-level names of one of the paper's modules, read from its source (ast.literal_eval),
+    not imported: they import torch, and a refused flag answers before torch loads. The
+    vocabulary stays where its math is.
+
+    >>> paper_names("ppo", "KL_KINDS")
+    [('k1', 'k2', 'k3')]
+    """
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), module + ".py")
+    with open(path, encoding="utf-8") as f:
+        tree = ast.parse(f.read())
+    found = {target.id: node.value for node in tree.body if isinstance(node, ast.Assign)
+             for target in node.targets if isinstance(target, ast.Name)}
+    return [ast.literal_eval(found[name]) for name in names]
+
+
+MODES, CONTROLS, PROB_MODES = paper_names("snr_filter", "MODES", "CONTROLS", "PROB_MODES")
+(KL_KINDS,) = paper_names("ppo", "KL_KINDS")
 # what a resumed run may change
 RESUMABLE = ("steps", "val_every", "save_every", "plot", "threads", "report_to")
 REPORT_TO = ("none", "tensorboard", "wandb", "trackio")  # TRL's names for the trackers
