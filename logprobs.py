@@ -16,9 +16,9 @@ import ppo
 
 
 def policy_logprobs(model, input_ids, mask, with_entropy=False, temperature=1.0,
-                    chunk_elements=2 ** 24):
+                    chunk_elements=2 ** 24, dtype=torch.float32):
     """log pi(ids[b, t+1] | ids[b, :t+1]) -- and the entropy of pi there -- only at the positions
-    where mask[b, t] = 1 -> ([B, T-1], [B, T-1] or None), 0 elsewhere. `input_ids` [B, T] is
+    where mask[b, t] = 1 -> ([B, T-1], [B, T-1] or None) in `dtype`, 0 elsewhere. `input_ids` [B, T] is
     right-padded: a causal mask already hides the padding at the end from every real token, so no
     attention mask is passed (the fast kernel).
 
@@ -36,13 +36,13 @@ def policy_logprobs(model, input_ids, mask, with_entropy=False, temperature=1.0,
     """
     lm = model.get_base_model() if hasattr(model, "get_base_model") else model
     at = mask.bool()                                                           # [B, T-1]
-    logp = torch.zeros(at.shape, device=input_ids.device)                      # [B, T-1]
-    entropy = torch.zeros(at.shape, device=input_ids.device) if with_entropy else None
+    logp = torch.zeros(at.shape, dtype=dtype, device=input_ids.device)         # [B, T-1]
+    entropy = torch.zeros_like(logp) if with_entropy else None
     for rows, n in prefix_cells(input_ids, at, shared=not _drops_the_cache(lm)):
         hidden = shared_prefix_hidden(lm.get_decoder(), input_ids[rows], n)[:, :-1]  # [k, T-1-n, D]
         cell = at[rows, n:]                                                    # [k, T-1-n]
         out = head_logprobs(lm, hidden[cell], input_ids[rows, n + 1:][cell], with_entropy,
-                            temperature, chunk_elements)                       # [N_k] each
+                            temperature, chunk_elements, dtype)                # [N_k] each
         zeros = torch.zeros(len(rows), at.shape[1], dtype=out[0].dtype, device=at.device)
         logp = logp.index_copy(0, rows, zeros.masked_scatter(at[rows], out[0]))
         if with_entropy:

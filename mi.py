@@ -26,9 +26,9 @@ prompts (metrics_with_se), and on that set the answer's dependence on the reason
 is estimated the same way within a prompt's samples (action_dependence).
 
 Order of the file: closed-form entropies for discrete tables -> metrics from a score matrix -> EMA
-smoothing -> cross-scoring a Hugging Face causal LM.
+smoothing -> cross-scoring a causal LM (the definition, then each prompt run once) -> the
+diagnosis of a training step.
 """
-import copy
 import math
 
 import numpy as np
@@ -406,28 +406,40 @@ def tokenize(tokenizer, texts):
     return [list(ids) for ids in tokenizer(list(texts), add_special_tokens=False)["input_ids"]]
 
 
+def cross_scores_plain(model, prompt_ids, reasoning_ids, temperature=1.0):
+    """The definition, one forward pass a pair: L[m, j] = sum_t log p(z_m,t | x_j, z_m,<t) under
+    `model` at the sampling temperature (p = softmax(logits / temperature), teacher forcing) ->
+    [M, N] float64 on the CPU; an empty reasoning scores 0. M x N passes over prompt and
+    reasoning: cross_scores computes the same with each prompt run once (a test checks that they
+    agree)."""
+    scores = torch.zeros(len(reasoning_ids), len(prompt_ids), dtype=torch.float64)  # [M, N]
+    device = next(model.parameters()).device
+    with torch.inference_mode():
+        for m, z in enumerate(reasoning_ids):
+            for j, x in enumerate(prompt_ids):
+                ids = torch.tensor([list(x) + list(z)], device=device)            # [1, P + R]
+                logits = model(input_ids=ids).logits[0, len(x) - 1:-1].double()   # [R, V]
+                logp = torch.log_softmax(logits / temperature, -1)                 # [R, V]
+                scores[m, j] = logp.gather(1, ids[0, len(x):, None]).sum().cpu()
+    return scores
+
+
 @torch.inference_mode()
-def cross_scores(model, prompt_ids, reasoning_ids, batch_size=8, temperature=1.0, pad_id=0):
-    """Score every reasoning under every prompt: returns (scores_sum [M, N] float64, lengths [M]
-    int64), on the CPU. float64 from the log-softmax on: a float32 sum of a 64-token reply's
-    log-probs (-100 or less) is itself rounded by ~1e-5, which the diagnosis' check would see.
+def cross_scores(model, prompt_ids, reasoning_ids, batch_size=None, temperature=1.0, pad_id=0):
+    """cross_scores_plain's L[m, j] = log p(z_m | x_j) for every pair, each prompt run once ->
+    (scores_sum [M, N] float64, lengths [M] int64), on the CPU. Prompts and reasonings are
+    token-id lists, the ids that were sampled (rollout.FirstTurn), so a sample's score under its
+    own prompt is its sampling log-prob; float64 from the log-softmax on, as the sampler's (a
+    float32 sum over a 64-token reply is itself rounded by ~1e-5). An empty reasoning scores 0
+    with length 0; `pad_id` fills padding that no real token attends to.
 
-    scores_sum[m, j] = sum_t log p(z_m,t | x_j, z_m,<t) under `model` at the sampling temperature
-    (p = softmax(logits / temperature), the policy that wrote z; teacher forcing, no gradients),
-    lengths[m] = number of tokens of z_m. Prompts and reasonings are token-id lists, the ids that
-    were sampled (rollout.Episode.first_prompt_ids, first_reasoning_ids): the reasoning's tokens are
-    appended to each prompt's, so a sample's score under its own prompt is its sampling log-prob.
-    An empty reasoning scores 0 with length 0; `pad_id` fills padding that attention never sees.
-
-    Cost: each prompt is encoded once; its key/value cache is then repeated over a batch of at most
-    `batch_size` reasonings (right-padded, attention-masked), so the work grows with
-    N x (reasoning tokens) instead of N x (prompt + reasoning tokens). The output layer runs on a
-    few positions at a time (logprobs.head_logprobs), so peak memory is the batch's hidden states,
-    not [batch_size, longest reasoning, vocab] logits. Grouping by prompt means prompts of different
-    lengths never share a batch and need no padding.
+    For each prompt, up to `batch_size` reasonings (all by default) are appended to it as the
+    rows of one batch, right-padded; logprobs.policy_logprobs runs the prompt they share once
+    (shared_prefix_hidden) and the output layer only on the reasonings' tokens, so the work grows
+    with N x (reasoning tokens), not N x (prompt + reasoning tokens).
     """
-    if not isinstance(batch_size, int) or batch_size < 1:
-        raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
+    if batch_size is not None and (not isinstance(batch_size, int) or batch_size < 1):
+        raise ValueError(f"batch_size must be a positive int or None, got {batch_size!r}")
     if not temperature > 0:
         raise ValueError(f"temperature must be > 0, got {temperature!r}")
     prompt_ids = _as_id_lists(prompt_ids, "prompt_ids")
@@ -438,49 +450,106 @@ def cross_scores(model, prompt_ids, reasoning_ids, batch_size=8, temperature=1.0
     device = next(model.parameters()).device
     lengths = torch.tensor([len(ids) for ids in reasoning_ids], dtype=torch.long)   # [M]
     scores = torch.zeros(len(reasoning_ids), len(prompt_ids), dtype=torch.float64)  # [M, N]
-    # Batch reasonings of similar length together (less padding), once for all prompts; empty ones
-    # keep score 0.
+    # reasonings of similar length batched together (less padding); empty ones keep score 0
     order = sorted((m for m in range(len(reasoning_ids)) if reasoning_ids[m]),
                    key=lambda m: len(reasoning_ids[m]))
-    batches = []
-    for start in range(0, len(order), batch_size):
-        batch = order[start:start + batch_size]
-        width = max(len(reasoning_ids[m]) for m in batch)
-        tokens = torch.full((len(batch), width), pad_id, dtype=torch.long)  # [B, R], right-padded
-        for r, m in enumerate(batch):
-            tokens[r, :len(reasoning_ids[m])] = torch.tensor(reasoning_ids[m])
-        real = torch.arange(width)[None] < lengths[batch][:, None]         # [B, R]
-        batches.append((batch, tokens.to(device), real.to(device)))
-
+    size = batch_size or max(1, len(order))
     was_training = model.training
-    # A peft model: its LM, with the adapters on.
-    lm = model.get_base_model() if hasattr(model, "get_base_model") else model
     model.eval()  # no dropout while scoring
     try:
-        for j, ids in enumerate(prompt_ids):
-            prompt = torch.tensor([ids], device=device)                    # [1, P]
-            out = model(input_ids=prompt, use_cache=True, logits_to_keep=1)
-            # float64 as logprobs.py and the sampler: the same numbers the reply was sampled with
-            first_logp = torch.log_softmax(out.logits[0, -1].double() / temperature,
-                                           dim=-1)                              # [V]
-            for batch, tokens, real in batches:
-                rows = len(batch)
-                total = first_logp[tokens[:, 0]]                           # [B]
-                if tokens.shape[1] > 1:
-                    # Feed z_0 .. z_{R-2} after the cached prompt; position t predicts z_{t+1}.
-                    cache = copy.deepcopy(out.cache)  # the pass below grows it in place
-                    cache.batch_repeat_interleave(rows)
-                    mask = torch.cat([torch.ones(rows, len(ids), dtype=torch.long, device=device),
-                                      real[:, :-1].long()], dim=1)         # [B, P + R - 1]
-                    hidden = lm.get_decoder()(
-                        input_ids=tokens[:, :-1], attention_mask=mask, cache=cache,
-                        use_cache=True).last_hidden_state                  # [B, R - 1, D]
-                    targets = tokens[:, 1:]                                # [B, R - 1]
-                    logp = logprobs.head_logprobs(lm, hidden.reshape(-1, hidden.shape[-1]),
-                                                  targets.reshape(-1), temperature=temperature,
-                                                  dtype=torch.float64)[0].view(targets.shape)
-                    total = total + (logp * real[:, 1:]).sum(dim=1)        # padding counts 0
-                scores[batch, j] = total.cpu()
+        for j, x in enumerate(prompt_ids):
+            for batch in (order[k:k + size] for k in range(0, len(order), size)):
+                rows = [x + reasoning_ids[m] for m in batch]
+                ids = torch.full((len(rows), max(map(len, rows))), pad_id, dtype=torch.long)
+                mask = torch.zeros(len(rows), ids.shape[1] - 1)          # [b, T-1] z's tokens
+                for r, row in enumerate(rows):
+                    ids[r, :len(row)] = torch.tensor(row)
+                    mask[r, len(x) - 1:len(row) - 1] = 1
+                logp, _ = logprobs.policy_logprobs(model, ids.to(device), mask.to(device),
+                                                   temperature=temperature,
+                                                   dtype=torch.float64)              # [b, T-1]
+                scores[batch, j] = logp.sum(1).cpu()
     finally:
         model.train(was_training)
     return scores, lengths
+
+
+# --------------------------------------------------------------------------------------------------
+# The diagnosis of a training step (train.py's step 2): which samples, and the check that the ids
+# scored are the ids sampled
+
+
+def mi_sample(groups, group_size, num_samples, rng):
+    """Which episodes (indices, group-major) the diagnosis cross-scores: the same number from
+    every group, min(group_size, num_samples // groups), as the estimate's uniform mixture over the
+    prompts assumes. Fewer samples than groups: one from each of num_samples groups drawn uniformly
+    without replacement (`rng`), so every prompt is equally likely to own a sample.
+
+    >>> mi_sample(3, 4, 7, None)                    # 2 from each group; the 7th would skew owners
+    [0, 1, 4, 5, 8, 9]
+    """
+    per_group = min(group_size, num_samples // groups)
+    if per_group == 0:
+        return sorted(int(g) * group_size for g in rng.choice(groups, num_samples, replace=False))
+    return [g * group_size + k for g in range(groups) for k in range(per_group)]
+
+
+def logprob_diff(scores, owner, sampled):
+    """max_m |scores[m, owner[m]] - sampled[m]|: how far the diagnosis' own-prompt scores are from
+    the log-probs the samples were drawn with (None when the policy gave none)."""
+    if any(lp is None for lp in sampled):
+        return None
+    own = scores[torch.arange(len(owner)), torch.as_tensor(owner)].double()           # [M]
+    return (own - torch.tensor(sampled, dtype=torch.float64)).abs().max().item()
+
+
+def diagnose(model, prompts, samples, owner, temperature=1.0, batch_size=None, pad_id=0,
+             retokenize=None):
+    """Sec. 2.3 on one step: every sample's first reasoning cross-scored under every prompt's
+    first turn (rollout.FirstTurn records; owner[m]: the prompt of samples[m]) -> collapse_metrics,
+    identical prompt texts counting as one target, and diagnosis_logprob_diff (logprob_diff: 0 up
+    to float rounding when the ids sampled are scored). `retokenize`: a tokenizer, to score the
+    decoded texts tokenised again instead (the official code's way)."""
+    if retokenize is not None:
+        xs = tokenize(retokenize, [p.prompt for p in prompts])
+        zs = tokenize(retokenize, [s.reasoning for s in samples])
+    else:
+        xs, zs = [p.prompt_ids for p in prompts], [s.reasoning_ids for s in samples]
+    scores, lengths = cross_scores(model, xs, zs, batch_size, temperature, pad_id)
+    out = collapse_metrics(scores, owner, lengths, prompt_keys=[p.prompt for p in prompts])
+    out["diagnosis_logprob_diff"] = logprob_diff(scores, owner,
+                                                 [s.reasoning_logprob for s in samples])
+    return out
+
+
+def probe(model, samples, per_prompt, temperature=1.0, batch_size=None, pad_id=0,
+          retokenize=None):
+    """The diagnosis on a fixed probe set: `samples` (rollout.FirstTurn) are P prompts x
+    `per_prompt` first turns, group-major -> metrics_with_se, and on the same samples the answer's
+    dependence on its reasoning (action_dependence: each answer a_k scored after every reasoning
+    z_j of its prompt), with diagnosis_logprob_diff over both scorings."""
+    firsts, K = samples[::per_prompt], per_prompt
+    owner = [i // K for i in range(len(samples))]
+    if retokenize is not None:
+        xs = tokenize(retokenize, [p.prompt for p in firsts])
+        zs = tokenize(retokenize, [s.reasoning for s in samples])
+    else:
+        xs, zs = [p.prompt_ids for p in firsts], [s.reasoning_ids for s in samples]
+    scores, lengths = cross_scores(model, xs, zs, batch_size, temperature, pad_id)
+    diffs = [logprob_diff(scores, owner, [s.reasoning_logprob for s in samples])]
+    actions = []  # [P, K, K]: L[k, j] = log p(a_k | x, z_j), within each prompt
+    for g in range(len(firsts)):
+        group = samples[g * K:(g + 1) * K]
+        if retokenize is not None:
+            contexts, answers = (tokenize(retokenize, list(t))
+                                 for t in zip(*(s.split_answer() for s in group)))
+        else:
+            contexts = [s.prompt_ids + s.reasoning_ids for s in group]
+            answers = [s.answer_ids for s in group]
+        L = cross_scores(model, contexts, answers, batch_size, temperature, pad_id)[0]  # [K, K]
+        actions.append(L)
+        diffs.append(logprob_diff(L, list(range(K)), [s.answer_logprob for s in group]))
+    out = metrics_with_se(scores, owner, lengths, prompt_keys=[p.prompt for p in firsts])
+    out.update(action_dependence(torch.stack(actions)))
+    out["diagnosis_logprob_diff"] = None if None in diffs else max(diffs)
+    return out

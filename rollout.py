@@ -142,6 +142,31 @@ class Generation:
 
 # ----------------------------------------------------------------------------------------- the loop
 @dataclass
+class FirstTurn:
+    """The first reply split as the MI diagnosis reads it (mi.py): X, the turn-1 prompt through the
+    reply's "<think>"; Z, the reasoning up to "</think>" (the rest of the reply if unclosed); A,
+    the rest of the turn (closing tag, answer, end-of-turn token). As text and as the token ids
+    sampled (the diagnosis scores these, never re-tokenised text), with the sampling log-probs
+    summed over Z and over A (None when the policy gave none)."""
+    prompt: str
+    reasoning: str
+    prompt_ids: list
+    reasoning_ids: list
+    answer_ids: list
+    reasoning_logprob: float = None
+    answer_logprob: float = None
+    reply: str = ""  # the first reply's text after X: Z, the closing tag, the answer
+
+    def split_answer(self):
+        """(X + Z + "</think>", the answer after it) as text, to score A after Z re-tokenised; an
+        unclosed think gives an empty answer (it scores 0 under every reasoning: no dependence)."""
+        full = self.prompt + self.reply
+        cut = full.find("</think>", len(self.prompt))
+        return (full, "") if cut < 0 else (full[:cut + len("</think>")],
+                                           full[cut + len("</think>"):])
+
+
+@dataclass
 class Episode:
     """One rollout, filled in turn by turn. ids / policy_mask / logprobs / entropies run over the
     transcript's T tokens."""
@@ -156,19 +181,7 @@ class Episode:
     prompt_text: str  # the rendered turn-1 prompt
     # [T] entropies of the sampling distributions on sampled tokens, else 0; None if none given
     entropies: list = None
-    # turn-1 prompt up to and including the reply's "<think>" (X of the MI diagnosis)
-    first_prompt: str = ""
-    # turn-1 text between <think> and </think>; the rest of the reply if unclosed (Z)
-    first_reasoning: str = ""
-    # the same split of the tokens as sampled (the diagnosis scores these, never re-tokenised text):
-    # X's ids (the prompt's, through the token that ends "<think>"), Z's sampled ids, the rest of
-    # turn 1 (closing tag, answer, end-of-turn token), and the sampling log-probs summed over Z and
-    # over the rest (None when the policy gave none)
-    first_prompt_ids: list = field(default_factory=list)
-    first_reasoning_ids: list = field(default_factory=list)
-    first_answer_ids: list = field(default_factory=list)
-    first_reasoning_logprob: float = None
-    first_answer_logprob: float = None
+    first: FirstTurn = None  # the first reply as the diagnosis reads it
     responses: list = field(default_factory=list)  # decoded replies (prefill included), per turn
     response_lengths: list = field(default_factory=list)  # sampled tokens per turn
     turn_rewards: list = field(default_factory=list)  # env rewards + penalty, per turn
@@ -196,6 +209,105 @@ class Episode:
             self.logprobs += list(logprobs) if logprobs is not None else [0.0] * len(tokens)
         if self.entropies is not None:
             self.entropies += list(entropies) if entropies is not None else [0.0] * len(tokens)
+
+
+def play(policy, tokenizer, env_name, seeds, group_size, env_kwargs=None, max_turns=5,
+         max_actions_per_turn=2, system=None, prefill="<think>", user=user_message,
+         noise_seeds=None):
+    """Play len(seeds) groups x group_size rollouts for at most max_turns turns; each turn one
+    policy call for all running episodes (episodes that ended are not generated for). system: None
+    (system_prompt(env)), a string, or a function env -> string; user: the function that writes each
+    user turn (user_message's signature); noise_seeds: one transition-noise seed per episode, in
+    the order returned (default: seed * 1000 + k for rollout k of a group; a caller holding only
+    part of a group passes the numbers of the rollouts it holds). Returns the episodes group by
+    group."""
+    if not (isinstance(group_size, int) and 1 <= group_size <= 1000):
+        raise ValueError(f"group_size must be an int in 1..1000, got {group_size!r}")
+    if max_turns < 1 or max_actions_per_turn < 1:
+        raise ValueError(f"max_turns and max_actions_per_turn must be >= 1, got {max_turns}, "
+                         f"{max_actions_per_turn}")
+    if noise_seeds is None:
+        noise_seeds = [seed * 1000 + k for seed in seeds for k in range(group_size)]
+    if len(noise_seeds) != len(seeds) * group_size:
+        raise ValueError(f"need one noise seed per episode ({len(seeds) * group_size}), got "
+                         f"{len(noise_seeds)}")
+    episodes = [start(tokenizer, env_name, g, seed, noise_seeds[g * group_size + k], env_kwargs,
+                      system, user, prefill, max_actions_per_turn)
+                for g, seed in enumerate(seeds) for k in range(group_size)]
+    stop_ids = end_of_turn_ids(tokenizer)
+    for turn in range(1, max_turns + 1):
+        running = [e for e in episodes if not e.done]
+        if not running:
+            break
+        generations = policy([e.ids for e in running], [e.env for e in running])  # one call
+        if len(generations) != len(running):
+            raise ValueError(
+                f"policy returned {len(generations)} generations for {len(running)} prompts"
+            )
+        for e, gen in zip(running, generations):
+            ended = act(e, gen, tokenizer, stop_ids, turn, prefill, max_actions_per_turn)
+            e.done = e.done or turn == max_turns
+            if not e.done:  # the next observation: only the template tokens new since the reply
+                between = _encode(tokenizer, _after_assistant(tokenizer, user(
+                    e.env.render(), e.turn_rewards[-1], e.env.max_steps - e.num_actions,
+                    turn + 1), prefill))
+                if ended and between and between[0] == e.ids[-1]:
+                    between = between[1:]  # the policy wrote the end-of-turn token itself
+                e.append(between, 0.0)
+    return episodes
+
+
+def start(tokenizer, env_name, group, seed, noise_seed, env_kwargs, system, user, prefill,
+          max_actions_per_turn):
+    """A new episode: the world reset to its layout (`seed`) and noise (`noise_seed`), the turn-1
+    prompt rendered through the chat template and encoded, up to and including `prefill`."""
+    env = envs.make_env(env_name, **(env_kwargs or {}))
+    obs, info = env.reset(seed=seed, noise_seed=noise_seed)
+    sys_text = system_prompt(env, max_actions_per_turn) if system is None else (
+        system(env) if callable(system) else system)
+    messages = [{"role": "system", "content": sys_text},
+                {"role": "user", "content": user(obs, 0.0, env.max_steps, 1)}]
+    prompt_text = _render(tokenizer, messages, add_generation_prompt=True)
+    ids = _encode(tokenizer, prompt_text + prefill)
+    return Episode(env=env, group=group, seed=seed, noise_seed=noise_seed, ids=ids,
+                   policy_mask=[0.0] * len(ids), logprobs=[0.0] * len(ids),
+                   prompt_text=prompt_text, entropies=[0.0] * len(ids),
+                   success=bool(info.get("success", False)))
+
+
+def act(e, gen, tokenizer, stop_ids, turn, prefill, max_actions_per_turn):
+    """One turn of episode `e` after the policy replied `gen`: the reply recorded (turn 1 also as
+    the diagnosis' FirstTurn), parsed as the official loop does, its valid actions among the first
+    max_actions_per_turn pieces stepped, the turn's reward (with the format penalty) recorded ->
+    whether the policy ended its turn itself (with an end-of-turn token)."""
+    tokens = list(gen.token_ids)
+    if gen.logprobs is None:
+        e.logprobs = None
+    if gen.entropies is None:
+        e.entropies = None
+    e.append(tokens, 1.0, gen.logprobs, gen.entropies)
+    e.response_lengths.append(len(tokens))
+    e.cut = bool(gen.cut)
+    ended = bool(tokens) and tokens[-1] in stop_ids
+    text = prefill + tokenizer.decode(tokens[:-1] if ended else tokens, skip_special_tokens=False)
+    e.responses.append(text)
+    if turn == 1:
+        x, z = _split_reasoning(e.prompt_text, text)
+        e.first = FirstTurn(x, z, *_split_reasoning_ids(
+            tokenizer, e.ids[:len(e.ids) - len(tokens)], prefill, tokens, gen.logprobs, ended),
+            reply=(e.prompt_text + text)[len(x):])
+    _, actions, valid = envs.parse_response(text, e.env.actions, max_actions_per_turn)
+    reward = 0.0 if valid else FORMAT_PENALTY
+    for action in actions:
+        _, step_reward, terminated, truncated, info = e.env.step(action)
+        reward += step_reward
+        e.actions.append(action)
+        e.success = bool(info.get("success", False))
+        if terminated or truncated:
+            e.done = True
+            break
+    e.turn_rewards.append(reward)
+    return ended
 
 
 def _split_reasoning(prompt_text, response_text):
@@ -240,121 +352,6 @@ def _split_reasoning_ids(tokenizer, prompt_ids, prefill, tokens, logprobs, ended
     lp = (lambda a, b: float(sum(logprobs[a:b]))) if logprobs is not None else (lambda a, b: None)
     return (list(prompt_ids) + tokens[:start], tokens[start:stop], tokens[stop:], lp(start, stop),
             lp(stop, len(tokens)))
-
-
-def play(
-    policy,
-    tokenizer,
-    env_name,
-    seeds,
-    group_size,
-    env_kwargs=None,
-    max_turns=5,
-    max_actions_per_turn=2,
-    system=None,
-    prefill="<think>",
-    user=user_message,
-    noise_seeds=None,
-):
-    """Play len(seeds) groups x group_size rollouts for at most max_turns turns; each turn one
-    policy call for all running episodes (episodes that ended are not generated for). system: None
-    (system_prompt(env)), a string, or a function env -> string; user: the function that writes each
-    user turn (user_message's signature); noise_seeds: one transition-noise seed per episode, in
-    the order returned (default: seed * 1000 + k for rollout k of a group; a caller holding only
-    part of a group passes the numbers of the rollouts it holds). Returns the episodes group by
-    group."""
-    if not (isinstance(group_size, int) and 1 <= group_size <= 1000):
-        raise ValueError(f"group_size must be an int in 1..1000, got {group_size!r}")
-    if max_turns < 1 or max_actions_per_turn < 1:
-        raise ValueError(f"max_turns and max_actions_per_turn must be >= 1, got {max_turns}, "
-                         f"{max_actions_per_turn}")
-    if noise_seeds is not None and len(noise_seeds) != len(seeds) * group_size:
-        raise ValueError(f"need one noise seed per episode ({len(seeds) * group_size}), got "
-                         f"{len(noise_seeds)}")
-    stop_ids = end_of_turn_ids(tokenizer)
-    episodes = []
-    for g, seed in enumerate(seeds):
-        for k in range(group_size):
-            noise_seed = seed * 1000 + k if noise_seeds is None else noise_seeds[len(episodes)]
-            env = envs.make_env(env_name, **(env_kwargs or {}))
-            obs, info = env.reset(seed=seed, noise_seed=noise_seed)
-            sys_text = system_prompt(env, max_actions_per_turn) if system is None else (
-                system(env) if callable(system) else system)
-            messages = [{"role": "system", "content": sys_text},
-                        {"role": "user", "content": user(obs, 0.0, env.max_steps, 1)}]
-            prompt_text = _render(tokenizer, messages, add_generation_prompt=True)
-            ids = _encode(tokenizer, prompt_text + prefill)
-            episodes.append(
-                Episode(
-                    env=env,
-                    group=g,
-                    seed=seed,
-                    noise_seed=noise_seed,
-                    ids=ids,
-                    policy_mask=[0.0] * len(ids),
-                    logprobs=[0.0] * len(ids),
-                    prompt_text=prompt_text,
-                    entropies=[0.0] * len(ids),
-                    success=bool(info.get("success", False)),
-                )
-            )
-
-    for turn in range(1, max_turns + 1):
-        running = [e for e in episodes if not e.done]
-        if not running:
-            break
-        # ---- generate: one batched call for every running episode
-        generations = policy([e.ids for e in running], [e.env for e in running])
-        if len(generations) != len(running):
-            raise ValueError(
-                f"policy returned {len(generations)} generations for {len(running)} prompts"
-            )
-        for e, gen in zip(running, generations):
-            tokens = list(gen.token_ids)
-            if gen.logprobs is None:
-                e.logprobs = None
-            if gen.entropies is None:
-                e.entropies = None
-            e.append(tokens, 1.0, gen.logprobs, gen.entropies)
-            e.response_lengths.append(len(tokens))
-            e.cut = bool(gen.cut)
-            ended = bool(tokens) and tokens[-1] in stop_ids
-            text = prefill + tokenizer.decode(
-                tokens[:-1] if ended else tokens, skip_special_tokens=False
-            )
-            e.responses.append(text)
-            if turn == 1:
-                e.first_prompt, e.first_reasoning = _split_reasoning(e.prompt_text, text)
-                (e.first_prompt_ids, e.first_reasoning_ids, e.first_answer_ids,
-                 e.first_reasoning_logprob, e.first_answer_logprob) = _split_reasoning_ids(
-                    tokenizer, e.ids[:len(e.ids) - len(tokens)], prefill, tokens, gen.logprobs,
-                    ended)
-
-            # ---- parse and act: the valid actions among the first max_actions_per_turn pieces are
-            # stepped
-            _, actions, valid = envs.parse_response(text, e.env.actions, max_actions_per_turn)
-            reward = 0.0 if valid else FORMAT_PENALTY
-            for action in actions:
-                _, step_reward, terminated, truncated, info = e.env.step(action)
-                reward += step_reward
-                e.actions.append(action)
-                e.success = bool(info.get("success", False))
-                if terminated or truncated:
-                    e.done = True
-                    break
-            e.turn_rewards.append(reward)
-            e.done = e.done or turn == max_turns
-            if e.done:
-                continue
-
-            # ---- append the observation: only the template tokens that are new since the sampled
-            # ones
-            between = _encode(tokenizer, _after_assistant(tokenizer, user(
-                e.env.render(), reward, e.env.max_steps - e.num_actions, turn + 1), prefill))
-            if ended and between and between[0] == tokens[-1]:
-                between = between[1:]  # the policy wrote the end-of-turn token itself
-            e.append(between, 0.0)
-    return episodes
 
 
 # ----------------------------------------------------------------------------- batches for training

@@ -47,8 +47,9 @@ import numbers
 import numpy as np
 import torch
 
+import logprobs
 from grpo import group_advantages
-from ppo import entropy_from_logits, policy_loss, token_logprobs
+from ppo import policy_loss
 
 MODES = ("none", "topp", "topk")  # the filters (select_groups)
 CONTROLS = ("random", "bottom")  # the controls for the filter's claims, not remedies (select_control)
@@ -253,98 +254,61 @@ def _grad_norm_and_grads(loss, params):
     return math.sqrt(sum(g.double().pow(2).sum() for g in grads).item()), grads
 
 
-def gradient_decomposition(model, input_ids, attention_mask, policy_mask, rewards, *,
-                           ref_model=None, ref_logp=None, n_buckets=6, normalize_std=False,
-                           kl_kind="k3", kl_coef=1.0, entropy_coef=1.0, agg="token-mean",
-                           temperature=1.0, advantages=None, norm_length=None):
+def gradient_decomposition(model, input_ids, mask, rewards, ref_logp=None, *, n_buckets=6,
+                           normalize_std=False, kl_kind="k3", kl_coef=1.0, entropy_coef=1.0,
+                           agg="token-mean", temperature=1.0, advantages=None, norm_length=None):
     """Norms of the task, KL and entropy gradients per reward-spread bucket -- the data of Fig. 4.
 
-    Inputs: a Hugging Face causal LM; input_ids, attention_mask, policy_mask [B, T] (policy_mask
-    marks the policy's own tokens); rewards [G, K] total reward per trajectory with B = G * K in
-    group-major order; optional ref_logp [B, T - 1], aligned with ids[:, 1:]. The ratio's old
-    log-probs are the current ones (the first PPO epoch: ratio 1, so no clip binds). Every log-prob
-    is the sampling policy's, softmax(logits / temperature), as in training.
+    Inputs: a Hugging Face causal LM; input_ids [B, T], right-padded; mask [B, T-1] over
+    ids[:, 1:], 1 at the policy's own tokens; rewards [G, K], the total reward of each trajectory,
+    B = G * K in group-major order; ref_logp [B, T-1], the reference's log-probs (None: the policy
+    itself at this moment, so the KL term sits at its minimum and its gradient is exactly 0, as
+    at step 1 of training). The ratio's old log-probs are the current ones (the first PPO epoch:
+    ratio 1, so no clip binds). Every log-prob is the sampling policy's, softmax(logits /
+    temperature), as in training.
 
-    Per bucket of groups (rv_buckets on the std of rewards) one forward pass, then three separate
-    backward passes (torch.autograd.grad; no optimiser step, the parameters and their .grad are
-    left as they were), each term of ppo.policy_loss, the loss training runs:
-      task     clipped_policy_loss with the group-mean baseline A = r - mean_g(r)
-               (grpo.group_advantages) on every policy token of the trajectory. No std division by
-               default, so the sqrt(RV) scaling shows; normalize_std=True gives GRPO's
-               A = (r - mean) / (std + 1e-6), which removes that scaling for every group with
-               spread.
-               `advantages` [B, T - 1] replaces A by the token advantages an update trains on
-               (train.py passes PPO's whitened GAE advantages, or GRPO's): the norms of the
-               gradient the update takes, whose bound the critic's baseline may not obey.
-      kl       kl_coef * aggregate(kl_estimate(logp, ref_logp, kl_kind)). The reference is
-               `ref_logp`, else `ref_model`, else the policy itself at this moment -- then the KL
-               term sits at its minimum and its gradient is exactly 0 (as at step 1 of training,
-               before the policy has moved from its reference).
-      entropy  -entropy_coef * aggregate(token entropy) (the entropy bonus enters the loss with a
-               minus sign).
+    Per bucket of groups (rv_buckets on the std of rewards) one forward pass
+    (logprobs.policy_logprobs), then three backward passes (torch.autograd.grad: no optimiser
+    step, the parameters and their .grad left as they were), each a term of ppo.policy_loss:
+      task     the clipped loss with the group-mean baseline A = r - mean_g(r) on every policy
+               token (no std division by default, so the sqrt(RV) scaling shows; normalize_std
+               gives GRPO's, which removes it for every group with spread), or the given token
+               `advantages` [B, T-1] an update trains on (train.py: PPO's whitened GAE or GRPO's)
+      kl       kl_coef * aggregate(kl_estimate(logp, ref_logp, kl_kind))
+      entropy  -entropy_coef * aggregate(token entropy) (the bonus enters the loss with a minus)
     Returns one dict per bucket (lowest spread first): bucket, groups, n_groups, mean_std,
-    mean_var, task_grad_norm, kl_grad_norm, entropy_grad_norm, reg_grad_norm (norm of the
-    KL + entropy gradient).
-
-    Pseudocode (theory.md, Sec. 3):
-        std <- group_scores(rewards); A <- group_advantages(rewards)
-        for each bucket in rv_buckets(std):
-            logits <- model(bucket's sequences)
-            for term in (task, kl, entropy): norm of autograd.grad(term's loss, parameters)
+    mean_var, task_grad_norm, kl_grad_norm, entropy_grad_norm, reg_grad_norm (the norm of the KL
+    + entropy gradient). theory.md Sec. 3 has the pseudocode.
     """
     r = _as_float64(rewards, "rewards")                                    # [G, K]
     if r.dim() != 2:
         raise ValueError(f"rewards must be [G, K]; got shape {tuple(r.shape)}")
     G, K = r.shape
     B, T = input_ids.shape
-    if B != G * K or attention_mask.shape != (B, T) or policy_mask.shape != (B, T):
-        raise ValueError(f"need input_ids, attention_mask, policy_mask [B, T] with B = G * K = "
-                         f"{G * K}; got {tuple(input_ids.shape)}, {tuple(attention_mask.shape)}, "
-                         f"{tuple(policy_mask.shape)}")
+    if B != G * K or mask.shape != (B, T - 1):
+        raise ValueError(f"need input_ids [B, T] and mask [B, T - 1] with B = G * K = {G * K}; got "
+                         f"{tuple(input_ids.shape)} and {tuple(mask.shape)}")
     std = group_scores(r, "std")                                           # [G]
-    adv = group_advantages(r, normalize_std=normalize_std)                 # [G, K] r - mean_g (r)
-    adv = adv.reshape(B, 1).float().to(input_ids.device).expand(B, T - 1)  # [B, T-1] per sequence
-    if advantages is not None:
-        if advantages.shape != (B, T - 1):
-            raise ValueError(f"advantages must be [B, T - 1] = [{B}, {T - 1}]; got "
-                             f"{tuple(advantages.shape)}")
-        adv = advantages.float().to(input_ids.device)                      # [B, T-1] the update's
-    trained = policy_mask[:, 1:].bool() & attention_mask[:, 1:].bool()     # [B, T-1]
-    mask = trained.float()                                                 # [B, T-1]
+    if advantages is None:  # each trajectory's r - mean_g(r) on all its tokens
+        adv = group_advantages(r, normalize_std=normalize_std).reshape(B, 1)           # [B, 1]
+        advantages = adv.float().to(input_ids.device).expand(B, T - 1)                 # [B, T-1]
     params = [p for p in model.parameters() if p.requires_grad]
-
     results = []
     for i, groups in enumerate(rv_buckets(std, n_buckets)):
-        rows = (groups[:, None] * K + torch.arange(K, device=groups.device)).reshape(-1)  # [b]
-        rows = rows.to(input_ids.device)
-        ids, m, att = input_ids[rows], mask[rows], attention_mask[rows]    # [b, T], [b, T-1]
-        logits = model(input_ids=ids, attention_mask=att).logits[:, :-1].float()
-        logits = logits / temperature                                      # [b, T-1, V]
-        logp = token_logprobs(logits, ids[:, 1:])                          # [b, T-1]
-        if ref_logp is not None:
-            ref = ref_logp[rows]                                           # [b, T-1]
-        elif ref_model is not None:
-            with torch.no_grad():
-                ref_logits = ref_model(input_ids=ids, attention_mask=att).logits[:, :-1].float()
-                ref_logits = ref_logits / temperature                      # [b, T-1, V]
-                ref = token_logprobs(ref_logits, ids[:, 1:])               # [b, T-1]
-        else:
-            ref = logp.detach()                                            # [b, T-1]
-
+        rows = (groups[:, None] * K + torch.arange(K)).reshape(-1).to(input_ids.device)  # [b]
+        m = mask[rows].float()                                             # [b, T-1]
+        logp, entropy = logprobs.policy_logprobs(model, input_ids[rows], m, with_entropy=True,
+                                                 temperature=temperature)  # [b, T-1]
+        ref = ref_logp[rows] if ref_logp is not None else logp.detach()    # [b, T-1]
         # the training loss, its three terms taken apart (each coefficient 1 there, applied here)
-        _, terms = policy_loss(logp, logp.detach(), adv[rows], m, agg,
-                               entropy=entropy_from_logits(logits), entropy_coef=1.0,
-                               ref_logp=ref, kl_coef=1.0, kl_kind=kl_kind,
-                               norm_length=norm_length)
-        task_loss = terms["pg_loss"]
-        kl_loss = kl_coef * terms["kl_loss"]
-        entropy_loss = -entropy_coef * terms["entropy_loss"]
-
-        task_norm, _ = _grad_norm_and_grads(task_loss, params)
-        kl_norm, kl_grads = _grad_norm_and_grads(kl_loss, params)
-        entropy_norm, entropy_grads = _grad_norm_and_grads(entropy_loss, params)
-        reg_sq = sum((k.double() + e.double()).pow(2).sum()
-                     for k, e in zip(kl_grads, entropy_grads))
+        _, terms = policy_loss(logp, logp.detach(), advantages[rows].float(), m, agg,
+                               entropy=entropy, entropy_coef=1.0, ref_logp=ref, kl_coef=1.0,
+                               kl_kind=kl_kind, norm_length=norm_length)
+        task_norm, _ = _grad_norm_and_grads(terms["pg_loss"], params)
+        kl_norm, kl_grads = _grad_norm_and_grads(kl_coef * terms["kl_loss"], params)
+        entropy_norm, entropy_grads = _grad_norm_and_grads(-entropy_coef * terms["entropy_loss"],
+                                                           params)
+        reg_sq = sum((k.double() + e.double()).pow(2).sum() for k, e in zip(kl_grads, entropy_grads))
         results.append({
             "bucket": i, "groups": groups.tolist(), "n_groups": len(groups),
             "mean_std": std[groups].mean().item(), "mean_var": (std[groups] ** 2).mean().item(),

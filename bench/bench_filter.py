@@ -33,7 +33,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import rollout  # noqa: E402
 import snr_filter  # noqa: E402
 import train  # noqa: E402
-from plumbing import tiny  # noqa: E402
+from warmstart import tiny  # noqa: E402
 from bench_cross_scores import median_seconds  # noqa: E402
 from bench_step import make_run  # noqa: E402
 

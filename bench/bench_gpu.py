@@ -46,7 +46,7 @@ def qwen_shaped(size, device, vocab_size=VOCAB):
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
-    from plumbing import tiny
+    from warmstart import tiny
 
     hidden, inter, layers, heads, kv = SHAPES[size]
     base = tiny.build_tokenizer()

@@ -7,7 +7,7 @@ the token ids that were sampled (train.py's way), side by side on the same rollo
     python bench/bench_retokenize.py --model smollm2 --world frozenlake --float64   # rounding out
 
 For each world and sampling temperature: one batch of G groups x K rollouts of the warm-started tiny
-policy, then diagnosis.diagnose and diagnosis.probe twice -- on the sampled ids and with --retokenize --
+policy, then train.diagnose and train.probe twice -- on the sampled ids and with --retokenize --
 printing how many first reasonings do not tokenise back to their sampled ids, the largest |score of a
 sample under its own prompt - its sampling log-prob| (diagnosis_logprob_diff; 0 up to rounding when
 the sampled ids are scored), and the MI estimate, retrieval accuracy and I(Z;A|X) each way. With
@@ -26,7 +26,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import rollout  # noqa: E402
 import train  # noqa: E402
-from plumbing import defaults, diagnosis, runs  # noqa: E402
+from plumbing import defaults, runs  # noqa: E402
 
 
 def measure(world, temperature, groups, group_size, warm_start, threads, seed=0, model="tiny",
@@ -43,13 +43,13 @@ def measure(world, temperature, groups, group_size, warm_start, threads, seed=0,
     torch.manual_seed(seed)
     seeds = np.random.default_rng(seed).integers(0, defaults.VAL_SEED_BASE, groups).tolist()
     episodes = train.collect_rollouts(run, seeds, group_size, temperature, 1.0)
-    back = [rollout._encode(run.tokenizer, e.first_reasoning) == e.first_reasoning_ids
+    back = [rollout._encode(run.tokenizer, e.first.reasoning) == e.first.reasoning_ids
             for e in episodes]
     row = {"world": world, "T": temperature, "differ": 1 - float(np.mean(back))}
     for way, retokenize in (("ids", False), ("text", True)):
         a.retokenize = retokenize
         run.state["std_ema"] = None
-        d, p = diagnosis.diagnose(run, episodes, None), diagnosis.probe(run)
+        d, p = train.diagnose(run, episodes, None), train.probe(run)
         row.update({f"{way}_diff": d["diagnosis_logprob_diff"], f"{way}_mi": d["mi_estimate"],
                     f"{way}_retrieval": d["retrieval_acc"], f"{way}_action_mi":
                         p["probe_action_mi"], f"{way}_probe_diff": p["probe_diagnosis_logprob_diff"]})

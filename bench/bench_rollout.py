@@ -32,7 +32,8 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import rollout  # noqa: E402
-from plumbing import demos, sampler, tiny  # noqa: E402
+from plumbing import sampler  # noqa: E402
+from warmstart import demos, tiny  # noqa: E402
 from bench_cross_scores import median_seconds  # noqa: E402
 
 

@@ -47,7 +47,7 @@ import ppo  # noqa: E402
 import rollout  # noqa: E402
 import snr_filter  # noqa: E402
 import train  # noqa: E402
-from plumbing import defaults, diagnosis, models, runs, sampler  # noqa: E402
+from plumbing import defaults, models, runs, sampler  # noqa: E402
 from plumbing.flags import parse_args  # noqa: E402
 
 
@@ -111,14 +111,18 @@ def plain_logprobs(model, input_ids, mask, with_entropy=False, temperature=1.0):
 PAD = [0]  # the pad id, set in main
 
 
-def plain_critic_pass(run, mb):
+def plain_critic_pass(run, input_ids, mask=None):
     with run.ctx:
-        return run.critic(mb["input_ids"], plain_attention(mb["input_ids"]))[:, :-1].float()
+        return run.critic(input_ids, plain_attention(input_ids))[:, :-1].float()
 
 
-def plain_pieces(batch, rows, size):
+MICRO_BATCHES = train.micro_batches  # this code's
+
+
+def plain_pieces(batch, rows, size, agg="token-mean"):
     """Micro-batches of 8 in the given order, each padded to the longest transcript of the whole batch."""
-    return [(sub, batch["input_ids"].shape[1]) for sub in rows.split(8)]
+    full = torch.full_like(batch["lengths"], batch["input_ids"].shape[1])
+    return MICRO_BATCHES({**batch, "lengths": full}, rows, 8, agg)
 
 
 def make_run(flags, model=None, tokenizer=None):
@@ -218,7 +222,7 @@ def main():
             rewards = torch.tensor([e.total_reward for e in episodes]).view(a.groups, a.group_size)
 
             def scoring():
-                diagnosis.diagnose(run, episodes, np.random.default_rng(0))
+                train.diagnose(run, episodes, np.random.default_rng(0))
                 return snr_filter.select(a, rewards)[0]
 
             keep, t_scoring = timed(scoring)

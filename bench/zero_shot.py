@@ -14,9 +14,9 @@ turn:
   uniformly random policy's (envs.baselines), the share of replies in the required format
   (envs.parse_response: closed think and answer blocks, every kept piece an action), reply length,
   the share of replies cut at the token limit and of distinct first replies;
-- the in-batch diagnosis on G groups x K first turns (diagnosis.diagnose: MI estimate, retrieval
+- the in-batch diagnosis on G groups x K first turns (train.diagnose: MI estimate, retrieval
   accuracy, H(Z) and H(Z|X) per token) and the token entropy of the policy on those replies;
-- the probe set (diagnosis.probe: 8 held-out prompts x 8 reasonings: MI with its standard error over
+- the probe set (train.probe: 8 held-out prompts x 8 reasonings: MI with its standard error over
   the prompts, and I(Z;A|X)).
 Intervals: a 95% Wilson interval for the shares, +-1.96 standard errors for the probe MI.
 Archives: results/zero-shot/<model>-<world>.json (the numbers and the first few replies);
@@ -36,7 +36,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import envs  # noqa: E402
 import ppo  # noqa: E402
 import train  # noqa: E402
-from plumbing import defaults, diagnosis, runs  # noqa: E402
+from plumbing import defaults, runs  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 OUT = os.path.join(ROOT, "results", "zero-shot")
@@ -80,11 +80,11 @@ def measure(model, world, val_seeds, groups, group_size, probe, max_new_tokens, 
     rng = np.random.default_rng([seed, 1])
     firsts = train.collect_rollouts(run, rng.integers(0, defaults.VAL_SEED_BASE, groups).tolist(),
                                     group_size, 1.0, 1.0)
-    out.update(diagnosis.diagnose(run, firsts, rng))
+    out.update(train.diagnose(run, firsts, rng))
     batch = train.rollout_batch(run, firsts)
     _, entropy = train.over_batch(run, batch, train.policy_pass, with_entropy=True)
     out["token_entropy"] = ppo.masked_mean(entropy, batch["policy_mask"][:, 1:]).item()
-    out.update(diagnosis.probe(run))
+    out.update(train.probe(run))
     out.pop("template_share", None)  # the tiny policy's template pool: no meaning here
     out.pop("probe_template_share", None)
     out["seconds"] = time.time() - started

@@ -31,7 +31,7 @@ import random
 
 from lab import report, stats
 from lab.grids import ALPHAS, GRIDS, RESULTS
-from plumbing import templates
+from warmstart import templates
 
 GROUPS = 8  # train.Args.groups: the in-batch estimate's prompts
 POWER_Z = 1.96 + 0.84  # a 5% two-sided test with 80% power
@@ -302,14 +302,14 @@ def markdown(name, table, decisions, needed):
              f"`--template-prior`, `--probe-prompts`); builds {GRIDS[name]['seeds']} "
              f"(`--warm-start-seed` = `--seed`). Mean ± half-width of the 95% t interval over "
              f"builds; every policy in policies.csv. " + (
-                 "Closed forms (plumbing/templates.py, surface_truth) of the demonstrations, not "
+                 "Closed forms (warmstart/templates.py, surface_truth) of the demonstrations, not "
                  "the policies: I(X;Z), H(Z|X), H(Z) of the mixture of the task reasoning and, "
                  "with probability ALPHA, another layout's (not linear in ALPHA); E[share]: the "
                  "share of their reasonings that are not their own input's (below ALPHA: another "
                  "layout can share the reasoning; a policy's errors count as templates too); "
                  "E[mi_seq], E[H(Z) seq]: the probe's expected estimates at N prompts."
                  if surface else
-                 "Closed forms (plumbing/templates.py): I(X;Z) = (1 - ALPHA) I_task; E[probe "
+                 "Closed forms (warmstart/templates.py): I(X;Z) = (1 - ALPHA) I_task; E[probe "
                  "mi_seq] = (1 - ALPHA) G(N) under the demonstrations; H(Z|X), H(Z) of the "
                  "demonstrations."), ""]
     shown = FAMILY_SHOWN if surface else SHOWN

@@ -386,6 +386,16 @@ def env_kwargs(a):
             "bandit": dict(high_prob=a.high_prob)}.get(a.env, {})
 
 
+def before_torch(parse, *args):
+    """What an entry point does before it loads torch: refuse a bad flag at once (refuse_now), and
+    let OpenMP's threads sleep while they wait instead of spinning, which takes shared cores from
+    other work (the tiny warm start beside one busy process on 2 cores: 73 s -> 1387 s;
+    bench/bench_shared_cores.py). OpenMP reads OMP_WAIT_POLICY once, when torch loads it; one set
+    by the user is kept."""
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    return refuse_now(parse, *args)
+
+
 def refuse_now(parse, *args):
     """parse(*args), or its UsageError as one line on stderr and exit code 2: what a script runs
     before it imports torch, so that a refused flag answers at once (its main parses again)."""

@@ -23,7 +23,8 @@ import time
 import torch
 
 import ppo
-from plumbing import demos, sampler, tiny
+from plumbing import sampler
+from warmstart import demos, tiny
 
 
 class ModelError(ValueError):

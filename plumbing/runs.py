@@ -46,7 +46,8 @@ import torch
 
 import envs
 import rollout
-from plumbing import models, tiny
+from plumbing import models
+from warmstart import tiny
 from plumbing.checkpoints import (CheckpointError, atomic_write, checkpoint_step, last_logged_step,
                                   recover_checkpoint, restore, restore_metrics, save_checkpoint)
 from plumbing.flags import UsageError, env_kwargs, read_config
@@ -77,11 +78,12 @@ def finite_sampling(step):
         raise Diverged("the sampling distribution", step) from None
 
 
-def finite(value, what, step):
-    """`value` (a number or a tensor) if every element is finite; else Diverged at `step`."""
-    if not bool(torch.isfinite(torch.as_tensor(value)).all()):
-        raise Diverged(what, step)
-    return value
+def check_finite(step, named):
+    """Diverged at `step`, naming the first value of `named` ({what: a number or a tensor}) with an
+    element that is not finite; nothing when all are: the loop's one check before its update."""
+    for what, value in named.items():
+        if not bool(torch.isfinite(torch.as_tensor(value)).all()):
+            raise Diverged(what, step)
 
 
 def diverged(e, a, done, created):

@@ -103,24 +103,22 @@ def parse_args(argv):
     return a
 
 
-if __name__ == "__main__":  # a bad flag is refused now, in about a second, before torch loads
-    flags.refuse_now(parse_args, sys.argv[1:])
+if __name__ == "__main__":  # before torch loads: a bad flag answers at once (flags.before_torch)
+    flags.before_torch(parse_args, sys.argv[1:])
 
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch loads OpenMP: train.py says why
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 import mi  # noqa: E402
 import rollout  # noqa: E402
 import snr_filter  # noqa: E402
-from plumbing import diagnosis, runs, sampler  # noqa: E402
+from plumbing import runs, sampler  # noqa: E402
 from plumbing.defaults import MAX_SKIPS  # noqa: E402
 
 os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")  # rollout_func is marked experimental
 from trl import GRPOConfig, GRPOTrainer  # noqa: E402
 
 TOKEN_NORMALISED = ("dapo", "cispo", "vespo")  # TRL losses divided by the batch's token count
-FIRST_TURN = ("first_prompt", "first_prompt_ids", "first_reasoning_ids", "first_reasoning_logprob")
 
 
 # ------------------------------------------------------------------------------------- the rollouts
@@ -178,7 +176,7 @@ def as_completions(episodes):
     reward function and back to us."""
     out = {k: [] for k in ("prompt_ids", "completion_ids", "env_mask", "logprobs",
                            "episode_reward", "success", "turns", "sampled_tokens", "cut",
-                           *FIRST_TURN)}
+                           "first_turn")}
     for e in episodes:
         n = e.policy_mask.index(1.0)  # the first sampled token: the turn-1 prompt ends before it
         out["prompt_ids"].append(e.ids[:n])
@@ -190,8 +188,7 @@ def as_completions(episodes):
         out["turns"].append(float(e.turns))
         out["sampled_tokens"].append(float(sum(e.response_lengths)))
         out["cut"].append(float(e.cut))
-        for k in FIRST_TURN:
-            out[k].append(getattr(e, k))
+        out["first_turn"].append(e.first)
     if any(lp is None for lp in out["logprobs"]):
         out["logprobs"] = None
     return out
@@ -289,7 +286,7 @@ class RagenGRPOTrainer(GRPOTrainer):
     filter, control_of, top_p, top_k, prob_mode, include_zero: train.py's filter flags, which
     snr_filter.select reads (a control draws from the stream of (TRL's seed, step)); mi_every,
     mi_samples: the diagnosis at step 1 and every mi_every steps (0 = off) on up to mi_samples
-    first-turn reasonings (it needs the FIRST_TURN fields of rollout_function's episodes).
+    first-turn reasonings (it needs the `first_turn` field of rollout_function's episodes).
     response_budget: Dr.GRPO's constant (flags.response_budget). After each step
     `last_selection` holds the gathered rewards [G][K] and the kept groups."""
 
@@ -413,29 +410,23 @@ class RagenGRPOTrainer(GRPOTrainer):
         return loss
 
     def diagnose(self, inputs):
-        """diagnosis.diagnose on the gathered episodes: up to mi_samples first-turn reasonings, as
-        many from every group (diagnosis.mi_sample), their sampled ids cross-scored under every
-        group's first prompt at the sampling temperature, and diagnosis_logprob_diff
-        (diagnosis.logprob_diff). Every process scores the same matrix and gets the same numbers."""
+        """train.py's step 2 on the gathered episodes: up to mi_samples first-turn reasonings, as
+        many from every group (mi.mi_sample), their sampled ids cross-scored under every group's
+        first prompt at the sampling temperature (mi.diagnose). Every process scores the same
+        matrix and gets the same numbers."""
         from accelerate.utils import gather_object
-        rows = gather_object([[x[k] for k in FIRST_TURN] for x in inputs])
+        firsts = gather_object([x["first_turn"] for x in inputs])
         K = self.num_generations
-        firsts = rows[::K]  # each group's first row
         # the same draw on every process: its generator is seeded by the step
-        picked = diagnosis.mi_sample(len(firsts), K, self.mi_samples,
-                                 np.random.default_rng([self.args.seed, self.state.global_step]))
-        owner = [m // K for m in picked]
+        picked = mi.mi_sample(len(firsts) // K, K, self.mi_samples,
+                              np.random.default_rng([self.args.seed, self.state.global_step]))
         with full_parameters(self) as model:
-            scores, lengths = mi.cross_scores(model, [r[1] for r in firsts],
-                                              [rows[m][2] for m in picked],
-                                              temperature=self.args.temperature,
-                                              pad_id=rollout.pad_token_id(self.processing_class))
-        metrics = mi.collapse_metrics(scores, owner, lengths, prompt_keys=[r[0] for r in firsts])
+            metrics = mi.diagnose(model, firsts[::K], [firsts[m] for m in picked],
+                                  [m // K for m in picked], temperature=self.args.temperature,
+                                  pad_id=rollout.pad_token_id(self.processing_class))
         metrics["mi_zscore_ema"], self.std_ema = mi.mi_zscore_ema(metrics, self.std_ema)
-        out = {k: metrics[k] for k in mi.DIAGNOSIS_KEYS if k in metrics}
-        out["diagnosis_logprob_diff"] = diagnosis.logprob_diff(scores, owner,
-                                                           [rows[m][3] for m in picked])
-        return out
+        return {k: metrics[k] for k in mi.DIAGNOSIS_KEYS + ("diagnosis_logprob_diff",)
+                if k in metrics}
 
 
 def rollout_stats(trainer, inputs, rewards):
@@ -465,7 +456,8 @@ def trim_padding(out):
 
 def load_model(a, cuda):
     """(model, tokenizer, rollout.play's prompt pieces) for --model."""
-    from plumbing import models, tiny
+    from plumbing import models
+    from warmstart import tiny
     if a.model == "tiny":
         return (*tiny.load_tiny(a.env, runs.env_kwargs(a), cache_dir=a.tiny_cache,
                                 warm_start=a.warm_start), tiny.prompts(a.env))
@@ -534,9 +526,8 @@ def metrics_writer(path, trainer_box):
         def on_log(self, args, state, control, logs=None, **kw):
             if not state.is_world_process_zero or "loss" not in (logs or {}):
                 return
-            for k in ("loss", "grad_norm"):  # before the line: the step did not complete
-                runs.finite(logs.get(k, 0.0), f"the {k.replace('grad_', 'gradient ')}",
-                            state.global_step)
+            runs.check_finite(state.global_step, {  # before the line: the step did not complete
+                "the loss": logs.get("loss", 0.0), "the gradient norm": logs.get("grad_norm", 0.0)})
             line = {"step": state.global_step, **{rename.get(k, k): v for k, v in logs.items()},
                     "time_step": time.time() - self.start}
             selection = trainer_box[0].last_selection

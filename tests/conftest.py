@@ -32,7 +32,7 @@ def one_thread(monkeypatch):
     not depend on the machine's core count. A run or a warm-start build under test takes one too
     (train.py's tiny default and tiny.BUILD_THREADS are 2): the suite runs one worker a core.
     Only where the test imported them: a pure test does not depend on them."""
-    for module, name in (("plumbing.runs", "TINY_THREADS"), ("plumbing.tiny", "BUILD_THREADS")):
+    for module, name in (("plumbing.runs", "TINY_THREADS"), ("warmstart.tiny", "BUILD_THREADS")):
         if module in sys.modules:
             monkeypatch.setattr(sys.modules[module], name, 1)
     threads = torch.get_num_threads()

@@ -13,7 +13,7 @@ import pytest
 
 import train
 from lab import calibration, experiments, grids, report
-from plumbing import demos, templates, tiny
+from warmstart import demos, templates, tiny
 
 
 def row(alpha, build, share, mi, se=0.05, prompts=32, world="frozenlake"):

@@ -9,7 +9,7 @@ import torch
 
 import envs
 import rollout
-from plumbing import demos, templates, tiny
+from warmstart import demos, templates, tiny
 
 
 @pytest.fixture(scope="module")
@@ -96,7 +96,7 @@ def test_a_template_prior_replaces_the_reasoning_and_keeps_the_solvers_answer(to
     assert answers == ["Down", "Down", "Up", "Down", "Down", "Right", "Down", "Right", "Up", "Down",
                        "Down || Down", "Down"]
     taught = demos.demonstrations(tok, "frozenlake", range(6), template_prior=1.0, pool=pool)
-    assert all(e.first_reasoning.strip() in pool for e in taught)
+    assert all(e.first.reasoning.strip() in pool for e in taught)
 
 
 def test_demo_loss_equals_plain_loop_over_policy_tokens(tok):

@@ -13,7 +13,7 @@ MODULES = sorted(project_modules())
 
 
 def test_every_module_is_collected():
-    assert {"envs", "mi", "ppo", "grpo", "snr_filter", "rollout", "plumbing.tiny", "train",
+    assert {"envs", "mi", "ppo", "grpo", "snr_filter", "rollout", "warmstart.tiny", "train",
             "lab.grids", "course.exercises", "scaleout.trl_ragen", "worlds.sokoban"} <= set(MODULES)
 
 

@@ -24,7 +24,8 @@ import ppo
 import rollout
 import snr_filter
 from course import exercises
-from plumbing import sampler, tiny
+from plumbing import sampler
+from warmstart import tiny
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LOG2, LOG3 = math.log(2.0), math.log(3.0)
@@ -428,5 +429,5 @@ def test_silent_bug_each_reply_is_sampled_from_its_own_prompt():
     with torch.no_grad():
         logp = logprobs.policy_logprobs(model, batch["input_ids"], mask)[0]  # [B, T-1]
     gap = ((logp - batch["logprobs"][:, 1:]).abs() * mask).amax(1)        # [B]
-    assert len({e.first_prompt for e in episodes}) == 3
+    assert len({e.first.prompt for e in episodes}) == 3
     assert gap.max() < 1e-4, f"replies scored under their own prompts differ by {gap.tolist()}"

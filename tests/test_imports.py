@@ -12,16 +12,18 @@ from conftest import project_modules
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # layer: the layers its modules may import (its own included). The root's paper files stand alone
-# on worlds/; plumbing/ stands above them, train.py above all; lab/, course/ and scaleout/ use
-# what they need, but never train.py.
+# on worlds/; warmstart/ (what a policy knows before RL) stands on them, plumbing/ above it,
+# train.py above all; lab/, course/ and scaleout/ use what they need, but never train.py.
 LAYERS = {"worlds": {"worlds"},
           "paper": {"paper", "worlds"},
-          "plumbing": {"plumbing", "paper", "worlds"},
-          "train": {"paper", "worlds", "plumbing"},
-          "lab": {"lab", "plumbing", "paper", "worlds"},
-          "course": {"course", "plumbing", "paper", "worlds"},
-          "scaleout": {"scaleout", "plumbing", "paper", "worlds"}}
-SAID = {"paper": "the root's modules but train.py", "plumbing": "plumbing/", "worlds": "worlds/"}
+          "warmstart": {"warmstart", "paper", "worlds"},
+          "plumbing": {"plumbing", "warmstart", "paper", "worlds"},
+          "train": {"paper", "worlds", "warmstart", "plumbing"},
+          "lab": {"lab", "plumbing", "warmstart", "paper", "worlds"},
+          "course": {"course", "plumbing", "warmstart", "paper", "worlds"},
+          "scaleout": {"scaleout", "plumbing", "warmstart", "paper", "worlds"}}
+SAID = {"paper": "the root's modules but train.py", "plumbing": "plumbing/", "worlds": "worlds/",
+        "warmstart": "warmstart/"}
 
 
 def layer(module):
@@ -99,7 +101,7 @@ def test_the_cycle_finder_sees_a_circle_hidden_in_a_function(tmp_path):
 
 def test_no_import_cycle_among_the_modules():
     graph = imports()
-    assert {"envs", "rollout", "plumbing.sampler", "plumbing.tiny", "train", "plumbing.runs",
+    assert {"envs", "rollout", "plumbing.sampler", "warmstart.tiny", "train", "plumbing.runs",
             "plumbing.flags", "lab.grids", "scaleout.trl_ragen", "worlds.textenv"} <= set(graph)
     assert graph["train"] and graph["rollout"]  # imports are found at all
     assert cycles(graph) == []

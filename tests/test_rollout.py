@@ -7,7 +7,7 @@ from transformers import PreTrainedTokenizerFast
 
 import envs
 import rollout
-from plumbing import tiny
+from warmstart import tiny
 from conftest import tiny_qwen2
 from rollout import Generation
 
@@ -140,9 +140,9 @@ def test_group_mates_go_on_after_one_succeeds_on_turn_two(tokenizer):
         last = max(t for t, m in enumerate(e.policy_mask) if m)
         assert rewards[last] == pytest.approx(e.total_reward)
         assert rewards.abs().sum() == pytest.approx(abs(e.total_reward))
-        assert e.first_prompt.endswith("<|im_start|>assistant\n<think>") and SYSTEM in e.first_prompt
+        assert e.first.prompt.endswith("<|im_start|>assistant\n<think>") and SYSTEM in e.first.prompt
         assert e.logprobs is None
-    assert win.first_reasoning == " go right" and garbage.first_reasoning == "I refuse to use the format."
+    assert win.first.reasoning == " go right" and garbage.first.reasoning == "I refuse to use the format."
 
 
 def test_the_reasoning_is_split_on_the_sampled_tokens(tokenizer):
@@ -162,15 +162,15 @@ def test_the_reasoning_is_split_on_the_sampled_tokens(tokenizer):
 
     eps = rollout.play(policy, tokenizer, "frozenlake", [3], 4, env_kwargs=LAKE, system=SYSTEM, max_turns=1)
     for e, reply, lp in zip(eps, replies, logprobs):
-        n = len(e.first_prompt_ids)
-        assert e.ids[:n] == e.first_prompt_ids and tokenizer.decode(e.first_prompt_ids) == e.first_prompt
-        assert e.first_prompt_ids + e.first_reasoning_ids + e.first_answer_ids == e.ids[:n + len(reply)]
-        assert e.first_reasoning_logprob == pytest.approx(sum(lp[:len(e.first_reasoning_ids)]))
-        assert e.first_answer_logprob == pytest.approx(sum(lp[len(e.first_reasoning_ids):]))
-    assert tokenizer.decode(eps[0].first_reasoning_ids) == " go right "  # the space is a token of its own
-    assert tokenizer.decode(eps[0].first_answer_ids) == "</think> <answer> Right </answer><|im_end|>"
-    assert tokenizer.decode(eps[1].first_reasoning_ids) == " never closed" and eps[1].first_answer_ids == []
-    assert eps[2].first_reasoning_ids == [] and eps[3].first_reasoning_ids == [] and eps[3].first_answer_ids == [end]
+        n = len(e.first.prompt_ids)
+        assert e.ids[:n] == e.first.prompt_ids and tokenizer.decode(e.first.prompt_ids) == e.first.prompt
+        assert e.first.prompt_ids + e.first.reasoning_ids + e.first.answer_ids == e.ids[:n + len(reply)]
+        assert e.first.reasoning_logprob == pytest.approx(sum(lp[:len(e.first.reasoning_ids)]))
+        assert e.first.answer_logprob == pytest.approx(sum(lp[len(e.first.reasoning_ids):]))
+    assert tokenizer.decode(eps[0].first.reasoning_ids) == " go right "  # the space is a token of its own
+    assert tokenizer.decode(eps[0].first.answer_ids) == "</think> <answer> Right </answer><|im_end|>"
+    assert tokenizer.decode(eps[1].first.reasoning_ids) == " never closed" and eps[1].first.answer_ids == []
+    assert eps[2].first.reasoning_ids == [] and eps[3].first.reasoning_ids == [] and eps[3].first.answer_ids == [end]
     # a tokenizer that writes the space into the tag's token leaves it out of Z, as the text split does
     tok = tiny.build_tokenizer()
     ids = tok.encode(" go right </think> <answer> Right </answer>", add_special_tokens=False)
@@ -194,7 +194,7 @@ def test_a_group_shares_its_layout_but_not_its_noise(tokenizer):
     first, second = prompts[0][:8], prompts[0][8:]
     # one layout per group
     assert len(set(first)) == 1 and len(set(second)) == 1 and first[0] != second[0]
-    assert len({e.first_prompt for e in eps[:8]}) == 1
+    assert len({e.first.prompt for e in eps[:8]}) == 1
     assert len({p for p, e in zip(prompts[1], [e for e in eps if e.turns == 2]) if e.group == 0}) > 1  # slips differ
 
 
@@ -229,7 +229,7 @@ def test_malformed_output_is_penalised_never_crashes(tokenizer):
     assert e.response_lengths == [0, 1, len(script[2][0]), len(script[3][0]), len(script[4][0])]
     assert e.ids == chat_ids(tokenizer, e, SYSTEM)  # the cut turn got its end token, as mask 0
     assert sum(e.policy_mask) == sum(e.response_lengths)
-    assert e.first_reasoning == ""  # turn 1 produced nothing after the prefilled "<think>"
+    assert e.first.reasoning == ""  # turn 1 produced nothing after the prefilled "<think>"
 
 
 def test_the_first_pieces_are_acted_on_and_any_invalid_one_costs_the_penalty(tokenizer):

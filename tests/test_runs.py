@@ -18,7 +18,8 @@ import pytest
 import torch
 
 import train
-from plumbing import checkpoints, flags, models, runs, tiny
+from plumbing import checkpoints, flags, models, runs
+from warmstart import tiny
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SMALL = ["--model", "tiny", "--no-warm-start", "--groups", "2", "--group-size", "2", "--max-turns", "2",

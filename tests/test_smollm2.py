@@ -13,7 +13,7 @@ import torch
 import envs
 import rollout
 import train
-from plumbing import diagnosis, models, runs
+from plumbing import models, runs
 
 CPU = torch.device("cpu")
 IM_END = "<|im_end|>"
@@ -105,11 +105,11 @@ def test_the_diagnosis_is_token_exact_on_the_real_model():
         run.args.temperature = temperature
         torch.manual_seed(0)
         episodes = train.collect_rollouts(run, [3, 4], 2, temperature, 1.0)
-        assert all(e.first_reasoning_ids for e in episodes)
-        assert diagnosis.diagnose(run, episodes, None)["diagnosis_logprob_diff"] < 1e-4
+        assert all(e.first.reasoning_ids for e in episodes)
+        assert train.diagnose(run, episodes, None)["diagnosis_logprob_diff"] < 1e-4
         if temperature > 1:  # the probe set (its answers too) scores with the same code
-            assert diagnosis.probe(run)["probe_diagnosis_logprob_diff"] < 1e-4
-        back += [rollout._encode(run.tokenizer, e.first_reasoning) == e.first_reasoning_ids
+            assert train.probe(run)["probe_diagnosis_logprob_diff"] < 1e-4
+        back += [rollout._encode(run.tokenizer, e.first.reasoning) == e.first.reasoning_ids
                  for e in episodes]
     assert not all(back)  # the case that scoring the sampled ids exists for
 

@@ -352,15 +352,21 @@ def models():
 
 
 def _batch(same_tokens, seed=0):
+    """ids [B, T] with some right padding, and the mask [B, T-1] of the policy's tokens."""
     gen = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, 48, (K if same_tokens else G * K, T), generator=gen)
     if same_tokens:
         ids = ids.repeat(G, 1)                          # every group sees the same sequences
     attention = torch.ones(G * K, T, dtype=torch.long)
     attention[1::K, -2:] = 0                            # some right padding
-    policy_mask = torch.zeros(G * K, T, dtype=torch.long)
-    policy_mask[:, PROMPT:] = 1
-    return ids, attention, policy_mask
+    mask = torch.zeros(G * K, T - 1)
+    mask[:, PROMPT - 1:] = 1                            # ids[:, PROMPT:] are the policy's
+    return ids, mask * attention[:, 1:]
+
+
+def _ref_logp(ref, ids, temperature=1.0):
+    with torch.no_grad():
+        return token_logprobs(ref(input_ids=ids).logits[:, :-1] / temperature, ids[:, 1:])
 
 
 def _rising_rewards(G_):
@@ -370,9 +376,9 @@ def _rising_rewards(G_):
 
 def test_decomposition_task_norm_scales_with_spread_regulariser_flat(models):
     policy, ref = models
-    ids, att, pm = _batch(same_tokens=True)
+    ids, mask = _batch(same_tokens=True)
     rewards = _rising_rewards(G)
-    out = gradient_decomposition(policy, ids, att, pm, rewards, ref_model=ref, n_buckets=6)
+    out = gradient_decomposition(policy, ids, mask, rewards, _ref_logp(ref, ids), n_buckets=6)
     assert [d["bucket"] for d in out] == list(range(6))
     assert [d["groups"] for d in out] == [[g] for g in range(6)]
     task = [d["task_grad_norm"] for d in out]
@@ -384,24 +390,24 @@ def test_decomposition_task_norm_scales_with_spread_regulariser_flat(models):
         vals = [d[key] for d in out]
         assert vals[0] > 0 and vals == pytest.approx([vals[0]] * 6, rel=1e-5)
     # GRPO's std normalisation removes the sqrt(RV) scaling for every group with spread
-    norm = gradient_decomposition(policy, ids, att, pm, rewards, ref_model=ref, normalize_std=True)
+    norm = gradient_decomposition(policy, ids, mask, rewards, _ref_logp(ref, ids), normalize_std=True)
     normed = [d["task_grad_norm"] for d in norm]
     assert normed[0] == 0.0 and normed[1:] == pytest.approx([normed[1]] * 5, rel=1e-4)
 
 
 def test_decomposition_regulariser_ignores_rewards(models):
     policy, ref = models
-    ids, att, pm = _batch(same_tokens=False, seed=1)
+    ids, mask = _batch(same_tokens=False, seed=1)
     rewards = torch.randn(G, K, generator=torch.Generator().manual_seed(5), dtype=torch.float64)
     rewards[0] = 0.3                                    # two zero-spread groups: lowest bucket
     rewards[4] = -1.0
-    kw = dict(ref_model=ref, n_buckets=3)
-    out = gradient_decomposition(policy, ids, att, pm, rewards, **kw)
+    kw = dict(ref_logp=_ref_logp(ref, ids), n_buckets=3)
+    out = gradient_decomposition(policy, ids, mask, rewards, **kw)
     assert out[0]["groups"] == [0, 4] and out[0]["task_grad_norm"] == 0.0
     assert out[0]["mean_std"] == 0.0
     assert all(d["task_grad_norm"] > 0 for d in out[1:])
-    scaled = gradient_decomposition(policy, ids, att, pm, 3.0 * rewards + 7.0, **kw)   # 3x spread
-    permuted = gradient_decomposition(policy, ids, att, pm, rewards[:, [2, 0, 3, 1]], **kw)
+    scaled = gradient_decomposition(policy, ids, mask, 3.0 * rewards + 7.0, **kw)   # 3x spread
+    permuted = gradient_decomposition(policy, ids, mask, rewards[:, [2, 0, 3, 1]], **kw)
     for other in (scaled, permuted):
         assert [d["groups"] for d in other] == [d["groups"] for d in out]
         for key in ("kl_grad_norm", "entropy_grad_norm", "reg_grad_norm"):
@@ -410,8 +416,8 @@ def test_decomposition_regulariser_ignores_rewards(models):
     assert [d["task_grad_norm"] for d in scaled] == pytest.approx(tripled, rel=1e-4)
     # padding tokens change nothing
     ids2 = ids.clone()
-    ids2[att == 0] = 7
-    padded = gradient_decomposition(policy, ids2, att, pm, rewards, **kw)
+    ids2[1::K, -2:] = 7
+    padded = gradient_decomposition(policy, ids2, mask, rewards, **kw)
     for key in ("task_grad_norm", "kl_grad_norm", "entropy_grad_norm"):
         assert [d[key] for d in padded] == pytest.approx([d[key] for d in out], rel=1e-5)
 
@@ -421,26 +427,24 @@ def test_decomposition_equals_plain_backward_loop(models, temperature):
     """One bucket by hand: three losses, loss.backward() with model.zero_grad() between; the policy
     and the reference at the sampling temperature, softmax(logits / T)."""
     policy, ref = models
-    ids, att, pm = _batch(same_tokens=False, seed=2)
+    ids, mask = _batch(same_tokens=False, seed=2)
     rewards = _rising_rewards(G)
-    out = gradient_decomposition(policy, ids, att, pm, rewards, ref_model=ref, n_buckets=2,
-                                 kl_coef=0.5, temperature=temperature)
+    out = gradient_decomposition(policy, ids, mask, rewards, _ref_logp(ref, ids, temperature),
+                                 n_buckets=2, kl_coef=0.5, temperature=temperature)
     groups = out[1]["groups"]                           # the high-spread half
     rows = [g * K + k for g in groups for k in range(K)]
     adv = (rewards - rewards.mean(1, keepdim=True))[groups].reshape(-1).float()
-    m = (pm[rows, 1:] * att[rows, 1:]).float()
+    m = mask[rows]
     norms = []
     for terms in (["task"], ["kl"], ["entropy"], ["kl", "entropy"]):   # the last: the regulariser
         policy.zero_grad()
-        logits = policy(input_ids=ids[rows], attention_mask=att[rows]).logits[:, :-1] / temperature
+        logits = policy(input_ids=ids[rows]).logits[:, :-1] / temperature
         logp = token_logprobs(logits, ids[rows, 1:])
         loss = 0.0
         if "task" in terms:
             loss, _ = clipped_policy_loss(logp, logp.detach(), adv[:, None].expand_as(logp), m)
         if "kl" in terms:
-            with torch.no_grad():
-                ref_logits = ref(input_ids=ids[rows], attention_mask=att[rows]).logits[:, :-1]
-                ref_logp = token_logprobs(ref_logits / temperature, ids[rows, 1:])
+            ref_logp = _ref_logp(ref, ids[rows], temperature)
             loss = loss + 0.5 * (kl_estimate(logp, ref_logp, "k3") * m).sum() / m.sum()
         if "entropy" in terms:
             logq = torch.log_softmax(logits.float(), -1)
@@ -455,28 +459,24 @@ def test_decomposition_equals_plain_backward_loop(models, temperature):
 
 def test_decomposition_reference_choices_and_no_side_effects(models):
     policy, ref = models
-    ids, att, pm = _batch(same_tokens=False, seed=3)
+    ids, mask = _batch(same_tokens=False, seed=3)
     rewards = _rising_rewards(G)
     before = [p.detach().clone() for p in policy.parameters()]
-    alone = gradient_decomposition(policy, ids, att, pm, rewards, n_buckets=2)
+    alone = gradient_decomposition(policy, ids, mask, rewards, n_buckets=2)
     assert all(d["kl_grad_norm"] == 0.0 for d in alone)   # policy == reference: k3 at its minimum
-    with torch.no_grad():
-        ref_logp = token_logprobs(ref(input_ids=ids, attention_mask=att).logits[:, :-1], ids[:, 1:])
-    by_model = gradient_decomposition(policy, ids, att, pm, rewards, ref_model=ref, n_buckets=2)
-    by_logp = gradient_decomposition(policy, ids, att, pm, rewards, ref_logp=ref_logp, n_buckets=2)
-    want = [d["kl_grad_norm"] for d in by_model]
-    assert [d["kl_grad_norm"] for d in by_logp] == pytest.approx(want, rel=1e-4)
+    by_ref = gradient_decomposition(policy, ids, mask, rewards, _ref_logp(ref, ids), n_buckets=2)
+    assert all(d["kl_grad_norm"] > 0 for d in by_ref)
     assert all(p.grad is None for p in policy.parameters())   # .grad untouched, no optimiser step
     assert all(torch.equal(a, b) for a, b in zip(before, policy.parameters()))
 
 
 def test_decomposition_bad_shapes(models):
     policy, _ = models
-    ids, att, pm = _batch(same_tokens=False)
+    ids, mask = _batch(same_tokens=False)
     with pytest.raises(ValueError, match="G \\* K"):
-        gradient_decomposition(policy, ids, att, pm, torch.zeros(G, K + 1))
+        gradient_decomposition(policy, ids, mask, torch.zeros(G, K + 1))
     with pytest.raises(ValueError):
-        gradient_decomposition(policy, ids, att, pm, torch.zeros(G, K), kl_kind="k4")
+        gradient_decomposition(policy, ids, mask, torch.zeros(G, K), kl_kind="k4")
 
 
 # ------------------------------------------------------------------------------------- the controls

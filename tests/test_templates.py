@@ -10,7 +10,7 @@ import pytest
 
 import envs
 import mi
-from plumbing import demos, templates, tiny
+from warmstart import demos, templates, tiny
 
 
 @pytest.fixture(scope="module")
@@ -254,7 +254,7 @@ def test_surface_templates_are_labelled_exactly(tok):
     seeds = range(30)
     played = demos.demonstrations(tok, "frozenlake", seeds, seed=3, max_turns=1,
                                   template_prior=0.5, pool=templates.surface_template())
-    labels = [templates.is_surface_template(e.first_reasoning, templates.first_state(e))
+    labels = [templates.is_surface_template(e.first.reasoning, templates.first_state(e))
               for e in played]
     assert 0 < sum(labels) < len(labels)
     assert templates.share_of(played, "frozenlake", "surface") == sum(labels) / len(labels)

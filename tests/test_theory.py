@@ -15,7 +15,7 @@ import grpo
 import mi
 import ppo
 import snr_filter
-from plumbing import templates
+from warmstart import templates
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 THEORY = os.path.join(ROOT, "theory.md")

@@ -11,7 +11,7 @@ import torch
 
 import envs
 import rollout
-from plumbing import demos, templates, tiny
+from warmstart import demos, templates, tiny
 
 SIZES = dict(hidden_size=32, intermediate_size=64)
 
@@ -56,9 +56,9 @@ def test_the_reasoning_cross_scored_is_the_reasoning_sampled(tok):
     close = tok.convert_tokens_to_ids(" </think>")
     for name in sorted(envs.ENVS):
         for e in demos.demonstrations(tok, name, range(5)):
-            start = len(tok.encode(e.first_prompt, add_special_tokens=False))
+            start = len(tok.encode(e.first.prompt, add_special_tokens=False))
             sampled = e.ids[start:e.ids.index(close, start)]
-            assert tok.encode(e.first_reasoning, add_special_tokens=False) == sampled == e.first_reasoning_ids
+            assert tok.encode(e.first.reasoning, add_special_tokens=False) == sampled == e.first.reasoning_ids
 
 
 def test_unseen_text_falls_back_to_characters(tok):

@@ -19,7 +19,8 @@ import ppo
 import rollout
 import snr_filter
 import train
-from plumbing import diagnosis, flags, models, runs, sampler, templates, tiny
+from plumbing import flags, models, runs, sampler
+from warmstart import templates, tiny
 
 SMALL = ["--model", "tiny", "--no-warm-start", "--groups", "3", "--group-size", "4", "--max-turns", "2",
          "--max-new-tokens", "8", "--val-seeds", "1", "--mi-samples", "6", "--no-plot",
@@ -169,7 +170,7 @@ def test_shared_prefixes_run_once_and_change_nothing(tmp_path, checkpointing):
     batch = train.rollout_batch(run, episodes)
     ids, mask = batch["input_ids"], batch["policy_mask"][:, 1:].clone()         # [B, T-1]
     mask[-1] = 0  # a row with no policy token: scored 0, no gradient
-    prompt = [len(e.first_prompt_ids) for e in episodes]  # its last token predicts the reply
+    prompt = [len(e.first.prompt_ids) for e in episodes]  # its last token predicts the reply
     cells = [(rows.tolist(), n) for rows, n in logprobs.prefix_cells(ids, mask.bool())]
     assert cells[:2] == [([0, 1, 2], prompt[0] - 1), ([3, 4, 5], prompt[3] - 1)]
     assert cells[2][0] == [6, 7] and 0 < cells[2][1] < prompt[6] - 1  # what lone rows share
@@ -413,23 +414,23 @@ def test_the_diagnosis_scores_the_sampled_ids_at_any_temperature(tmp_path):
                    probe_prompts=2, probe_samples=3)
     torch.manual_seed(0)  # the sampler draws from torch's global generator: not from what ran before
     episodes = train.collect_rollouts(run, [3, 4, 5], 4, 2.5, 1.0)
-    text = [rollout._encode(run.tokenizer, e.first_reasoning) for e in episodes]
-    assert sum(t != e.first_reasoning_ids for t, e in zip(text, episodes)) >= 3  # they do not come back
-    assert diagnosis.diagnose(run, episodes, None)["diagnosis_logprob_diff"] < 1e-4
-    assert diagnosis.probe(run)["probe_diagnosis_logprob_diff"] < 1e-4
+    text = [rollout._encode(run.tokenizer, e.first.reasoning) for e in episodes]
+    assert sum(t != e.first.reasoning_ids for t, e in zip(text, episodes)) >= 3  # they do not come back
+    assert train.diagnose(run, episodes, None)["diagnosis_logprob_diff"] < 1e-4
+    assert train.probe(run)["probe_diagnosis_logprob_diff"] < 1e-4
     run.args.retokenize = True
-    assert diagnosis.diagnose(run, episodes, None)["diagnosis_logprob_diff"] > 1e-2
-    assert diagnosis.probe(run)["probe_diagnosis_logprob_diff"] > 1e-2
+    assert train.diagnose(run, episodes, None)["diagnosis_logprob_diff"] > 1e-2
+    assert train.probe(run)["probe_diagnosis_logprob_diff"] > 1e-2
 
 
 def test_the_diagnosis_counts_identical_prompts_as_one_target(tmp_path):
     """Two groups of the same layout have the same prompt: as in the official metric, a reasoning is
     retrieved when its best prompt is identical to its own, and chance is count / N (here 1)."""
     run = make_run(tmp_path, env="frozenlake", groups=2, group_size=4, mi_samples=8)
-    same = diagnosis.diagnose(run, play_scripted(run, [5, 5]), None)
+    same = train.diagnose(run, play_scripted(run, [5, 5]), None)
     assert same["retrieval_chance"] == 1.0 and same["retrieval_acc"] == 1.0
     assert abs(same["mi_estimate"]) < 1e-6  # identical prompts: the reasoning cannot tell them apart
-    different = diagnosis.diagnose(run, play_scripted(run, [5, 6]), None)
+    different = train.diagnose(run, play_scripted(run, [5, 6]), None)
     assert different["retrieval_chance"] == 0.5
 
 
@@ -440,18 +441,18 @@ def test_the_diagnosis_samples_every_prompt_alike(tmp_path, monkeypatch):
     run = make_run(tmp_path, env="frozenlake", groups=4, group_size=2, mi_samples=2)
     episodes = play_scripted(run, [1, 2, 3, 4], group_size=2)
     owners = []
-    monkeypatch.setattr(diagnosis.mi, "cross_scores", lambda model, prompts, reasonings, **kw: (
+    monkeypatch.setattr(train.mi, "cross_scores", lambda model, prompts, reasonings, *args: (
         torch.zeros(len(reasonings), len(prompts)), torch.ones(len(reasonings))))
-    monkeypatch.setattr(diagnosis.mi, "collapse_metrics", lambda scores, owner, *args, **kw: (
+    monkeypatch.setattr(train.mi, "collapse_metrics", lambda scores, owner, *args, **kw: (
         owners.append(owner) or {"mi_estimate": 0.0, "marginal_std": 0.0}))
     for seed in range(400):
-        diagnosis.diagnose(run, episodes, np.random.default_rng(seed))
+        train.diagnose(run, episodes, np.random.default_rng(seed))
     assert all(len(set(o)) == 2 for o in owners)
     counts = np.bincount(np.concatenate(owners), minlength=4)  # 200 expected each, sd 12
     assert counts.min() > 150 and counts.max() < 250
     run.args.mi_samples = 7  # one from every group: three more would make three prompts likelier
     owners.clear()
-    diagnosis.diagnose(run, episodes, None)
+    train.diagnose(run, episodes, None)
     assert owners == [[0, 1, 2, 3]]
 
 
@@ -471,9 +472,9 @@ def test_template_share_labels_every_diagnosed_reasoning_exactly(tmp_path, monke
                    probe_samples=4)
     episodes = rollout.play(writer(run.tokenizer), run.tokenizer, "frozenlake", [3, 5], 4, max_turns=1,
                             **run.prompt)
-    assert diagnosis.diagnose(run, episodes, None)["template_share"] == 0.5
+    assert train.diagnose(run, episodes, None)["template_share"] == 0.5
     monkeypatch.setattr(train.sampler, "hf_policy", lambda model, tokenizer, *args, **kwargs: writer(tokenizer))
-    assert diagnosis.probe(run)["probe_template_share"] == 0.5
+    assert train.probe(run)["probe_template_share"] == 0.5
 
 
 # ------------------------------------------------------------------------------------------- Fig. 4
@@ -517,15 +518,14 @@ def test_the_decomposition_trains_on_the_advantages_of_the_update(tmp_path):
     batch = train.rollout_batch(run, episodes)
     mask = batch["policy_mask"][:, 1:]
     values = train.over_batch(run, batch, train.critic_pass)
-    advantages, _ = train.compute_advantages(run, batch, rewards, values)
+    advantages, _ = ppo.gae(batch["token_rewards"][:, 1:], values, mask, 1.0, 1.0)
     logp = logprobs.policy_logprobs(run.policy, batch["input_ids"], mask, temperature=0.7)[0]
     _, terms = ppo.policy_loss(logp, logp.detach(), advantages, mask, "token-mean")
     grads = torch.autograd.grad(terms["pg_loss"], [p for p in run.policy.parameters() if p.requires_grad])
     by_hand = torch.sqrt(sum(g.double().pow(2).sum() for g in grads)).item()
     assert bucket["task_grad_norm"] == pytest.approx(by_hand, rel=1e-4)
     group_mean = snr_filter.gradient_decomposition(
-        run.policy, batch["input_ids"], batch["attention_mask"], batch["policy_mask"], rewards, n_buckets=1,
-        temperature=0.7)[0]["task_grad_norm"]
+        run.policy, batch["input_ids"], batch["mask"], rewards, n_buckets=1, temperature=0.7)[0]["task_grad_norm"]
     assert abs(group_mean - by_hand) > 1e-3 * by_hand
 
 
@@ -658,17 +658,16 @@ def test_the_probe_set_leaves_training_unchanged_and_repeats_itself(tmp_path):
     # the same prompts and the same sampling noise at every diagnosis: an unchanged policy gives
     # the same numbers, even after the training stream has moved on between two diagnoses
     run = make_run(tmp_path, env="frozenlake", probe_prompts=2, probe_samples=3)
-    first = diagnosis.probe(run)
+    first = train.probe(run)
     torch.rand(1000)
-    assert diagnosis.probe(run) == first
+    assert train.probe(run) == first
 
 
 def test_split_answer_cuts_after_the_reasoning():
-    e = rollout.Episode(env=None, group=0, seed=0, noise_seed=0, ids=[], policy_mask=[], logprobs=None,
-                        prompt_text="Q", first_prompt="Q<think>", responses=["<think> go </think> <answer> Up </answer>"])
-    assert diagnosis.split_answer(e) == ("Q<think> go </think>", " <answer> Up </answer>")
-    e.responses = ["<think> unclosed"]
-    assert diagnosis.split_answer(e) == ("Q<think> unclosed", "")
+    first = rollout.FirstTurn("Q<think>", " go", [], [], [], reply=" go </think> <answer> Up </answer>")
+    assert first.split_answer() == ("Q<think> go </think>", " <answer> Up </answer>")
+    first.reply = " unclosed"
+    assert first.split_answer() == ("Q<think> unclosed", "")
 
 
 def test_the_algorithms_are_those_the_loop_aggregates():

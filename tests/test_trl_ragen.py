@@ -29,7 +29,8 @@ import mi
 import rollout
 import snr_filter
 import train
-from plumbing import defaults, flags, runs, tiny
+from plumbing import defaults, flags, runs
+from warmstart import tiny
 from scaleout import trl_ragen
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -298,8 +299,8 @@ def test_entropy_bonus_under_gradient_accumulation_is_that_of_one_batch():
     split.current_gradient_accumulation_steps = 2
     summed = sum(loss_and_gradient(split, h)[1] for h in halves)
     grad = loss_and_gradient(whole, whole._generate_and_score_completions(inputs))[1]
-    assert grad.abs().max() > 0
-    torch.testing.assert_close(summed, grad, rtol=1e-6, atol=1e-9)
+    assert grad.abs().max() > 0  # float32 sums in another order: equal to float32's rounding
+    torch.testing.assert_close(summed, grad, rtol=1e-6, atol=1e-6 * grad.abs().max().item())
 
 
 def test_dr_grpo_loss_and_gradient_are_train_pys_on_one_batch():

@@ -117,7 +117,7 @@ def fsdp_episodes(trainer):
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
     from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 
-    from plumbing import tiny
+    from warmstart import tiny
     from scaleout import trl_ragen
     rank, plain = trainer.accelerator.process_index, tiny.build_model(trainer.processing_class)
     plain.load_state_dict(trainer.model.state_dict())  # a copy without TRL's patched forward

@@ -45,7 +45,7 @@ from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
 import envs
 import rollout
-from plumbing import demos, templates
+from warmstart import demos, templates
 
 # bump when demonstrations, tokenizer or default sizes / training settings change: no stale cache
 FORMAT_VERSION = 7

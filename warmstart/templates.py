@@ -161,7 +161,7 @@ def task_entropy(env_name, seeds=None, env_kwargs=None, noise=NOISE, prompts=(8,
     """The task reasoning of the demonstrations' first turns over `seeds` (the first TASK_TURNS
     demonstration seeds) -> {i_task: the plug-in H(f(X)), h_given_x: mean H(Z_task | X = x),
     h_task: their sum, gap: {N: G(N)}, support: the number of distinct f, samples}."""
-    from plumbing import demos  # here: the report reads TASK and the pools without torch
+    from warmstart import demos  # here: the report reads TASK and the pools without torch
 
     seeds = range(demos.DEMO_SEEDS, demos.DEMO_SEEDS + TASK_TURNS) if seeds is None else seeds
     counts, h_given_x = collections.Counter(), 0.0
@@ -223,7 +223,7 @@ TEMPLATE_KINDS = ("pool", "surface")
 def task_reasoning(env, rng, noise=NOISE):
     """The demonstrator's reasoning for the env's current state, as demos.demonstration writes it
     (the solver's plan described, then w.p. `noise` -- always without a plan -- "Try <move>.")."""
-    from plumbing import demos
+    from warmstart import demos
 
     plan = envs.solve(env) or []
     if not plan or rng.random() < noise:
@@ -349,7 +349,7 @@ def surface_truth(env_name, alpha, eps=None, n_prompts=(8, 32)):
 def own_reasonings(env):
     """Every reasoning the demonstrator can write for the env's current state (task_reasoning's
     support)."""
-    from plumbing import demos
+    from warmstart import demos
 
     plan = envs.solve(env) or []
     said = demos.describe(env, plan)
@@ -384,10 +384,10 @@ def share_of(episodes, env_name, kind="pool"):
     each episode's own first state)."""
     episodes = list(episodes)
     if kind == "pool":
-        return template_share([e.first_reasoning for e in episodes], env_name)
+        return template_share([e.first.reasoning for e in episodes], env_name)
     if kind != "surface":
         raise ValueError(f"template kind must be one of {', '.join(TEMPLATE_KINDS)}, got {kind!r}")
     if not episodes:
         return None
-    return sum(is_surface_template(e.first_reasoning, first_state(e)) for e in episodes) / len(
+    return sum(is_surface_template(e.first.reasoning, first_state(e)) for e in episodes) / len(
         episodes)
