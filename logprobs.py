@@ -18,9 +18,9 @@ import ppo
 def policy_logprobs(model, input_ids, mask, with_entropy=False, temperature=1.0,
                     chunk_elements=2 ** 24, dtype=torch.float32):
     """log pi(ids[b, t+1] | ids[b, :t+1]) -- and the entropy of pi there -- only at the positions
-    where mask[b, t] = 1 -> ([B, T-1], [B, T-1] or None) in `dtype`, 0 elsewhere. `input_ids` [B, T] is
-    right-padded: a causal mask already hides the padding at the end from every real token, so no
-    attention mask is passed (the fast kernel).
+    where mask[b, t] = 1 -> ([B, T-1], [B, T-1] or None) in `dtype`, 0 elsewhere. `input_ids`
+    [B, T] is right-padded: a causal mask already hides the padding at the end from every real
+    token, so no attention mask is passed (the fast kernel).
 
     pi is the policy that sampled: softmax(logits / temperature), the rollouts' temperature (as
     verl and TRL divide the logits before every log-prob). Scoring samples drawn at T = 0.7 with
@@ -103,8 +103,8 @@ def head_logprobs(lm, hidden, targets, with_entropy=False, temperature=1.0, chun
     """log pi(targets) -- and the entropy of pi -- from hidden states [N, D] and targets [N] ->
     ([N], [N] or None) in `dtype`, pi = softmax(logits / temperature): `lm`'s output layer runs on
     chunk_elements / V positions at a time under torch.utils.checkpoint, so neither the forward nor
-    the backward pass holds more than one chunk's [n, V] logits. mi.cross_scores uses it too
-    (without gradients, in float64: its sums over a reply's tokens are compared with the sampler's)."""
+    the backward pass holds more than one chunk's [n, V] logits (in float64 for mi.cross_scores,
+    whose sums over a reply's tokens are compared with the sampler's)."""
     if not temperature > 0:
         raise ValueError(f"temperature must be > 0, got {temperature!r}")
     head = lm.get_output_embeddings()
@@ -118,9 +118,8 @@ def head_logprobs(lm, hidden, targets, with_entropy=False, temperature=1.0, chun
 
 
 def _head_logprobs(head, hidden, targets, with_entropy, temperature, dtype):
-    # the log-softmax in float64, as the sampler's: in float32 the sum over a real vocabulary
-    # (SmolLM2's 49,152 tokens, logits up to ~35) is off by ~1e-5 nats a token, with one sign, so a
-    # reply's score would drift 1e-4 from the log-prob it was sampled with
+    # the log-softmax in float64, as the sampler's: a float32 sum over a large vocabulary drifts
+    # with one sign, and a reply's score would stray from the log-prob it was sampled with
     logits = head(hidden).double() / temperature                               # [n, V]
     logp = ppo.token_logprobs(logits, targets).to(dtype)                        # [n]
     return (logp, ppo.entropy_from_logits(logits).to(dtype)) if with_entropy else (logp,)

@@ -13,8 +13,8 @@ dual clip for negative advantages (Ye et al. 2020), per policy token t:
     l_t = min(l_t, -A_t c)                                              only where A_t < 0
 
 A_t comes from GAE over the policy tokens only (observation and padding tokens are skipped as if
-absent), with the episode's rewards on its policy tokens -- the reference puts all of them on the
-last one -- and gamma = lambda = 1, then whitened over the batch's policy tokens as verl does
+absent), with the episode's total reward on its last policy token (rollout.collate, as the
+reference does) and gamma = lambda = 1, then whitened over the batch's policy tokens as verl does
 (RAGEN-2's training set-up: clip 0.2 / 0.28, c = 3, entropy coefficient 0.001, value clip 0.5). The
 critic is a copy of the policy's transformer body with a linear value head, trained with the
 clipped value loss. Optional KL penalty against a reference policy uses the k1 / k2 / k3 estimators

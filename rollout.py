@@ -1,9 +1,8 @@
 """The agent-environment loop: batched multi-turn rollouts of a language-model policy in the worlds
 of envs.py.
 
-Its own file because the loop is a concept of its own: it turns a policy pi(z | x) and an
-environment into the token-level data that PPO / GRPO train on (RAGEN-2, Sec. 4.1: prompt groups of
-K rollouts, up to 5 turns).
+The loop turns a policy pi(z | x) and an environment into the token-level data that PPO / GRPO train
+on (RAGEN-2, Sec. 4.1: prompt groups of K rollouts, up to 5 turns).
 
 Prompt groups. Group g is one environment seed: its K rollouts reset to the same layout
 (reset(seed)) but draw independent transition noise (reset(noise_seed=seed * 1000 + k)), so the

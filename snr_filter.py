@@ -52,13 +52,13 @@ from grpo import group_advantages
 from ppo import policy_loss
 
 MODES = ("none", "topp", "topk")  # the filters (select_groups)
-CONTROLS = ("random", "bottom")  # the controls for the filter's claims, not remedies (select_control)
+CONTROLS = ("random", "bottom")  # controls for the filter's claims, not remedies (select_control)
 PROB_MODES = ("linear", "softmax")  # Top-P on the spread itself or on its softmax
 SCORE_KINDS = ("std", "var")
 CONTROL_STREAM = 1  # the random control's draws: np.random.default_rng([seed, step, 1])
 
 
-def _as_float64(x, name):
+def _finite_float64(x, name):
     x = torch.as_tensor(x, dtype=torch.float64)
     if not torch.isfinite(x).all():
         raise ValueError(f"{name} must be finite (no NaN / inf)")
@@ -72,21 +72,10 @@ def select_groups(scores, mode, value=None, include_zero=False, prob_mode="linea
 
     Zero-score groups (no task gradient) are set aside first unless include_zero=True; the others
     are ranked by score, descending, ties to the lower index (deterministic), and the mode keeps a
-    prefix of that ranking:
-
-      "none"  every group (`value` ignored)
-      "topp"  value = 1: every ranked group (with include_zero: every group -- the official
-                         no-filter baseline; without: every group with spread)
-              prob_mode "linear":  smallest prefix whose summed score reaches value * total - 0.01;
-                                   zero scores add nothing, so they are never part of it
-              prob_mode "softmax": softmax over the ranked groups' scores only, then the smallest
-                                   prefix whose mass reaches value
-      "topk"  the max(1, int(value * G)) best ranked groups (G counts every group)
-
-    value must lie in (0, 1] for "topp" and "topk". An all-False mask means the caller skips the
-    update (an all-zero batch gives it in every mode but "none" and topp at 1 with include_zero).
-    The 0.01 slack only absorbs round-off: the best group with spread is always kept, however
-    small the total (the official code keeps nothing when value * total <= 0.01).
+    prefix of that ranking: "none" every group (`value` ignored), "topp" topp_count's, "topk"
+    topk_count's. value must lie in (0, 1] for "topp" and "topk". An all-False mask means the
+    caller skips the update (an all-zero batch gives it in every mode but "none" and topp at 1
+    with include_zero).
 
     >>> select_groups([9., 1., 5.], "topp", 0.9)           # Fig. 5: target 13.49, A + C = 14
     tensor([ True, False,  True])
@@ -99,7 +88,7 @@ def select_groups(scores, mode, value=None, include_zero=False, prob_mode="linea
         raise ValueError(f"unknown filter mode {mode!r}; choose one of {MODES}")
     if prob_mode not in PROB_MODES:
         raise ValueError(f"unknown prob_mode {prob_mode!r}; choose one of {PROB_MODES}")
-    s = _as_float64(scores, "scores")                                      # [G]
+    s = _finite_float64(scores, "scores")                                      # [G]
     if s.dim() != 1 or (s < 0).any():
         raise ValueError(f"scores must be a [G] vector of non-negative spreads; got shape "
                          f"{tuple(s.shape)}")
@@ -108,33 +97,51 @@ def select_groups(scores, mode, value=None, include_zero=False, prob_mode="linea
         return torch.ones(G, dtype=torch.bool, device=s.device)
     if isinstance(value, bool) or not isinstance(value, numbers.Real) or not 0.0 < value <= 1.0:
         raise ValueError(f"{mode} value must be a number in (0, 1]; got {value!r}")
-
     candidates = torch.ones_like(s, dtype=torch.bool) if include_zero else s > 0      # [G]
     idx = candidates.nonzero()[:, 0]                                       # [E] ascending index
     order = idx[torch.sort(s[idx], descending=True, stable=True).indices]  # [E] best first
     ranked = s[order]                                                      # [E]
-    # how many of the ranked groups to keep, n_keep (a prefix of `order`)
-    if mode == "topk":
-        # BEGIN SOLUTION topk
-        n_keep = min(len(order), max(1, int(value * G)))
-        # END SOLUTION topk
-    else:
-        # BEGIN SOLUTION topp
-        if value >= 1.0:
-            n_keep = len(order)
-        elif prob_mode == "linear":
-            reached = (ranked.cumsum(0) >= value * ranked.sum() - 0.01).nonzero()   # prefixes
-            n_keep = int(reached[0]) + 1 if len(reached) else len(order)
-            n_keep = min(n_keep, int((ranked > 0).sum()))  # zero scores: never part of it
-        else:
-            mass = torch.softmax(ranked, 0).cumsum(0)                      # [E]
-            reached = (mass >= value - 1e-12).nonzero()                    # mass 1 may round below
-            n_keep = int(reached[0]) + 1 if len(reached) else len(order)
-        # END SOLUTION topp
-
+    n_keep = (topk_count(len(ranked), value, G) if mode == "topk"
+              else topp_count(ranked, value, prob_mode))
     keep = torch.zeros(G, dtype=torch.bool, device=s.device)               # [G]
     keep[order[:n_keep]] = True
     return keep
+
+
+def topp_count(ranked, value, prob_mode="linear"):
+    """Top-P: how many of the ranked groups' scores [E] (best first) to keep. value = 1: every
+    ranked group. "linear": the smallest prefix whose summed score reaches value * total - 0.01;
+    zero scores add nothing, so they are never part of it (the 0.01 slack only absorbs round-off:
+    the best group with spread is always kept, however small the total; the official code keeps
+    nothing when value * total <= 0.01). "softmax": the same on the softmax of the ranked scores,
+    the prefix's mass reaching value.
+
+    >>> topp_count(torch.tensor([9., 5., 1.], dtype=torch.float64), 0.9)   # 14 >= 13.49
+    2
+    """
+    # BEGIN SOLUTION topp
+    if value >= 1.0:
+        return len(ranked)
+    if prob_mode == "linear":
+        reached = (ranked.cumsum(0) >= value * ranked.sum() - 0.01).nonzero()     # prefixes
+        n_keep = int(reached[0]) + 1 if len(reached) else len(ranked)
+        return min(n_keep, int((ranked > 0).sum()))  # zero scores: never part of it
+    mass = torch.softmax(ranked, 0).cumsum(0)                              # [E]
+    reached = (mass >= value - 1e-12).nonzero()                            # mass 1 may round below
+    return int(reached[0]) + 1 if len(reached) else len(ranked)
+    # END SOLUTION topp
+
+
+def topk_count(n_ranked, value, G):
+    """Top-K: max(1, int(value * G)) of the groups (G counts every group), at most the n_ranked
+    eligible ones.
+
+    >>> topk_count(2, 0.75, 4)                            # int(0.75 * 4) = 3, two eligible
+    2
+    """
+    # BEGIN SOLUTION topk
+    return min(n_ranked, max(1, int(value * G)))
+    # END SOLUTION topk
 
 
 def filter_stats(scores, mask):
@@ -145,7 +152,7 @@ def filter_stats(scores, mask):
     >>> filter_stats([9., 1., 5., 0.], [True, False, True, False])["mean_score_dropped"]   # 1/2
     0.5
     """
-    s = _as_float64(scores, "scores")                                      # [G]
+    s = _finite_float64(scores, "scores")                                      # [G]
     keep = torch.as_tensor(mask, dtype=torch.bool, device=s.device)        # [G]
     if s.dim() != 1 or keep.shape != s.shape:
         raise ValueError(f"scores and mask must both be [G]; got {tuple(s.shape)} and "
@@ -177,7 +184,7 @@ def group_scores(rewards, kind="std"):
     """
     if kind not in SCORE_KINDS:
         raise ValueError(f"unknown score kind {kind!r}; choose one of {SCORE_KINDS}")
-    r = _as_float64(rewards, "rewards")                                    # [G, K]
+    r = _finite_float64(rewards, "rewards")                                    # [G, K]
     if r.dim() != 2 or r.shape[1] == 0:
         raise ValueError(f"rewards must be [G, K] with K >= 1; got shape {tuple(r.shape)}")
     constant = (r.max(1).values == r.min(1).values)                        # [G] no spread at all
@@ -205,8 +212,8 @@ def task_gradient_bound(rewards, score_grads):
     >>> task_gradient_bound([0., 2.], [[-1., 0.], [1., 0.]])   # tight: grads along r - rbar
     (1.0, 1.0)
     """
-    r = _as_float64(rewards, "rewards")                                    # [K]
-    s = _as_float64(score_grads, "score_grads")                            # [K, D]
+    r = _finite_float64(rewards, "rewards")                                    # [K]
+    s = _finite_float64(score_grads, "score_grads")                            # [K, D]
     if r.dim() != 1 or s.dim() != 2 or s.shape[0] != r.shape[0] or r.numel() == 0:
         raise ValueError(f"need rewards [K] and score_grads [K, D]; got {tuple(r.shape)} and "
                          f"{tuple(s.shape)}")
@@ -233,7 +240,7 @@ def rv_buckets(scores, n_buckets=6):
     >>> [len(b) for b in rv_buckets(list(range(8)))]            # 8 groups in 6 buckets
     [1, 1, 1, 1, 1, 3]
     """
-    s = _as_float64(scores, "scores")                                      # [G]
+    s = _finite_float64(scores, "scores")                                      # [G]
     if s.dim() != 1:
         raise ValueError(f"scores must be [G]; got shape {tuple(s.shape)}")
     if isinstance(n_buckets, bool) or not isinstance(n_buckets, int) or n_buckets < 1:
@@ -280,7 +287,7 @@ def gradient_decomposition(model, input_ids, mask, rewards, ref_logp=None, *, n_
     mean_var, task_grad_norm, kl_grad_norm, entropy_grad_norm, reg_grad_norm (the norm of the KL
     + entropy gradient). theory.md Sec. 3 has the pseudocode.
     """
-    r = _as_float64(rewards, "rewards")                                    # [G, K]
+    r = _finite_float64(rewards, "rewards")                                    # [G, K]
     if r.dim() != 2:
         raise ValueError(f"rewards must be [G, K]; got shape {tuple(r.shape)}")
     G, K = r.shape
@@ -308,7 +315,8 @@ def gradient_decomposition(model, input_ids, mask, rewards, ref_logp=None, *, n_
         kl_norm, kl_grads = _grad_norm_and_grads(kl_coef * terms["kl_loss"], params)
         entropy_norm, entropy_grads = _grad_norm_and_grads(-entropy_coef * terms["entropy_loss"],
                                                            params)
-        reg_sq = sum((k.double() + e.double()).pow(2).sum() for k, e in zip(kl_grads, entropy_grads))
+        reg_sq = sum((k.double() + e.double()).pow(2).sum()
+                     for k, e in zip(kl_grads, entropy_grads))
         results.append({
             "bucket": i, "groups": groups.tolist(), "n_groups": len(groups),
             "mean_std": std[groups].mean().item(), "mean_var": (std[groups] ** 2).mean().item(),
@@ -346,7 +354,7 @@ def select_control(scores, control, of, value=None, include_zero=False, prob_mod
         raise ValueError(f"unknown control {control!r}; choose one of {CONTROLS}")
     if of not in ("topp", "topk"):
         raise ValueError(f"a control takes its count from topp or topk, not {of!r}")
-    s = _as_float64(scores, "scores")                                      # [G]
+    s = _finite_float64(scores, "scores")                                      # [G]
     n = int(select_groups(s, of, value, include_zero, prob_mode).sum())
     G = s.shape[0]
     keep = torch.zeros(G, dtype=torch.bool, device=s.device)               # [G]
@@ -369,7 +377,7 @@ def zero_spread_split(rewards, success):
     ...                   [[True, True], [False, False], [False, True], [False, False]])
     {'zero_var_success_frac': 0.25, 'zero_var_fail_frac': 0.5}
     """
-    r = _as_float64(rewards, "rewards")                                    # [G, K]
+    r = _finite_float64(rewards, "rewards")                                    # [G, K]
     ok = torch.as_tensor(success, dtype=torch.bool).reshape(r.shape)       # [G, K]
     zero = group_scores(r) == 0                                            # [G]
     G = max(r.shape[0], 1)

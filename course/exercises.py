@@ -6,8 +6,7 @@ nbgrader's solution regions -- here in plain .py modules).
     python -m course.exercises make DIR [--only NAME ...]     # the student copy, chosen regions stubbed
     python -m course.exercises check [NAME ...]               # grade: one row per exercise, a total
 
-Its own file because setting and grading assignments is a concept of its own: it changes no
-module's behaviour, it only reads them.
+Setting and grading changes no module's behaviour; it only reads them.
 
 Solution regions. In a module, the lines between the comments `# BEGIN SOLUTION name` and
 `# END SOLUTION name` solve exercise `name` (an exercise may have several regions). `make` copies
@@ -109,11 +108,11 @@ HINTS = {
     ("bound", "task_gradient_bound"):
         "norm = ||1/K sum_k (r_k - rbar) s_k||; bound = sqrt(1/K sum_k (r_k - rbar)^2) "
         "sqrt(1/K sum_k ||s_k||^2)",
-    ("topp", "select_groups"):
+    ("topp", "topp_count"):
         "n_keep: p >= 1 every ranked group; linear: the smallest prefix of `ranked` whose sum "
         "reaches p * total - 0.01, zero scores never kept; softmax: the smallest prefix whose "
         "softmax mass reaches p",
-    ("topk", "select_groups"): "n_keep = max(1, int(k * G)), at most the ranked groups",
+    ("topk", "topk_count"): "n_keep = max(1, int(k * G)), at most the ranked groups",
     ("gae", "gae"):
         "per row, over its policy tokens t < t' only: delta_t = r_t + gamma V(t') - V(t), "
         "A_t = delta_t + gamma lam A_t', V = A = 0 after the row's last one; returns = A + V",

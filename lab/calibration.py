@@ -1,11 +1,11 @@
 """The calibration's report: the MI diagnosis measured against ground truth, from its archives alone
 (results/calibration/runs/).
 
-Its own file because this report is a thing apart from report.py's: each run there is a
-training curve, each run here is one policy measured once -- a warm start with a template prior
-ALPHA (templates.py), a build seed, a probe size -- whose input dependence is known by construction,
-I(X;Z) = (1 - ALPHA) I_task. It reads and writes as report.py does (the archives and their manifest,
-the refusal to overwrite a report with less, the scratch folder), with its own tables.
+Each run of report.py's grids is a training curve; each run here is one policy measured once -- a
+warm start with a template prior ALPHA (templates.py), a build seed, a probe size -- whose input
+dependence is known by construction, I(X;Z) = (1 - ALPHA) I_task. It reads and writes as report.py
+does (the archives and their manifest, the refusal to overwrite a report with less, the scratch
+folder), with its own tables.
 
 Per policy, the step-1 diagnosis of train.py before its update (in-batch over 8 prompts, probe set
 over 8 or 32) and the warm start's validation success at step 0, beside the closed forms. Over the

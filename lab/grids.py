@@ -2,10 +2,9 @@
 RAGEN-2 (or a search for a regime, said to be one) as train.py runs -- its exact flags, settings,
 seeds and steps -- with the comparisons that decide it.
 
-Its own file because a pre-registration is a thing of its own: experiments.py runs what is
-written here, stats.py holds the statistics the rules use, report.py turns the archived runs into
-tables and verdicts. A registered grid is not changed once it has run: a re-run is a replication,
-and a changed grid gets a new name.
+experiments.py runs what is written here, stats.py holds the statistics the rules use, report.py
+turns the archived runs into tables and verdicts. A registered grid is not changed once it has run:
+a re-run is a replication, and a changed grid gets a new name.
 
 A rule ("paired") compares a - b, paired over the seeds both have, at an environment step or at a
 number of cumulative optimiser steps; it holds when the 95% interval over at least 5 seeds lies on
@@ -31,9 +30,8 @@ SEEDS = [0, 1, 2, 3, 4]  # 5 seeds for every claim
 # Wall-time model, only for the runner's estimate where a setting has no archived runs to measure
 # (measured_seconds): seconds a training step of one run takes (one thread, two runs side by side
 # on the 2-core machine; validation and diagnoses included), by world.
-# Measured from the archives' time_step (the replication at 781d114): a healthy FrozenLake step
-# 2.5-4 s (a collapsing one 15-45 s: an estimate cannot know), a Sokoban 6x6 step 12-15 s, an 8x8
-# room or two boxes 17-27 s.
+# From the archives' time_step: a healthy FrozenLake step 2.5-4 s (a collapsing one 15-45 s: an
+# estimate cannot know), a Sokoban 6x6 step 12-15 s, an 8x8 room or two boxes 17-27 s.
 SECONDS_PER_STEP = {"frozenlake": 4.0, "sokoban": 13.0, "sokoban-large": 25.0}
 
 # ---------------------------------------------------------------------------------------- the grids
@@ -243,8 +241,7 @@ GRIDS = {
 # does RL make templates take over? The paper's mechanism names the knobs: where reward spread is
 # low (FrozenLake slipping 2/3 of its moves: many zero-spread groups) the regularisers drive the
 # update -- an entropy bonus, or a KL term pulling towards a template-rich reference (a warm start
-# with ALPHA = 1, --kl-template-prior; named --reference-template-prior at bb3df25, where the
-# search ran). Not searched: how reliable the task reasoning is for the answer (the demonstrations'
+# with ALPHA = 1, --kl-template-prior, once named --reference-template-prior). Not searched: how reliable the task reasoning is for the answer (the demonstrations'
 # noise is fixed). Estimate: 8 runs x 100 steps, 3 s a step, 10 s with the entropy bonus of 0.3 (its
 # collapse samples every token up to the limit), 2 at a time: 0.5 h, plus the warm starts at ALPHA
 # 0.1 and 1 (about 5 minutes each).

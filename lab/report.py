@@ -1,12 +1,12 @@
 """Every table, figure and number of a grid, from its committed per-run archives alone
 (results/<grid>/runs/<setting>-s<seed>.jsonl.gz).
 
-Its own file because the report is a concept of its own: what a stranger runs to check every
-number of RESULTS.md. It reads the archives and nothing else, and writes results/<grid>/:
-table.md (means over seeds with 95% t intervals, the decision rules and their verdicts, onsets,
-correlations, and beside each verdict the first report's, replication.csv), the same as csv files,
-numbers.json (every number, and the manifest of the archives it was made from), perseed.csv,
-gradients.csv (Fig. 4), search.csv (the regime search), curves.png, perseed.png and scatter.png.
+What a stranger runs to check every number of RESULTS.md. It reads the archives and nothing else,
+and writes results/<grid>/: table.md (means over seeds with 95% t intervals, the decision rules and
+their verdicts, onsets, correlations, and beside each verdict the first report's, replication.csv),
+the same as csv files, numbers.json (every number, and the manifest of the archives it was made
+from), perseed.csv, gradients.csv (Fig. 4), search.csv (the regime search), curves.png, perseed.png
+and scatter.png.
 
 It never overwrites a committed report with less: when the archives are fewer, shorter or
 unreadable compared with the manifest of the report in place, it refuses (ReportError: one line,

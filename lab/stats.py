@@ -2,8 +2,7 @@
 number of optimiser steps, one onset rule for every series, correlations summarised per run and then
 per seed, the Fig. 4 statistics and the regime search's criteria.
 
-Its own file because the statistics are a concept apart from the grids (grids.py) and the
-tables (report.py); it is not named `statistics`, which the standard library already is.
+Not named `statistics`, which the standard library already is.
 
 Intervals. A mean over runs gets the 95% t interval at n - 1 degrees of freedom,
 

@@ -2,11 +2,10 @@
 of ours), LoRA adapters, the PPO critic, the KL reference, and the GPU memory plan that decides
 micro-batches and rollout batches.
 
-Its own file because loading is a concept of its own, which train.py's loop never needs to
-see: it gets a policy, a critic and a reference that behave alike whether the weights are all
-trained or only LoRA adapters are. With LoRA (peft) only adapters train: the reference is the base
-with its adapters switched off, and the critic is the same frozen base seen through a second adapter
-plus its value head, so no copy of the base exists.
+train.py's loop never sees loading: it gets a policy, a critic and a reference that behave alike
+whether the weights are all trained or only LoRA adapters are. With LoRA (peft) only adapters train:
+the reference is the base with its adapters switched off, and the critic is the same frozen base
+seen through a second adapter plus its value head, so no copy of the base exists.
 """
 
 import contextlib

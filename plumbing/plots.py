@@ -1,9 +1,8 @@
 """The paper's training-curve figures, drawn from the metrics.jsonl of one or several run folders.
 
-Its own file because reading logs back is a concept of its own: train.py writes one JSON
-object per step, this file turns those into PNGs. Runs given the same label (several seeds of one
-setting) are drawn as their mean with a band of +- one standard error; runs with their own labels
-are overlaid in distinct styles.
+train.py writes one JSON object per step; this file turns those into PNGs. Runs given the same label
+(several seeds of one setting) are drawn as their mean with a band of +- one standard error; runs
+with their own labels are overlaid in distinct styles.
 
     success.png   train success (smoothed over 5 steps), validation success from step 0 (Fig. 7)
     collapse.png  what healthy and collapsed reasoning look like (Fig. 1, 6, 8): the MI estimate

@@ -1,11 +1,10 @@
 """Sampling many episodes at once: a Hugging Face causal LM as the policy that rollout.play calls,
 one explicit decode loop whose key/value cache is kept across an episode's turns.
 
-Its own file because sampling is a concept of its own, apart from the agent-environment
-loop: rollout.play needs only some policy(prompt_ids, envs) -> list[rollout.Generation] (tests and
-demos pass scripted ones), while what is here -- the decode loop, the nucleus, a cache layer that
-subclasses transformers internals -- is what makes the tiny policy's rollouts fast on a CPU and a
-real model's fit on one GPU.
+Apart from the agent-environment loop: rollout.play needs only some policy(prompt_ids, envs) ->
+list[rollout.Generation] (tests and demos pass scripted ones), while what is here -- the decode
+loop, the nucleus, a cache layer that subclasses transformers internals -- is what makes the tiny
+policy's rollouts fast on a CPU and a real model's fit on one GPU.
 
 The loop: one forward pass per new token with a key/value cache, then
 log softmax(logits / temperature), a draw from it (or from its top-p nucleus), and the drawn token's

@@ -1,10 +1,9 @@
 """RAGEN-2 inside TRL: the SNR-aware filter and the MI diagnosis in TRL's GRPOTrainer, on whole
 multi-turn episodes of envs.py's worlds, for several processes (GPUs) and vLLM rollouts.
 
-Its own file because it holds one concept of its own: the paper's method on a released
-multi-GPU trainer. train.py is the readable one-process loop; this file adds to TRL (pinned at
-1.16.0: the subclass overrides private methods) what its GRPOTrainer lacks -- a group filter and
-a collapse diagnosis -- with the project's own functions, not copies.
+The paper's method on a released multi-GPU trainer. train.py is the readable one-process loop; this
+file adds to TRL (pinned at 1.16.0: the subclass overrides private methods) what its GRPOTrainer
+lacks -- a group filter and a collapse diagnosis -- with the project's own functions, not copies.
 
     python -m scaleout.trl_ragen --env sokoban --filter topp --model tiny --steps 2 --out DIR
     accelerate launch --num_processes 8 -m scaleout.trl_ragen --model Qwen/Qwen2.5-3B-Instruct --use-vllm ...

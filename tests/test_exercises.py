@@ -55,12 +55,12 @@ PLANTED = {
     ],
     "topp": [
         ("snr_filter.py", "value * ranked.sum() - 0.01", "value * ranked.sum()"),   # no slack
-        ("snr_filter.py", "n_keep = min(n_keep, int((ranked > 0).sum()))", "pass"),
+        ("snr_filter.py", "return min(n_keep, int((ranked > 0).sum()))", "return n_keep"),
         ("snr_filter.py", "mass = torch.softmax(ranked, 0).cumsum(0)",
          "mass = ranked.cumsum(0) / ranked.sum()"),                          # linear, not softmax
     ],
     "topk": [
-        ("snr_filter.py", "max(1, int(value * G))", "max(1, int(value * len(order)))"),
+        ("snr_filter.py", "max(1, int(value * G))", "max(1, int(value * n_ranked))"),
         ("snr_filter.py", "max(1, int(value * G))", "int(value * G)"),
     ],
     "gae": [  # the batch as one long stream: a row's last token bootstraps from the next row

@@ -306,6 +306,8 @@ def test_cross_scores_equal_plain_loop_and_ignore_padding(tiny_lm):
     assert lengths.tolist() == [len(z) for z in REASONINGS]  # one character = one token
     want = _plain_loop(model, tokenizer, PROMPTS, REASONINGS)
     assert torch.allclose(scores.double(), want, atol=1e-4)
+    plain = mi.cross_scores_plain(model, mi.tokenize(tokenizer, PROMPTS), mi.tokenize(tokenizer, REASONINGS))
+    assert torch.allclose(plain, want, atol=1e-9)  # the module's definition is this loop
     assert (scores[2] == 0).all()  # empty reasoning
     assert (scores[[0, 1, 3, 4, 5]] < 0).all()
     one_at_a_time, _ = _scores(model, tokenizer, PROMPTS, REASONINGS, batch_size=1)

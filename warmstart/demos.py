@@ -1,12 +1,11 @@
 """What the tiny policy is shown and taught: its prompts, the solver's demonstrations, and behaviour
 cloning on them.
 
-Its own file because the warm start is a concept of its own. A random network never writes a
-valid action, so every turn would earn the format penalty and RL would see no reward spread
-(RAGEN-2, Sec. 3: no variance, no task gradient). The tiny policy (tiny.py) is therefore first
-trained on demonstrations, played through rollout.play so that the data is token for token the
-transcript the RL loop produces, by minimising the cross-entropy of the policy's own tokens (mask m
-= policy_mask):
+A random network never writes a valid action, so every turn would earn the format penalty and RL
+would see no reward spread (RAGEN-2, Sec. 3: no variance, no task gradient). The tiny policy
+(tiny.py) is therefore first trained on demonstrations, played through rollout.play so that the data
+is token for token the transcript the RL loop produces, by minimising the cross-entropy of the
+policy's own tokens (mask m = policy_mask):
 
     L(theta) = - sum_{b,t} m[b,t] log pi_theta(y[b,t] | y[b,<t]) / sum_{b,t} m[b,t]
 

@@ -1,13 +1,12 @@
 """The template prior: template collapse with ground truth, a warm start whose reasoning is, with
 a known probability, a fluent sentence that says nothing about the input.
 
-Its own file because the prior is a concept of its own: it gives the MI diagnosis a policy
-whose input dependence is known by construction. With probability ALPHA a demonstration turn's
-reasoning is replaced by a sentence drawn uniformly from a pool of boilerplate of the kind a
-pretrained model writes ("Let me plan ahead now."), the answer still the solver's move (demos.py).
-The paper's templates are short preambles from a pool of phrases (its Fig. 1) and its collapse
-shortens outputs (Fig. 8): these are 4 to 8 tokens, against about 9 (FrozenLake) and 27 (Sokoban)
-for the task reasoning.
+The prior gives the MI diagnosis a policy whose input dependence is known by construction. With
+probability ALPHA a demonstration turn's reasoning is replaced by a sentence drawn uniformly from a
+pool of boilerplate of the kind a pretrained model writes ("Let me plan ahead now."), the answer
+still the solver's move (demos.py). The paper's templates are short preambles from a pool of phrases
+(its Fig. 1) and its collapse shortens outputs (Fig. 8): these are 4 to 8 tokens, against about 9
+(FrozenLake) and 27 (Sokoban) for the task reasoning.
 
 The pool is a full product of three slots (opener x action x ending), so sampling it uniformly is
 three independent uniform choices, which a 2-layer policy can learn; its size n is chosen per world

@@ -1,9 +1,8 @@
 """The embedded tiny policy: a small Qwen2 and a word-level tokenizer built in code, warm-started
 once per world.
 
-Its own file because it holds one concept of its own: the policy that lets the main job run,
-and learn, on a laptop CPU with no download. The rest of the code treats it exactly like a Qwen2.5
-model.
+The policy that lets the main job run, and learn, on a laptop CPU with no download. The rest of the
+code treats it exactly like a Qwen2.5 model.
 
 Tokenizer. Word-level: text is cut into pieces -- the tags <think> </think> <answer> </answer> ||,
 words, numbers, any other single character, each with the one space before it, as Qwen's BPE carries

@@ -1,8 +1,8 @@
 """What every world shares: the TextEnv base class (a Gymnasium-style API), its two seeded random
 streams, and the breadth-first solver that plans in any world through the world's own next_state.
 
-Its own file because each world (sokoban.py, frozenlake.py, bandit.py) builds on it, and
-envs.py, the registry that names the worlds, sits above them all.
+Each world (sokoban.py, frozenlake.py, bandit.py) builds on it; envs.py, the registry that names the
+worlds, sits above them all.
 
 A world sets `name`, `actions`, `rules`, `legend`, `max_steps` and implements five things:
 
