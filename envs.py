@@ -59,6 +59,38 @@ def make_env(name, **kwargs):
     return cls(**kwargs)
 
 
+# ------------------------------------------------------------------------- what a real model reads
+
+OBSERVATIONS = ("grid", "coords")  # --observation: the paper's bare grid, or with its coordinates
+# the objects the coordinates line names, per world: (name, the grid symbols that show it)
+COORDINATES = {"frozenlake": (("Player", "PX√"), ("goal", "G√"), ("holes", "OX")),
+               "sokoban": (("Player", "PS"), ("box", "X√"), ("target", "O√S"))}
+
+
+def where(grid, symbols):
+    """(row, col) of every cell of a rendered grid holding one of `symbols`.
+
+    >>> where("#P\\nX_", "PS")
+    [(0, 1)]
+    """
+    return [(r, c) for r, row in enumerate(grid.split("\n")) for c, ch in enumerate(row)
+            if ch in symbols]
+
+
+def coordinates(name, grid):
+    """The line under the grid with --observation coords: the zero-indexed (row, col) of each
+    object, as RAGEN's grid_coord observation lists them (its CoordFrozenLake, CoordSokoban) --
+    where things are, not the way from one to the other.
+
+    >>> coordinates("frozenlake", "P_O\\n__G")
+    'Player (0,0), goal (1,2), holes (0,2).'
+    """
+    check(name in COORDINATES, f"{name} has no grid to give coordinates of")
+    return ", ".join(f"{label} " + (", ".join(f"({r},{c})" for r, c in where(grid, symbols))
+                                    or "none")
+                     for label, symbols in COORDINATES[name]) + "."
+
+
 # ---------------------------------------------------------------------------- reading model replies
 
 _TAG = {t: re.compile(re.escape(t), re.IGNORECASE)

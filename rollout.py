@@ -75,6 +75,15 @@ def user_message(obs, turn_reward, actions_left, turn):
     )
 
 
+def with_coordinates(env_name):
+    """user_message with the grid followed by its coordinates line (--observation coords:
+    envs.coordinates, RAGEN's grid_coord observation): where things are, for a real model."""
+    def user(obs, turn_reward, actions_left, turn):
+        return user_message(f"{obs}\n{envs.coordinates(env_name, obs)}", turn_reward, actions_left,
+                            turn)
+    return user
+
+
 # -------------------------------------------------------------------- chat template, token by token
 def _render(tokenizer, messages, add_generation_prompt):
     return tokenizer.apply_chat_template(

@@ -39,7 +39,7 @@ import rollout  # noqa: E402
 import snr_filter  # noqa: E402
 from plumbing import models, runs, sampler  # noqa: E402
 from plumbing.defaults import MAX_SKIPS, PROBE_SEED_BASE, VAL_SEED_BASE  # noqa: E402
-from warmstart import templates  # noqa: E402
+from warmstart import grounding, templates  # noqa: E402
 
 ANALYSIS_KL_COEF = 1e-3  # Fig. 4's KL coefficient without --kl-coef (the paper's analysis runs)
 AGGREGATION = {"ppo": "token-mean", "grpo": "seq-mean-token-mean",
@@ -192,7 +192,7 @@ def diagnose(run, episodes, rng):
                           [e.group for e in picked], **scoring(run))
     out["mi_zscore_ema"], run.state["std_ema"] = mi.mi_zscore_ema(out, run.state["std_ema"])
     keys = mi.DIAGNOSIS_KEYS + ("diagnosis_logprob_diff",)
-    return {**{k: out[k] for k in keys if k in out}, **labels(run, picked)}
+    return {**{k: out[k] for k in keys if k in out}, **labels(run, picked, episodes)}
 
 
 def probe(run):
@@ -209,7 +209,7 @@ def probe(run):
         episodes = collect_rollouts(run, seeds, a.probe_samples, max_turns=1)
     with run.ctx:
         out = mi.probe(run.policy, [e.first for e in episodes], a.probe_samples, **scoring(run))
-    out.update(labels(run, episodes))
+    out.update(labels(run, episodes, episodes))
     return {"probe_" + k: v for k, v in out.items() if not k.endswith("upper_bound")}
 
 
@@ -221,10 +221,17 @@ def scoring(run):
                 retokenize=run.tokenizer if a.retokenize else None)
 
 
-def labels(run, episodes):
-    """What the diagnosed reasonings are, exactly: the share that are templates of
-    --template-kind (warmstart/templates.py)."""
-    return {"template_share": templates.share_of(episodes, run.args.env, run.args.template_kind)}
+def labels(run, episodes, inputs):
+    """What the diagnosed reasonings (`episodes`' first turns) are, exactly: for the tiny policy
+    the share that are templates of --template-kind (warmstart/templates.py); for a real model on
+    FrozenLake the shares that state their own input's way, another's (of the groups of `inputs`),
+    or neither (warmstart/grounding.py)."""
+    a = run.args
+    if "system" in run.prompt:  # the tiny policy's prompt (a real model's has no system piece)
+        return {"template_share": templates.share_of(episodes, a.env, a.template_kind)}
+    seeds = {e.group: e.seed for e in inputs}
+    ways = {g: grounding.input_way(a.env, runs.env_kwargs(a), seed) for g, seed in seeds.items()}
+    return grounding.shares(episodes, ways) if a.env == "frozenlake" else {}
 
 
 def decompose_gradients(run, episodes, rewards):

@@ -129,6 +129,8 @@ class Args:
     warm_start: bool = arg(True, "tiny, smollm2: warm-start on demonstrations (off: as built)")
     tiny_cache: str = arg(".cache/tiny", "tiny: folder of warm-started models")
     warm_start_seed: int = arg(0, "tiny, smollm2: the warm start's build seed (weights, demos)")
+    observation: str = arg("grid", "real models: the bare grid, or with its coordinates (coords)",
+                           choices=envs.OBSERVATIONS)
     template_prior: float = arg(0.0, "tiny: share of warm-start turns reasoning with a template")
     kl_template_prior: float = arg(
         None, "tiny: template share of the KL reference's warm start (default: the policy's)")
@@ -341,6 +343,10 @@ def check_args(a):
          "--template-prior must be in [0, 1] and --warm-start-seed >= 0")
     need(a.filler is None or 0 <= a.filler <= 0.75, "--filler must be in [0, 0.75] (0.75: the "
          "most entropy a filler digit can have)")
+    need(a.observation == "grid" or (a.model != "tiny" and a.env in envs.COORDINATES),
+         f"--observation {a.observation} is for a real model in a grid world (frozenlake, "
+         f"sokoban): " + ("the tiny policy reads its own positions line" if a.model == "tiny"
+                          else f"--env {a.env} has no grid"))
     prior = a.kl_template_prior
     need(prior is None or (0 <= prior <= 1 and a.model == "tiny" and not a.lora
                            and (prior > 0) == (a.template_prior > 0)),

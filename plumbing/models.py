@@ -22,6 +22,7 @@ import time
 import torch
 
 import ppo
+import rollout
 from plumbing import sampler
 from warmstart import demos, tiny
 
@@ -79,8 +80,9 @@ def load_policy(a, source, device, env_kwargs):
     nothing."""
     if source == "smollm2":
         if not a.warm_start:
-            return (*load_smollm2(), {})
-        return (*smollm2_warm_start(a.env, env_kwargs, seed=a.warm_start_seed, device=device), {})
+            return (*load_smollm2(), real_prompt(a.env, a.observation))
+        return (*smollm2_warm_start(a.env, env_kwargs, seed=a.warm_start_seed, device=device,
+                                    observation=a.observation), real_prompt(a.env, a.observation))
     if source == "tiny":
         try:
             model, tokenizer = tiny.load_tiny(
@@ -123,7 +125,15 @@ def load_policy(a, source, device, env_kwargs):
         model.set_adapter("default")
         return model.to(device), tokenizer, prompt
     model, tokenizer = load_hf(source, saved.get("attn_implementation"))
-    return model.to(device), tokenizer, tiny.prompts(a.env) if saved.get("prompt") == "tiny" else {}
+    prompt = (tiny.prompts(a.env) if saved.get("prompt") == "tiny"
+              else real_prompt(a.env, saved.get("observation", a.observation)))
+    return model.to(device), tokenizer, prompt
+
+
+def real_prompt(env_name, observation):
+    """rollout.play's prompt pieces for a real model: the paper's (system_prompt, user_message on
+    the bare grid), or with --observation coords each grid followed by its coordinates."""
+    return {"user": rollout.with_coordinates(env_name)} if observation == "coords" else {}
 
 
 def load_hf(source, attn_implementation=None):
@@ -217,19 +227,24 @@ def load_smollm2(cache_dir=SMOLLM2_CACHE):
 
 
 # its warm start: a pretrained 135M model at temperature 1 almost never writes the answer format
-# (results/zero-shot), so RL would see no reward spread; a short behaviour cloning on the solver's
-# demonstrations (demos.py), in the prompts a real model gets, fixes the format and little else
-SMOLLM2_WARM_START = dict(steps=40, batch_size=8, lr=1e-4, turns=2)
+# (results/zero-shot), so RL would see no reward spread. Behaviour cloning on the solver's
+# demonstrations (demos.py), in the prompts a real model gets: on the bare grid a short one fixes
+# the format and little else; with coordinates the reasoning works the way out from them
+# (demos.work_out), which takes longer to learn
+SMOLLM2_WARM_START = {"grid": dict(steps=40, batch_size=8, lr=1e-4, turns=2),
+                      "coords": dict(steps=80, batch_size=8, lr=1e-4, turns=2)}
 
 
 def smollm2_warm_start(env_name, env_kwargs=None, seed=0, cache_dir=SMOLLM2_CACHE, device="cpu",
-                       **settings):
-    """SmolLM2 behaviour-cloned on `env_name`'s demonstrations (SMOLLM2_WARM_START, overridden by
-    `settings`), built on first use on `device` and cached in cache_dir/<world>-<hash>;
-    warm_start.json, written last, marks a finished build and records its losses and time. An
-    interrupted build starts over (it took 35 minutes here, on 2 CPU cores shared with other work).
-    The model comes back on the CPU either way."""
-    settings = {**SMOLLM2_WARM_START, **settings, "seed": seed}
+                       observation="grid", **settings):
+    """SmolLM2 behaviour-cloned on `env_name`'s demonstrations in the prompts of `observation`
+    (SMOLLM2_WARM_START, overridden by `settings`), built on first use on `device` and cached in
+    cache_dir/<world>-<hash>; warm_start.json, written last, marks a finished build and records its
+    losses and time. An interrupted build starts over. The model comes back on the CPU either
+    way."""
+    settings = {**SMOLLM2_WARM_START[observation], **settings, "seed": seed}
+    if observation != "grid":  # the bare grid's builds keep the folders they had
+        settings["observation"] = observation
     key = json.dumps({"env": env_name, "env_kwargs": env_kwargs or {}, **settings},
                      sort_keys=True, default=str)
     folder = os.path.join(cache_dir, f"{env_name}-{hashlib.sha256(key.encode()).hexdigest()[:12]}")
@@ -250,7 +265,8 @@ def smollm2_warm_start(env_name, env_kwargs=None, seed=0, cache_dir=SMOLLM2_CACH
     torch.manual_seed(seed)
     losses = demos.imitate(model, tokenizer, env_name, env_kwargs, steps=steps,
                            batch_size=settings["batch_size"], lr=settings["lr"], seed=seed,
-                           turns=settings["turns"], prompt={},
+                           turns=settings["turns"], prompt=real_prompt(env_name, observation),
+                           reason=demos.work_out if observation == "coords" else demos.describe,
                            on_step=lambda step, loss, _: print(
                                f"  step {step + 1}/{steps}: loss {loss:.3f}", flush=True))
     torch.random.set_rng_state(torch_state)
@@ -317,7 +333,9 @@ def save_policy(run, folder):
     """The policy's weights (or LoRA adapters, with where their base comes from) and tokenizer,
     loadable again by load_policy; policy.json records what a checkpoint of ours adds."""
     policy = run.policy
-    info = {"prompt": "tiny" if run.prompt else None}
+    # the tiny policy's prompt is the one with its own system prompt (a real model's has none)
+    info = {"prompt": "tiny" if "system" in run.prompt else None,
+            "observation": run.args.observation}
     if hasattr(policy, "disable_adapter"):
         policy.save_pretrained(folder, selected_adapters=["default"])
         # peft writes a second adapter into critic/critic/: moved up

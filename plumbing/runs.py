@@ -286,6 +286,9 @@ def resolve_defaults(a, device):
         why = "a GPU is present" if device.type == "cuda" else "no GPU found"
         print(f"model: {a.model} ({why}; --model chooses another)")
     tiny = a.model == "tiny"
+    if tiny and a.observation != "grid":
+        raise UsageError(f"--observation {a.observation} is for a real model: the tiny policy (the "
+                         f"default without a GPU) reads its own positions line; add --model smollm2")
     a.lr = a.lr or (1e-4 if tiny else 1e-6)
     a.critic_lr = a.critic_lr or (1e-3 if tiny else 1e-5)
     a.max_new_tokens = a.max_new_tokens or (64 if tiny else 400)

@@ -601,3 +601,33 @@ def test_random_policy_baseline_matches_the_exact_probability():
         math.sqrt(rate * (1 - rate) / n))
     lengths, rate, _ = envs.baselines("bandit", episodes=n)
     assert lengths == {1: n} and abs(rate - 0.5) <= 4.5 * math.sqrt(0.25 / n)
+
+
+def test_the_coordinates_line_names_every_object_where_the_world_holds_it():
+    """--observation coords' line (envs.coordinates) lists the player, the goal and every hole of a
+    FrozenLake map, and the player, boxes and targets of a Sokoban room, at the cells the world
+    holds them in (row, column, zero-indexed), and nothing else."""
+    def holes_of(line):  # the (row, col) pairs the line lists after "holes"
+        pairs = line.split("holes ", 1)[1].rstrip(".")
+        return [] if pairs == "none" else sorted(tuple(map(int, p.strip("()").split(",")))
+                                                 for p in pairs.split(", "))
+    seen_holes = 0
+    for seed in range(30):
+        lake = FrozenLake()
+        grid, _ = lake.reset(seed=seed)
+        line = envs.coordinates("frozenlake", grid)
+        holes = [(r, c) for r, row in enumerate(lake.grid) for c, ch in enumerate(row) if ch == "H"]
+        goal = [(r, c) for r, row in enumerate(lake.grid) for c, ch in enumerate(row) if ch == "G"]
+        assert line.startswith(f"Player ({lake.pos[0]},{lake.pos[1]}), goal ({goal[0][0]},{goal[0][1]}), holes ")
+        assert holes_of(line) == sorted(holes)
+        seen_holes += len(holes)
+        room = Sokoban()
+        grid, _ = room.reset(seed=seed)
+        line = envs.coordinates("sokoban", grid)
+        player, boxes = divmod(room.player, room.width), [divmod(b, room.width) for b in room.boxes]
+        targets = [divmod(t, room.width) for t in room.targets]
+        assert line == (f"Player ({player[0]},{player[1]}), box " + ", ".join(f"({r},{c})" for r, c in boxes)
+                        + ", target " + ", ".join(f"({r},{c})" for r, c in targets) + ".")
+    assert seen_holes > 10
+    with pytest.raises(ValueError, match="no grid"):
+        envs.coordinates("bandit", "")

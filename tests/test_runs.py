@@ -132,6 +132,10 @@ def test_help_is_one_line_per_flag_with_its_default(capsys):
     (["--filter", "topk", "--top-p", "0.5"], "--top-p 0.5 is ignored with --filter topk"),
     (["--filter", "none", "--include-zero"], "--include-zero is ignored with --filter none"),
     (["--env", "frozenlake", "--room-size", "3"], "--room-size 3 is ignored with --env frozenlake"),
+    # the coordinates line is a real model's: the tiny policy reads its own line; a bandit has no grid
+    (["--observation", "coords", "--model", "tiny"], "the tiny policy reads its own positions line"),
+    (["--observation", "coords"], "the tiny policy (the default without a GPU) reads its own"),
+    (["--observation", "coords", "--model", "smollm2", "--env", "bandit"], "--env bandit has no grid"),
     # past these a run hangs, diverges or only waits
     (["--epochs", "101"], "--epochs must be in 1..100"),
     (["--threads", str(10 * (os.cpu_count() or 1))], "the machine's cores"),

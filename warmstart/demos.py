@@ -48,20 +48,10 @@ NEIGHBOURS = (("Up", -1, 0), ("Down", 1, 0), ("Left", 0, -1), ("Right", 0, 1))
 
 # ----------------------------------------------------------------------------- what the policy sees
 
-def _where(grid, symbols):
-    """(row, col) of every cell holding one of `symbols`: _where("#P\\nX_", "PS") == [(0, 1)]."""
-    return [
-        (r, c)
-        for r, row in enumerate(grid.split("\n"))
-        for c, ch in enumerate(row)
-        if ch in symbols
-    ]
-
-
 def _cells(env_name, grid):
     """The cells of each object OBJECTS names, in its order: _cells("frozenlake", "P_\\n_G") ==
     [[(0, 0)], [(1, 1)]]."""
-    return [_where(grid, symbols) for _, symbols in OBJECTS[env_name]]
+    return [envs.where(grid, symbols) for _, symbols in OBJECTS[env_name]]
 
 
 def _way(frm, to):
@@ -99,7 +89,7 @@ def around(obs):
     'Around: Up wall, Down floor, Left wall, Right box.'
     """
     rows = obs.split("\n")
-    (r, c), = _where(obs, "PS")
+    (r, c), = envs.where(obs, "PS")
 
     def cell(rr, cc):
         inside = 0 <= rr < len(rows) and 0 <= cc < len(rows[rr])
@@ -167,7 +157,24 @@ def describe(env, plan):
     raise ValueError(f"no demonstrations for world {env.name!r}: sokoban, frozenlake or bandit")
 
 
-def demonstration(env, rng, noise=0.2, max_actions=2, template_prior=0.0, pool=(), filler=None):
+def work_out(env, plan):
+    """Reasoning that works the way out from the coordinates a real model reads with
+    --observation coords (envs.coordinates): FrozenLake restates the player's and the goal's cells,
+    then the way between them, so each number it computes sits just after the ones it comes from;
+    the other worlds reason as `describe`.
+
+    >>> env = envs.FrozenLake(desc=["SF", "FG"]); _ = env.reset()
+    >>> work_out(env, ["Down", "Right"])
+    'From (0,0) to (1,1): 1 Down, 1 Right.'
+    """
+    if env.name != "frozenlake":
+        return describe(env, plan)
+    (player,), (goal,) = _cells(env.name, env.render())
+    return f"From ({player[0]},{player[1]}) to ({goal[0]},{goal[1]}): {_way(player, goal)}."
+
+
+def demonstration(env, rng, noise=0.2, max_actions=2, template_prior=0.0, pool=(), filler=None,
+                  reason=describe):
     """One demonstration turn for the env's current state, continuing a prompt that ends with
     "<think>": with prob. `noise` one random move ("Try Left."), else the solver's next 1 or
     `max_actions` moves (a fair coin). With prob. `template_prior` the reasoning is instead a
@@ -175,7 +182,7 @@ def demonstration(env, rng, noise=0.2, max_actions=2, template_prior=0.0, pool=(
     `max_actions` moves; at 0 no draw is made, so the stream is the one without a prior. A
     callable `pool` draws the template itself, pool(rng, env) (templates.surface_template: another
     layout's task reasoning); `filler(rng)`, when given, is appended to every reasoning
-    (templates.filler).
+    (templates.filler); `reason(env, plan)` writes the task reasoning (describe, or work_out).
 
     >>> env = envs.Sokoban(room="#####\\n#PXO#\\n#####"); _ = env.reset()
     >>> demonstration(env, random.Random(0), noise=0.0)
@@ -188,24 +195,24 @@ def demonstration(env, rng, noise=0.2, max_actions=2, template_prior=0.0, pool=(
         moves = plan[:rng.choice((1, max_actions))] or [rng.choice(env.actions)]
     elif not plan or rng.random() < noise:
         moves = [rng.choice(env.actions)]
-        reasoning = f"{describe(env, plan)} Try {moves[0]}."
+        reasoning = f"{reason(env, plan)} Try {moves[0]}."
     else:
         moves = plan[:rng.choice((1, max_actions))]
-        reasoning = describe(env, plan)
+        reasoning = reason(env, plan)
     if filler is not None:
         reasoning += filler(rng)
     return f" {reasoning} </think> <answer> {' || '.join(moves)} </answer>"
 
 
 def demo_policy(tokenizer, noise=0.2, max_actions=2, seed=0, template_prior=0.0, pool=(),
-                filler=None):
+                filler=None, reason=describe):
     """A scripted policy for rollout.play: looks at each env, writes `demonstration(...)` and the
     end-of-turn token."""
     rng = random.Random(seed)
     end = rollout.end_of_turn_ids(tokenizer)[0]
 
     def policy(prompt_ids, worlds):
-        texts = [demonstration(env, rng, noise, max_actions, template_prior, pool, filler)
+        texts = [demonstration(env, rng, noise, max_actions, template_prior, pool, filler, reason)
                  for env in worlds]
         return [rollout.Generation(tokenizer.encode(text, add_special_tokens=False) + [end])
                 for text in texts]
@@ -215,11 +222,12 @@ def demo_policy(tokenizer, noise=0.2, max_actions=2, seed=0, template_prior=0.0,
 
 def demonstrations(tokenizer, env_name, seeds, env_kwargs=None, noise=0.2, seed=0, max_turns=5,
                    max_actions_per_turn=2, template_prior=0.0, pool=(), prompt=None,
-                   filler=None):
+                   filler=None, reason=describe):
     """Demonstration episodes (rollout.Episode) on `seeds`, one each, in the tiny policy's
-    prompts, or in `prompt`'s (rollout.play's system / user pieces; {}: a real model's)."""
+    prompts, or in `prompt`'s (rollout.play's system / user pieces; {}: a real model's), their
+    reasoning written by `reason`."""
     policy = demo_policy(tokenizer, noise=noise, max_actions=max_actions_per_turn, seed=seed,
-                         template_prior=template_prior, pool=pool, filler=filler)
+                         template_prior=template_prior, pool=pool, filler=filler, reason=reason)
     return rollout.play(policy, tokenizer, env_name, seeds, 1, env_kwargs=env_kwargs,
                         max_turns=max_turns, max_actions_per_turn=max_actions_per_turn,
                         **(prompts(env_name) if prompt is None else prompt))
@@ -250,7 +258,7 @@ def schedule(step, steps):
 
 def imitate(model, tokenizer, env_name, env_kwargs=None, steps=600, batch_size=16, lr=1e-2,
             noise=0.2, seed=0, turns=5, start=0, state=None, on_step=None, template_prior=0.0,
-            pool=(), prompt=None, filler=None):
+            pool=(), prompt=None, filler=None, reason=describe):
     """Behaviour cloning: `steps` AdamW steps, each on `batch_size` fresh demonstrations (a share
     `template_prior` of their turns reasoning with a sentence of `pool`); returns the loss per
     step.
@@ -259,7 +267,8 @@ def imitate(model, tokenizer, env_name, env_kwargs=None, steps=600, batch_size=1
     third on), played ROUND batches at a time and cut into batches after sorting by length (less
     padding to compute). To continue an interrupted run, pass `start` (a multiple of ROUND) and the
     optimiser `state`; on_step(step, loss, optimizer) is called after every step. `prompt`: the
-    prompts the demonstrations are played in (demonstrations; default the tiny policy's).
+    prompts the demonstrations are played in (demonstrations; default the tiny policy's); `reason`:
+    what their reasoning says (describe; work_out for a real model reading coordinates).
     """
     pad = rollout.pad_token_id(tokenizer)
     device = next(model.parameters()).device  # the demonstrations go where the model is
@@ -275,7 +284,7 @@ def imitate(model, tokenizer, env_name, env_kwargs=None, steps=600, batch_size=1
             seeds = range(first, first + ROUND * batch_size)
             played = demonstrations(tokenizer, env_name, seeds, env_kwargs, noise, seed=first,
                                     max_turns=turns, template_prior=template_prior, pool=pool,
-                                    prompt=prompt, filler=filler)
+                                    prompt=prompt, filler=filler, reason=reason)
             played.sort(key=lambda e: len(e.ids))
             batches = [played[k:k + batch_size] for k in range(0, len(played), batch_size)]
             random.Random(first).shuffle(batches)

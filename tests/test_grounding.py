@@ -1,0 +1,110 @@
+"""Tests of warmstart/grounding.py: the exact label of a real model's reasoning -- its own input's
+way, another input's, or neither -- on hand-written replies (near misses included), on the
+demonstrations that teach the way out from the coordinates, and as the shares a run logs."""
+import types
+
+import pytest
+
+import envs
+import rollout
+import train
+from plumbing import flags
+from warmstart import demos, grounding, tiny
+
+OWN, OTHERS = (2, 1), {(1, 1), (0, -2)}
+
+
+@pytest.mark.parametrize("reasoning, label", [
+    (" From (1,0) to (3,1): 2 Down, 1 Right.", "grounded"),
+    (" From (1,0) to (3,1): 2 Down, 1 Right. Try Up.", "grounded"),      # a noisy turn's suffix
+    (" Goal: 2 Down, 1 Right.", "grounded"),                             # the bare grid's form
+    (" From (1,0) to (3,1): 1 Down, 1 Right.", "borrowed"),              # another input's way
+    (" 0 Up, 2 Left.", "borrowed"),                                      # level reads either way
+    (" 1 Down, 1 Right. Then 2 Down, 1 Right.", "borrowed"),             # the first way counts
+    (" From (1,0) to (3,1): 2 Down, 1 Left.", "ungrounded"),             # one sign off: no input's
+    (" From (1,0) to (3,1): 12 Down, 1 Right.", "ungrounded"),           # a digit too many
+    (" From (1,0) to (3,1):", "ungrounded"),                             # the cells, no way
+    (" 2 down, 1 right.", "ungrounded"),                                 # not the taught words
+    (" 2 Down 1 Right.", "ungrounded"),                                  # nor their form
+    ("", "ungrounded"),
+])
+def test_every_reasoning_is_labelled_by_the_first_way_it_states(reasoning, label):
+    assert grounding.label(reasoning, OWN, OTHERS) == label
+
+
+def test_a_level_axis_is_the_same_way_whichever_word_it_takes():
+    assert grounding.stated_way(" 0 Up, 0 Left.") == grounding.stated_way(" 0 Down, 0 Right.") == (0, 0)
+    assert grounding.label(" 0 Up, 1 Right.", (0, 1), set()) == "grounded"
+
+
+def test_an_inputs_way_is_from_its_player_to_its_goal():
+    seen = set()
+    for seed in range(40):
+        env = envs.make_env("frozenlake")
+        env.reset(seed=seed)
+        goal = next((r, c) for r, row in enumerate(env.grid) for c, ch in enumerate(row) if ch == "G")
+        way = grounding.input_way("frozenlake", {}, seed)
+        assert way == (goal[0] - env.pos[0], goal[1] - env.pos[1])
+        seen.add(way)
+    assert len(seen) > 10  # the ways differ from input to input
+    assert grounding.input_way("sokoban", {}, 0) is None  # only FrozenLake has a way to label
+
+
+def coords_demonstrations(seeds, noise):
+    """Two-turn demonstrations in a real model's prompts with the coordinates, reasoning by
+    demos.work_out (the tiny tokenizer writes any text)."""
+    return demos.demonstrations(tiny.build_tokenizer(), "frozenlake", seeds, noise=noise, max_turns=2,
+                                prompt={"user": rollout.with_coordinates("frozenlake")},
+                                reason=demos.work_out)
+
+
+def test_the_demonstrations_work_the_way_out_from_the_coordinates_and_are_grounded():
+    """What a real model with --observation coords is taught: its user turn shows the grid, then
+    the coordinates of player, goal and holes (not the way); the reasoning restates the two cells
+    and states the way between them, the own input's way even when the turn then tries a random
+    move."""
+    episodes = coords_demonstrations(range(100, 130), noise=0.5)
+    assert episodes
+    ways = {e.group: grounding.input_way("frozenlake", {}, e.seed) for e in episodes}
+    for e in episodes:
+        grid, _ = envs.make_env("frozenlake").reset(seed=e.seed)
+        assert f"State:\n{grid}\n{envs.coordinates('frozenlake', grid)}\n" in e.prompt_text
+        assert grounding.stated_way(e.prompt_text) is None  # no way is given
+        assert e.first.reasoning.startswith(" From (")
+    assert grounding.shares(episodes, ways)["grounded_share"] == 1.0
+    assert sum("Try" in e.first.reasoning for e in episodes) > 5  # noisy turns among them
+
+
+def test_the_shares_a_real_models_run_logs_are_exact():
+    """train.labels on a real model's FrozenLake episodes: reasonings that state their own way,
+    another group's, or neither give exact shares, and no template_share (which means nothing
+    without a template prior); the tiny policy logs its template share instead."""
+    seeds = [3, 5]
+    ways = [grounding.input_way("frozenlake", {}, s) for s in seeds]
+    assert ways[0] != ways[1]
+
+    def say(way):
+        rows, cols = way
+        return f"{abs(rows)} {'Up' if rows < 0 else 'Down'}, {abs(cols)} {'Left' if cols < 0 else 'Right'}."
+
+    texts = [[say(ways[0]), say(ways[1]), "Go.", say(ways[0])],  # group 0: own, other, neither, own
+             [say(ways[1]), "Go.", "Go.", "Go."]]                # group 1: own, neither x 3
+    tokenizer = tiny.build_tokenizer()
+    end = rollout.end_of_turn_ids(tokenizer)[0]
+    count = iter(range(8))
+
+    def writer(prompt_ids, env_list):
+        return [rollout.Generation(tokenizer.encode(f" {texts[i // 4][i % 4]} </think> <answer> Up </answer>",
+                                                    add_special_tokens=False) + [end])
+                for i in (next(count) for _ in env_list)]
+
+    episodes = rollout.play(writer, tokenizer, "frozenlake", seeds, 4, max_turns=1,
+                            user=rollout.with_coordinates("frozenlake"))
+    real = types.SimpleNamespace(args=flags.Args(env="frozenlake", model="smollm2"), prompt={})
+    assert train.labels(real, episodes, episodes) == {
+        "grounded_share": 3 / 8, "borrowed_share": 1 / 8, "ungrounded_share": 4 / 8}
+    assert train.labels(real, episodes[:4], episodes) == {  # the other group still counts
+        "grounded_share": 2 / 4, "borrowed_share": 1 / 4, "ungrounded_share": 1 / 4}
+    tiny_run = types.SimpleNamespace(args=flags.Args(env="frozenlake", model="tiny"),
+                                     prompt=tiny.prompts("frozenlake"))
+    assert set(train.labels(tiny_run, episodes, episodes)) == {"template_share"}
