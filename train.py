@@ -209,7 +209,7 @@ def probe(run):
         episodes = collect_rollouts(run, seeds, a.probe_samples, max_turns=1)
     with run.ctx:
         out = mi.probe(run.policy, [e.first for e in episodes], a.probe_samples, **scoring(run))
-    out.update(labels(run, episodes, episodes))
+    out.update(labels(run, episodes, episodes), **reasonings(run, episodes))
     return {"probe_" + k: v for k, v in out.items() if not k.endswith("upper_bound")}
 
 
@@ -232,6 +232,12 @@ def labels(run, episodes, inputs):
     seeds = {e.group: e.seed for e in inputs}
     ways = {g: grounding.input_way(a.env, runs.env_kwargs(a), seed) for g, seed in seeds.items()}
     return grounding.shares(episodes, ways) if a.env == "frozenlake" else {}
+
+
+def reasonings(run, episodes):
+    """A real model's first reasonings as text, to read what its reasoning says over a run (the
+    tiny policy's are known from its demonstrations: not logged)."""
+    return {} if "system" in run.prompt else {"reasonings": [e.first.reasoning for e in episodes]}
 
 
 def decompose_gradients(run, episodes, rewards):
