@@ -160,27 +160,30 @@ def check_fits(a, policy, tokenizer, prompt):
 
 def check_lora_targets(a, policy=None):
     """--lora-targets names modules of the policy that LoRA can adapt (peft matches a name to the
-    end of a module's); `policy` None: a Hugging Face model, its layers built without weights."""
-    if not a.lora or a.lora_targets == "all-linear":
+    end of a module's), and --lora is a rank they can use (models.check_lora_rank); `policy`
+    None: a Hugging Face model on this machine, its layers built without weights."""
+    if not a.lora:
         return
     if policy is None:
         if os.path.isfile(os.path.join(a.model, "policy.json")):
             return  # a checkpoint: its adapters come with it
         try:
             from transformers import AutoConfig, AutoModelForCausalLM
+            config = AutoConfig.from_pretrained(a.model, local_files_only=True)
             with torch.device("meta"):
-                policy = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(a.model))
-        except Exception:  # a model that cannot be loaded: models.load says why
+                policy = AutoModelForCausalLM.from_config(config)
+        except Exception:  # a model that cannot be loaded (yet): models.load says why
             return
     names = [n for n, m in policy.named_modules()
              if isinstance(m, (torch.nn.Linear, torch.nn.Embedding))]
-    missing = [t for t in a.lora_targets.split(",")
-               if not any(n == t or n.endswith("." + t) for n in names)]
+    targets = [] if a.lora_targets == "all-linear" else a.lora_targets.split(",")
+    missing = [t for t in targets if not any(n == t or n.endswith("." + t) for n in names)]
     if missing:
         known = sorted({n.rsplit(".", 1)[-1] for n in names})
         raise UsageError(f"--lora-targets {a.lora_targets}: the policy has no layer named "
                          f"{', '.join(missing)}; its layers: {', '.join(known[:8])} (or "
                          f"all-linear)")
+    models.check_lora_rank(policy, a)
 
 
 # ------------------------------------------------------------------------------------------ the run

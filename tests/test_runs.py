@@ -140,8 +140,15 @@ def test_help_is_one_line_per_flag_with_its_default(capsys):
     (["--temperature", "1e-30"], "use --temperature 0.001 or more"),
     (["--val-temperature", "1e-30"], "use --val-temperature 0.001 or more (or 0: greedy)"),
     (["--lora", "4", "--lora-targets", "nosuchlayer"], "no layer named nosuchlayer; its layers: down_proj"),
-    (["--env", "frozenlake", "--lake-size", "3000"], "--room-size and --lake-size must be <= 128"),
-    (["--room-size", "100000"], "--room-size and --lake-size must be <= 128"),
+    (["--env", "frozenlake", "--lake-size", "3000"], "--lake-size must be <= 128, got 3000 ("),
+    (["--room-size", "100000"], "--room-size must be <= 128, got 100000 ("),
+    # a number that is not finite, an empty name, a LoRA rank above every layer's: named
+    (["--lr", "nan"], "--lr nan: a number must be finite"),
+    (["--top-p", "inf"], "--top-p inf: a number must be finite"),
+    (["--resume", ""], "--resume '': an empty name names nothing"),
+    (["--out", ""], "--out '': an empty name names nothing"),
+    (["--lora", "100000"], "--lora 100000: no layer it adapts has a rank above 64"),
+    (["--lora", "65", "--lora-targets", "q_proj"], "use --lora 64 or less"),
     (["--optimizer-steps", "1000000"], "--optimizer-steps must be in 0..128"),
 ])
 def test_bad_arguments_print_one_line_exit_2_and_leave_nothing(tmp_path, argv, words, capsys, monkeypatch):
@@ -465,6 +472,10 @@ def test_a_finished_run_with_an_emptied_log_gets_it_back(tmp_path, capsys):
     (lambda d: open(os.path.join(d, "checkpoint", "trainer_state.pt"), "wb").write(os.urandom(4096)), "damaged"),
     (lambda d: open(os.path.join(d, "checkpoint", "policy.json"), "w").write("garbage"), "policy.json is damaged"),
     (lambda d: open(os.path.join(d, "checkpoint", "policy.json"), "w").write("[]"), "policy.json is damaged"),
+    (lambda d: json.dump({**json.load(open(os.path.join(d, "config.json"))), "loss_type": "dapo"},
+                         open(os.path.join(d, "config.json.x"), "w")) or os.replace(
+        os.path.join(d, "config.json.x"), os.path.join(d, "config.json")),
+     "config.json has 'loss_type', which is no setting of train.py"),
 ])
 def test_a_damaged_run_folder_is_one_line(tmp_path, capsys, damage, words):
     out = str(tmp_path / "run")
