@@ -47,8 +47,9 @@ import torch
 import envs
 import rollout
 from plumbing import models, tiny
-from plumbing.checkpoints import (CheckpointError, atomic_write, checkpoint_step, last_logged_step,
-                                  recover_checkpoint, restore, restore_metrics, save_checkpoint)
+from plumbing.checkpoints import (CheckpointError, atomic_write, checkpoint_step, drop_garbage,
+                                  last_logged_step, recover_checkpoint, restore, restore_metrics,
+                                  save_checkpoint)
 from plumbing.flags import UsageError, env_kwargs, read_config
 
 TINY_THREADS = 2  # --threads for the tiny policy on a CPU, whatever the machine: results depend on it
@@ -367,10 +368,13 @@ def finished(a, ckpt):
     if a.steps < done:
         raise UsageError(f"--steps {a.steps} is below the {done} steps this run has done")
     logged = last_logged_step(os.path.join(a.out, "metrics.jsonl"))
-    if not ckpt and logged and read_config(a.out, type(a))["save_every"] == 0:
-        if logged == a.steps:
+    saved = read_config(a.out, type(a))
+    if not ckpt and logged and saved["save_every"] == 0:
+        if logged == a.steps:  # no checkpoint to continue it from, nor a copy of its log
+            drop_garbage(os.path.join(a.out, "metrics.jsonl"),
+                         list(range(0 if saved["val_every"] else 1, logged + 1)))
             print(f"{a.out} is complete ({logged} of {a.steps} steps)")
-            return True  # no checkpoint to repair its log from, nor to continue it from
+            return True
         raise UsageError(f"--resume {a.out}: its {logged} steps ran with --save-every 0, so no "
                          f"checkpoint holds their weights to continue from; start anew (another "
                          f"--out) with --save-every 1 or more")

@@ -518,15 +518,27 @@ def test_a_damaged_log_is_repaired_from_the_checkpoint_saying_so(tmp_path, capsy
 
 def test_a_run_without_checkpoints_is_complete_or_refused_never_run_again(tmp_path, capsys):
     """--save-every 0 keeps no weights to continue from: extending the run is refused, and its
-    log stays as it is."""
+    log stays as it is. Without a checkpoint's copy of the log, a line that is no record is
+    removed saying so while every step is still there once; a record damaged is refused."""
     out = str(tmp_path / "run")
+    log = os.path.join(out, "metrics.jsonl")
     assert train.main(SMALL + ["--steps", "2", "--out", out, "--mi-every", "0", "--save-every", "0"]) == 0
-    before = open(os.path.join(out, "metrics.jsonl")).read()
+    before = open(log).read()
     capsys.readouterr()
     fails(["--resume", out, "--steps", "5"], capsys, "its 2 steps ran with --save-every 0")
     assert train.main(["--resume", out]) == 0
     assert "is complete (2 of 2 steps)" in capsys.readouterr().out
-    assert open(os.path.join(out, "metrics.jsonl")).read() == before
+    assert open(log).read() == before
+    garbage_inserted(log)
+    assert train.main(["--resume", out]) == 0
+    said = capsys.readouterr().out
+    assert "metrics.jsonl is damaged (line 2 is not a metrics record): removed" in said, said
+    assert "is complete (2 of 2 steps)" in said and open(log).read() == before
+    garbage_line_2(log)  # step 1's record itself: nothing holds it
+    damaged = open(log).read()
+    fails(["--resume", out], capsys, "line 2 is not a metrics record; step 1 is missing) and no checkpoint "
+          "holds a copy of it (--save-every 0)")
+    assert open(log).read() == damaged
 
 
 def test_a_damaged_log_without_a_copy_is_refused(tmp_path, capsys):
