@@ -92,9 +92,7 @@ def diverged(e, a, done, created):
             f"from too large a --lr ({a.lr:g}), --temperature ({a.temperature:g}) or coefficient "
             f"(--entropy-coef {a.entropy_coef:g}, --kl-coef {a.kl_coef:g})")
     if not done and not getattr(a, "resume", None):
-        shutil.rmtree(a.out, ignore_errors=True)
-        if not created:  # an empty folder it was given (check_folder): empty again
-            os.makedirs(a.out)
+        unmake(a.out, created)
         gone = "removed" if created else "emptied"
         return f"{said}; no step was completed, so {a.out} is {gone}: run again with a lower --lr"
     ckpt = recover_checkpoint(a.out)
@@ -102,6 +100,22 @@ def diverged(e, a, done, created):
     again = "--resume keeps these settings, so start" if hasattr(a, "resume") else "Start"
     return (f"{said}; {a.out} keeps the log of step{'s 1-' if done > 1 else ' '}{done}{kept}. "
             f"{again} anew (another --out) with a lower --lr")
+
+
+def unmake(out, created):
+    """The folder of a new run that completed no step, as its start found it: removed when this
+    process made it, else the empty folder it was given (check_folder), empty again."""
+    shutil.rmtree(out, ignore_errors=True)
+    if not created:
+        os.makedirs(out)
+
+
+def tracker_failed(kind, e):
+    """The one line of a --report-to tracker that would not start (`e`: its exception)."""
+    first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+    what = ("; `wandb login` (or WANDB_API_KEY) lets it start, or WANDB_MODE=offline keeps the "
+            "run on disk only" if kind == "wandb" else "")
+    return f"--report-to {kind}: {kind} did not start ({first}){what}"
 
 
 def failed(e, run):
@@ -484,16 +498,19 @@ class Tracker:
         self.module = importlib.import_module(self.kind)
         folder = os.path.abspath(a.out)
         ids = {"id": hashlib.sha1(folder.encode()).hexdigest()[:16], "dir": a.out}
-        self.module.init(project="ragen2", name=os.path.basename(folder), resume="allow",
-                         config=dataclasses.asdict(a), **(ids if self.kind == "wandb" else {}))
+        try:  # wandb without an API key, for one, refuses here before any network
+            self.module.init(project="ragen2", name=os.path.basename(folder), resume="allow",
+                             config=dataclasses.asdict(a), **(ids if self.kind == "wandb" else {}))
+        except Exception as e:  # noqa: BLE001 -- whatever the tracker raises: one line
+            raise UsageError(tracker_failed(self.kind, e)) from None
 
     def log(self, record):
         numbers = scalars(record)
         if self.kind == "tensorboard":
             for k, v in numbers.items():
                 self.writer.add_scalar(k, v, record["step"])
-        else:
-            self.module.log(numbers, step=record["step"])
+        else:  # the step is wandb's and trackio's own axis (trackio renames a "step" key)
+            self.module.log({k: v for k, v in numbers.items() if k != "step"}, step=record["step"])
 
     def close(self):
         if self.kind == "tensorboard":

@@ -364,6 +364,70 @@ def test_a_tracker_that_is_not_installed_is_one_line(tmp_path, capsys, monkeypat
     assert not out.exists()
 
 
+@pytest.fixture
+def no_wandb_account(monkeypatch, tmp_path):
+    """wandb as on a machine where nobody logged in: no key in the environment or in ~/.netrc;
+    its settings, which a process reads once, read afresh before and after the test."""
+    wandb = pytest.importorskip("wandb")
+    for name in ("WANDB_API_KEY", "WANDB_MODE", "WANDB_DIR", "WANDB_CONFIG_DIR", "WANDB_CACHE_DIR"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    monkeypatch.setenv("WANDB_CONSOLE", "off")  # leaves pytest's capture of stdout alone
+    wandb.teardown()
+    yield wandb
+    wandb.teardown()
+
+
+def test_wandb_without_an_api_key_is_one_line_and_leaves_no_folder(tmp_path, capsys, no_wandb_account):
+    """Refused by wandb before any network: one line saying how to log in or stay offline; the
+    folder made for the run is gone, so the same command runs once that is done."""
+    out = tmp_path / "run"
+    argv = SMALL + ["--steps", "1", "--mi-every", "0", "--report-to", "wandb", "--out", str(out)]
+    last = fails(argv, capsys, "--report-to wandb: wandb did not start (No API key")
+    assert "WANDB_MODE=offline" in last and not out.exists()
+
+
+def test_wandb_offline_gets_every_number_and_a_resumed_run_continues_its_run(tmp_path, monkeypatch,
+                                                                             no_wandb_account):
+    """WANDB_MODE=offline: every number of each log line at its step goes to wandb.log, into
+    <out>/wandb; a resumed run continues the same wandb run (one id, the folder's)."""
+    wandb = no_wandb_account
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    sent, log = [], wandb.Run.log  # wandb.log is the run's, bound when the run starts
+    monkeypatch.setattr(wandb.Run, "log", lambda run, data, step=None, **kw: sent.append((step, dict(data)))
+                        or log(run, data, step=step, **kw))
+    out = str(tmp_path / "run")
+    argv = SMALL + ["--steps", "2", "--mi-every", "1", "--val-every", "2", "--report-to", "wandb"]
+    assert train.main(argv + ["--out", out]) == 0
+    assert train.main(["--resume", out, "--steps", "3"]) == 0
+    expected = [(r["step"], {k: v for k, v in runs.scalars(r).items() if k != "step"}) for r in records(out)]
+    assert [step for step, _ in sent] == [0, 1, 2, 3] and sent == expected
+    folders = sorted(os.listdir(os.path.join(out, "wandb")))
+    ids = {f.rsplit("-", 1)[1] for f in folders if f.startswith("offline-run-")}
+    assert len([f for f in folders if f.startswith("offline-run-")]) == 2 and len(ids) == 1, folders
+
+
+def test_trackio_gets_every_number_of_the_log_and_a_resumed_run_continues_it(tmp_path):
+    """trackio, local: its stored values are the log's, steps 0-3 over a run and its resume. In a
+    process of its own: trackio reads where it stores (TRACKIO_DIR) once, on import."""
+    pytest.importorskip("trackio")
+    out = str(tmp_path / "run")
+    argv = SMALL + ["--steps", "2", "--mi-every", "1", "--val-every", "2", "--report-to", "trackio"]
+    code = (f"import json, train, trackio; assert train.main({argv + ['--out', out]!r}) == 0; "
+            f"assert train.main(['--resume', {out!r}, '--steps', '3']) == 0; "
+            f"print(json.dumps(trackio.SQLiteStorage.get_logs('ragen2', run='run')))")
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
+                          env={**os.environ, "TRACKIO_DIR": str(tmp_path / "trackio"),
+                               "HOME": str(tmp_path), "HF_HUB_OFFLINE": "1"})
+    assert done.returncode == 0, done.stderr[-2000:]
+    stored = json.loads(done.stdout.strip().splitlines()[-1])
+    assert [s["step"] for s in stored] == [r["step"] for r in records(out)] == [0, 1, 2, 3]
+    for s, r in zip(stored, records(out)):
+        numbers = {k: v for k, v in runs.scalars(r).items() if k != "step"}
+        assert {k: s[k] for k in numbers} == pytest.approx(numbers), r["step"]
+
+
 def test_tensorboard_gets_every_number_of_the_log_at_its_step(tmp_path):
     """--report-to tensorboard: every numeric key of metrics.jsonl (nested dicts' keys joined
     with '/') at each step that logged it, read back with TensorBoard's own reader; a resumed run
