@@ -86,12 +86,6 @@ class Args(shared_flags(flags.Args, SHARED)):
     out: str = arg(None, "run folder (runs/trl-<env>-<filter>-<time>)")
 
 
-# TRL samples through vLLM's own engine, which runs on CUDA GPUs only and is not a dependency here
-VLLM_MISSING = ("--use-vllm: vLLM is not installed; it needs a CUDA GPU and pip install "
-                "trl[vllm] (vLLM pins its own torch), or leave --use-vllm out to sample with the "
-                "trainer's model")
-
-
 def parse_args(argv):
     """Args from the command line (flags.build_parser: one flag per field); bad input raises
     flags.UsageError."""
@@ -106,15 +100,22 @@ def parse_args(argv):
     if a.steps < 1 or a.group_size < 2 or a.accumulation < 1:
         raise flags.UsageError("need --steps >= 1, --group-size >= 2 (GRPO compares rollouts) "
                                "and --accumulation >= 1")
-    if a.use_vllm and importlib.util.find_spec("vllm") is None:
-        raise flags.UsageError(VLLM_MISSING)
     # train.py's checks (finite, bounded) on the flags the two share; its defaults elsewhere
     flags.check_args(flags.Args(**{k: getattr(a, k) for k in SHARED}))
     return a
 
 
+def check_vllm(a):
+    """--use-vllm on a machine without vLLM, which is no dependency here: TRL samples through
+    vLLM's own engine, and that runs on CUDA GPUs only (main checks for the GPU)."""
+    if a.use_vllm and importlib.util.find_spec("vllm") is None:
+        raise flags.UsageError("--use-vllm: vLLM is not installed; it needs a CUDA GPU and pip "
+                               "install trl[vllm] (vLLM pins its own torch), or leave --use-vllm "
+                               "out to sample with the trainer's model")
+
+
 if __name__ == "__main__":  # a bad flag is refused now, in about a second, before torch loads
-    flags.refuse_now(parse_args, sys.argv[1:])
+    flags.refuse_now(check_vllm, flags.refuse_now(parse_args, sys.argv[1:]))
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch loads OpenMP: train.py says why
 import numpy as np  # noqa: E402
@@ -593,6 +594,7 @@ def main(argv=None, make_policy=None, callbacks=()):
     warnings.filterwarnings("ignore", "`(is_)?gradient_checkpointing", FutureWarning)
     try:
         a = parse_args(sys.argv[1:] if argv is None else argv)
+        check_vllm(a)
         cuda = torch.cuda.is_available()
         a.model = a.model or ("Qwen/Qwen2.5-0.5B-Instruct" if cuda else "tiny")
         a.lr = a.lr or (1e-4 if a.model == "tiny" else 1e-6)
