@@ -14,7 +14,6 @@ batch itself (the M own (prompt + reasoning) sequences), the pass training does 
 Last line: RESULT cross_scores <speedup of cache reuse over naive re-encoding>.
 """
 
-import argparse
 import os
 import statistics
 import sys
@@ -25,6 +24,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import mi  # noqa: E402
 import ppo  # noqa: E402
+from arguments import Parser, at_least, multiple_of, parse, thread_count  # noqa: E402
 
 
 def build_word_tokenizer(vocab_size):
@@ -94,24 +94,24 @@ def median_seconds(fns, repeats):
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--threads", type=int, default=2, help="torch.set_num_threads")
-    parser.add_argument("--prompts", type=int, default=8, help="N prompts")
-    parser.add_argument("--samples", type=int, default=64, help="M reasonings (M / N per prompt)")
-    parser.add_argument("--prompt-len", type=int, default=128, help="prompt tokens")
-    parser.add_argument("--reasoning-len", type=int, default=32, help="reasoning tokens")
+    parser = Parser(description=__doc__.splitlines()[0])
+    parser.add_argument("--threads", type=thread_count, default=2, help="torch.set_num_threads")
+    parser.add_argument("--prompts", type=at_least(1), default=8, help="N prompts")
+    parser.add_argument("--samples", type=at_least(1), default=64,
+                        help="M reasonings (M / N per prompt)")
+    parser.add_argument("--prompt-len", type=at_least(1), default=128, help="prompt tokens")
+    parser.add_argument("--reasoning-len", type=at_least(1), default=32, help="reasoning tokens")
     parser.add_argument(
-        "--batch-size", type=int, default=64, help="sequences per forward pass (both methods)"
+        "--batch-size", type=at_least(1), default=64,
+        help="sequences per forward pass (both methods)"
     )
-    parser.add_argument("--hidden", type=int, default=128)
-    parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--vocab", type=int, default=512)
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--hidden", type=multiple_of(8), default=128)
+    parser.add_argument("--layers", type=at_least(1), default=4)
+    parser.add_argument("--vocab", type=at_least(3), default=512)  # words w1 .. w{vocab - 2}
+    parser.add_argument("--repeats", type=at_least(1), default=3)
     parser.add_argument("--quick", action="store_true", help="tiny sizes, 1 repeat")
-    args = parser.parse_args()
-    if args.quick:
-        args.prompts, args.samples, args.prompt_len, args.reasoning_len = 3, 6, 16, 4
-        args.hidden, args.layers, args.vocab, args.repeats, args.batch_size = 32, 1, 64, 1, 8
+    args = parse(parser, quick=dict(prompts=3, samples=6, prompt_len=16, reasoning_len=4,
+                                    hidden=32, layers=1, vocab=64, repeats=1, batch_size=8))
     torch.set_num_threads(args.threads)
     from transformers import Qwen2Config, Qwen2ForCausalLM
 

@@ -23,7 +23,6 @@ Target: time ratio within 0.1 of the kept fraction, i.e. score >= 0.9.
 Last line: RESULT filter <1 - |time ratio - kept fraction|>.
 """
 
-import argparse
 import os
 import sys
 
@@ -36,6 +35,7 @@ import train  # noqa: E402
 from warmstart import tiny  # noqa: E402
 from bench_cross_scores import median_seconds  # noqa: E402
 from bench_step import make_run  # noqa: E402
+from arguments import Parser, at_least, multiple_of, parse, thread_count  # noqa: E402
 
 
 def synthetic_rewards(groups, group_size, generator):
@@ -85,29 +85,23 @@ def synthetic_episodes(rewards, turns, template_len, response_len, vocab, genera
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--threads", type=int, default=2, help="torch.set_num_threads")
-    parser.add_argument("--groups", type=int, default=16)
-    parser.add_argument("--group-size", type=int, default=8)
+    parser = Parser(description=__doc__.splitlines()[0])
+    parser.add_argument("--threads", type=thread_count, default=2, help="torch.set_num_threads")
+    parser.add_argument("--groups", type=at_least(2), default=16)
+    parser.add_argument("--group-size", type=at_least(2), default=8)
     parser.add_argument("--algo", default="grpo", choices=("ppo", "grpo", "drgrpo"))
     parser.add_argument("--top-p", type=float, default=0.9)
-    parser.add_argument("--turns", type=int, default=3)
-    parser.add_argument("--template-len", type=int, default=40, help="template tokens per turn")
-    parser.add_argument("--response-len", type=int, default=48, help="longest response per turn")
-    parser.add_argument("--hidden", type=int, default=128)
-    parser.add_argument("--layers", type=int, default=2)
-    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--turns", type=at_least(1), default=3)
+    parser.add_argument("--template-len", type=at_least(1), default=40,
+                        help="template tokens per turn")
+    parser.add_argument("--response-len", type=at_least(1), default=48,
+                        help="longest response per turn")
+    parser.add_argument("--hidden", type=multiple_of(8), default=128)
+    parser.add_argument("--layers", type=at_least(1), default=2)
+    parser.add_argument("--repeats", type=at_least(1), default=7)
     parser.add_argument("--quick", action="store_true", help="tiny sizes, 1 repeat")
-    args = parser.parse_args()
-    if args.quick:
-        args.groups, args.group_size, args.turns, args.template_len, args.response_len = (
-            4,
-            2,
-            1,
-            4,
-            4,
-        )
-        args.hidden, args.layers, args.repeats = 32, 1, 1
+    args = parse(parser, quick=dict(groups=4, group_size=2, turns=1, template_len=4,
+                                    response_len=4, hidden=32, layers=1, repeats=1))
     torch.set_num_threads(args.threads)
 
     tokenizer = tiny.build_tokenizer()

@@ -19,7 +19,6 @@ has really fit in that budget.
 Each row prints one JSON object; the script ends with RESULT gpu <rows that fit / rows run>.
 """
 
-import argparse
 import json
 import os
 import subprocess
@@ -30,6 +29,8 @@ import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # its siblings, however loaded
+from arguments import Parser, at_least, thread_count  # noqa: E402
 # Qwen2.5 base and -Instruct: hidden, intermediate, layers, attention heads, key-value heads
 SHAPES = {
     "0.5b": (896, 4864, 24, 14, 2),
@@ -181,21 +182,21 @@ def one_row(args):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = Parser(description=__doc__.splitlines()[0])
     parser.add_argument("--size", default="0.5b", choices=tuple(SHAPES))
     parser.add_argument("--algo", default="ppo", choices=("ppo", "grpo"))
-    parser.add_argument("--lora", type=int, default=0)
-    parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--lora", type=at_least(0), default=0)
+    parser.add_argument("--max-new-tokens", type=at_least(1), default=128)
     parser.add_argument(
         "--budget-gb", type=float, default=0, help="allocate at most this much (0 = the GPU's)"
     )
-    parser.add_argument("--micro-batch", type=int, default=0)
+    parser.add_argument("--micro-batch", type=at_least(0), default=0)
     parser.add_argument("--grad-checkpointing", action="store_true")
     parser.add_argument("--out", default="/tmp/bench_gpu")
     parser.add_argument(
         "--all", action="store_true", help="every size x algorithm x (full, LoRA 16)"
     )
-    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--threads", type=thread_count, default=2)
     parser.add_argument(
         "--quick", action="store_true", help="a tiny model, small sizes: the script runs"
     )

@@ -31,6 +31,8 @@ import subprocess
 import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)  # as when run as a script: its siblings import
+from arguments import Parser, at_least, parse, thread_count  # noqa: E402
 # (path, micro-batch, tokens per transcript); the plain path at 1024 tokens needs more than 24 GiB
 CONFIGS = (("plain", 2, 512), ("this code", 2, 512), ("this code", 2, 1024), ("this code", 8, 1024))
 
@@ -41,6 +43,15 @@ def kib(field):
         if line.startswith(field + ":"):
             return int(line.split()[1])
     raise RuntimeError(f"{field} not in /proc/self/status")
+
+
+def even_batch(text):
+    """An argparse type: the update's transcripts, two groups of at least 2 (a group of one has no
+    reward spread for the filter to rank)."""
+    value = at_least(4)(text)
+    if value % 2:
+        raise argparse.ArgumentTypeError(f"must be even (two groups), got {value}")
+    return value
 
 
 def child(args, path, micro_batch):
@@ -98,21 +109,24 @@ def measure(args, path, micro_batch, seq_len):
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--threads", type=int, default=2, help="torch.set_num_threads")
-    parser.add_argument("--batch", type=int, default=16, help="transcripts in the update")
-    parser.add_argument("--seq-len", type=int, default=1024, help="longest transcript, in tokens")
-    parser.add_argument("--vocab", type=int, default=151_936, help="vocabulary size (Qwen's)")
+    parser = Parser(description=__doc__.splitlines()[0])
+    parser.add_argument("--threads", type=thread_count, default=2, help="torch.set_num_threads")
+    parser.add_argument("--batch", type=even_batch, default=16,
+                        help="transcripts in the update: two groups, an even number >= 4")
+    parser.add_argument("--seq-len", type=at_least(2), default=1024,
+                        help="longest transcript, in tokens")
+    # the transcripts' token ids go up to 500
+    parser.add_argument("--vocab", type=at_least(512), default=151_936,
+                        help="vocabulary size (Qwen's)")
     parser.add_argument("--quick", action="store_true", help="small sizes")
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
-    args = parser.parse_args()
+    # --quick: the two paths once, small: proves the script runs
+    args = parse(parser, quick=dict(batch=4, seq_len=100, vocab=4096))
     if args.child:
         import torch
         torch.set_num_threads(args.threads)
         return child(args, *json.loads(args.child))
-    configs = CONFIGS
-    if args.quick:  # the two paths once, small: proves the script runs
-        args.batch, args.seq_len, args.vocab, configs = 4, 100, 4096, CONFIGS[:2]
+    configs = CONFIGS[:2] if args.quick else CONFIGS
     results = {config: measure(args, *config) for config in configs}
     base = next(iter(results.values()))["before_mib"]
     print(f"Qwen2 64 wide, 2 layers, vocabulary {args.vocab:,}; PPO update of {args.batch} "

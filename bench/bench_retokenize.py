@@ -16,7 +16,6 @@ not float32's rounding (which grows with the reply's length and the model's dept
 RESULT: the share of reasonings that do not come back at the highest temperature (a measurement,
 not a speed: higher means re-tokenising mis-scores more samples).
 """
-import argparse
 import os
 import sys
 
@@ -24,6 +23,8 @@ import numpy as np
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # its siblings, however loaded
+from arguments import Parser, thread_count  # noqa: E402
 import rollout  # noqa: E402
 import train  # noqa: E402
 from plumbing import defaults, runs  # noqa: E402
@@ -57,9 +58,9 @@ def measure(world, temperature, groups, group_size, warm_start, threads, seed=0,
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = Parser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="a random tiny policy, small sizes")
-    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--threads", type=thread_count, default=2)
     parser.add_argument("--model", default="tiny", choices=("tiny", "smollm2"),
                         help="smollm2: the pretrained SmolLM2 (no warm start), 4 x 8 rollouts of "
                              "at most 64 tokens")

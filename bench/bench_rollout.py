@@ -24,17 +24,18 @@ autocast.
 Last line: RESULT rollout <loop tokens/s / plain generate tokens/s> (target >= 0.8).
 """
 
-import argparse
 import os
 import sys
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import envs  # noqa: E402
 import rollout  # noqa: E402
 from plumbing import sampler  # noqa: E402
 from warmstart import demos, tiny  # noqa: E402
 from bench_cross_scores import median_seconds  # noqa: E402
+from arguments import Parser, at_least, multiple_of, parse, thread_count  # noqa: E402
 
 
 def recording(policy, calls):
@@ -84,24 +85,24 @@ def plain_in(ctx, *args):
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--threads", type=int, default=2, help="torch.set_num_threads")
-    parser.add_argument("--env", default="sokoban")
-    parser.add_argument("--groups", type=int, default=4)
-    parser.add_argument("--group-size", type=int, default=8)
-    parser.add_argument("--turns", type=int, default=5)
-    parser.add_argument("--max-new-tokens", type=int, default=48, help="token limit per turn")
-    parser.add_argument("--hidden", type=int, default=128)
-    parser.add_argument("--layers", type=int, default=2)
-    parser.add_argument("--repeats", type=int, default=5)
+    parser = Parser(description=__doc__.splitlines()[0])
+    parser.add_argument("--threads", type=thread_count, default=2, help="torch.set_num_threads")
+    parser.add_argument("--env", default="sokoban", choices=tuple(envs.ENVS))
+    parser.add_argument("--groups", type=at_least(1), default=4)
+    parser.add_argument("--group-size", type=at_least(1), default=8)
+    parser.add_argument("--turns", type=at_least(1), default=5)
+    parser.add_argument("--max-new-tokens", type=at_least(1), default=48,
+                        help="token limit per turn")
+    parser.add_argument("--hidden", type=multiple_of(8), default=128)
+    parser.add_argument("--layers", type=at_least(1), default=2)
+    parser.add_argument("--repeats", type=at_least(1), default=5)
     parser.add_argument(
-        "--qwen", default=None, help="Qwen2.5 shapes instead of the tiny model (0.5b, 1.5b, 3b)"
+        "--qwen", default=None, choices=("0.5b", "1.5b", "3b"),
+        help="Qwen2.5 shapes instead of the tiny model"
     )
     parser.add_argument("--quick", action="store_true", help="tiny sizes, 1 repeat")
-    args = parser.parse_args()
-    if args.quick:
-        args.groups, args.group_size, args.turns, args.max_new_tokens = 1, 2, 2, 4
-        args.hidden, args.layers, args.repeats = 32, 1, 1
+    args = parse(parser, quick=dict(groups=1, group_size=2, turns=2, max_new_tokens=4, hidden=32,
+                                    layers=1, repeats=1))
     torch.set_num_threads(args.threads)
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")

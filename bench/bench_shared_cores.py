@@ -25,6 +25,9 @@ import statistics
 import subprocess
 import sys
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # its siblings, however loaded
+from arguments import Parser, at_least, parse, thread_count  # noqa: E402
+
 POLICIES = {"default (spin)": None, "passive": "PASSIVE"}
 
 
@@ -76,18 +79,19 @@ def measure(policy, threads, passes):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--threads", type=int, default=2, help="torch threads of the workload")
-    parser.add_argument("--passes", type=int, default=40, help="forward/backward passes timed")
-    parser.add_argument("--repeats", type=int, default=3, help="rounds the four cases take turns")
+    parser = Parser(description=__doc__.splitlines()[0])
+    parser.add_argument("--threads", type=thread_count, default=2,
+                        help="torch threads of the workload")
+    parser.add_argument("--passes", type=at_least(1), default=40,
+                        help="forward/backward passes timed")
+    parser.add_argument("--repeats", type=at_least(1), default=3,
+                        help="rounds the four cases take turns")
     parser.add_argument("--quick", action="store_true", help="2 passes, 1 round")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    a = parser.parse_args(sys.argv[1:] if argv is None else argv)
+    a = parse(parser, sys.argv[1:] if argv is None else argv, quick=dict(passes=2, repeats=1))
     if a.worker:
         print(json.dumps(workload(a.threads, a.passes)))
         return 0
-    if a.quick:
-        a.passes, a.repeats = 2, 1
     times = {(name, busy): [] for name in POLICIES for busy in (False, True)}
     for _ in range(a.repeats):  # the policies take turns: a change in the machine's load hits both
         for name, policy in POLICIES.items():

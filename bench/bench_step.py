@@ -26,7 +26,6 @@ With --model smollm2 the sizes are small enough for 2 CPU cores, and --filter no
 Last line: RESULT step <plain step seconds / this code's step seconds> (higher is better).
 """
 
-import argparse
 import contextlib
 import copy
 import dataclasses
@@ -42,13 +41,15 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import envs  # noqa: E402
 import logprobs  # noqa: E402
 import ppo  # noqa: E402
 import rollout  # noqa: E402
 import snr_filter  # noqa: E402
 import train  # noqa: E402
 from plumbing import defaults, models, runs, sampler  # noqa: E402
-from plumbing.flags import parse_args  # noqa: E402
+from plumbing.flags import UsageError, parse_args  # noqa: E402
+from arguments import Parser, at_least, parse, refuse, thread_count  # noqa: E402
 
 
 def plain_policy(model, tokenizer, max_new_tokens, temperature=1.0, top_p=1.0):
@@ -127,15 +128,17 @@ def plain_pieces(batch, rows, size, agg="token-mean"):
 
 def make_run(flags, model=None, tokenizer=None):
     """A runs.Run from train.py flags (no run folder is created); with `model` and `tokenizer`
-    given, the run uses them instead of loading --model."""
-    a = parse_args(train.Args, flags + ["--out", "/dev/null/unused"])
-    runs.resolve_defaults(a, torch.device("cpu"))
-    if model is None:
-        return runs.load_run(a, torch.device("cpu"), a.model)
+    given, the run uses them instead of loading --model. Settings train.py refuses, and a model
+    that cannot load, are one line and exit code 2."""
     load_policy = models.load_policy
-    models.load_policy = lambda *args: (model, tokenizer, {})
+    if model is not None:
+        models.load_policy = lambda *args: (model, tokenizer, {})
     try:
+        a = parse_args(train.Args, flags + ["--out", "/dev/null/unused"])
+        runs.resolve_defaults(a, torch.device("cpu"))
         return runs.load_run(a, torch.device("cpu"), a.model)
+    except (UsageError, models.ModelError) as e:
+        refuse(e)
     finally:
         models.load_policy = load_policy
 
@@ -182,19 +185,21 @@ def timed_update(run, start, episodes, rewards):
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--threads", type=int, default=2, help="torch.set_num_threads")
+    parser = Parser(description=__doc__.splitlines()[0])
+    parser.add_argument("--threads", type=thread_count, default=2, help="torch.set_num_threads")
     parser.add_argument("--model", default="tiny", choices=("tiny", "smollm2"))
-    parser.add_argument("--env", default=None, help="the world (tiny: sokoban; smollm2: frozenlake)")
-    parser.add_argument("--repeats", type=int, default=None, help="tiny: 3; smollm2: 1 (5 minutes each)")
+    parser.add_argument("--env", default=None, choices=tuple(envs.ENVS),
+                        help="the world (tiny: sokoban; smollm2: frozenlake)")
+    parser.add_argument("--repeats", type=at_least(1), default=None,
+                        help="tiny: 3; smollm2: 1 (5 minutes each)")
     parser.add_argument(
         "--quick", action="store_true", help="a random policy, small sizes, 1 repeat"
     )
-    args = parser.parse_args()
+    args = parse(parser)
     args.env = args.env or ("sokoban" if args.model == "tiny" else "frozenlake")
     flags = ["--env", args.env, "--model", args.model, "--threads", str(args.threads)]
     run = make_run(flags + SIZES["quick" if args.quick else args.model])
-    args.repeats = 1 if args.quick else args.repeats or (3 if args.model == "tiny" else 1)
+    args.repeats = args.repeats or (1 if args.quick else 3 if args.model == "tiny" else 1)
     a = run.args
     PAD[0] = run.pad_id
     start = copy.deepcopy(

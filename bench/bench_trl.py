@@ -19,7 +19,6 @@ model (--warm-start) measures the filtered step instead.
 
 Last line: RESULT trl <TRL step seconds / train.py step seconds> (above 1: train.py is faster).
 """
-import argparse
 import json
 import os
 import statistics
@@ -28,6 +27,8 @@ import sys
 import tempfile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # its siblings, however loaded
+from arguments import Parser, at_least, parse, thread_count  # noqa: E402
 
 
 def step_seconds(script, flags, out, threads):
@@ -52,20 +53,22 @@ def step_seconds(script, flags, out, threads):
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--threads", type=int, default=2, help="torch threads of each side")
-    parser.add_argument("--groups", type=int, default=4, help="G prompt groups per step")
-    parser.add_argument("--group-size", type=int, default=4, help="K episodes per group")
-    parser.add_argument("--max-turns", type=int, default=2)
-    parser.add_argument("--max-new-tokens", type=int, default=16, help="per turn")
-    parser.add_argument("--steps", type=int, default=4, help="timed steps, after a warm-up step")
-    parser.add_argument("--rounds", type=int, default=2, help="rounds the sides take turns in")
+    parser = Parser(description=__doc__.splitlines()[0])
+    parser.add_argument("--threads", type=thread_count, default=2,
+                        help="torch threads of each side")
+    parser.add_argument("--groups", type=at_least(2), default=4, help="G prompt groups per step")
+    parser.add_argument("--group-size", type=at_least(2), default=4, help="K episodes per group")
+    parser.add_argument("--max-turns", type=at_least(1), default=2)
+    parser.add_argument("--max-new-tokens", type=at_least(1), default=16, help="per turn")
+    parser.add_argument("--steps", type=at_least(1), default=4,
+                        help="timed steps, after a warm-up step")
+    parser.add_argument("--rounds", type=at_least(1), default=2,
+                        help="rounds the sides take turns in")
     parser.add_argument("--filter", default="none", choices=("none", "topp", "topk"))
     parser.add_argument("--warm-start", action="store_true", help="the warm-started tiny policy")
     parser.add_argument("--quick", action="store_true", help="tiny sizes, 1 timed step")
-    a = parser.parse_args()
-    if a.quick:
-        a.groups, a.group_size, a.max_turns, a.max_new_tokens, a.steps, a.rounds = 2, 2, 1, 4, 1, 1
+    a = parse(parser, quick=dict(groups=2, group_size=2, max_turns=1, max_new_tokens=4, steps=1,
+                                 rounds=1))
     shared = ["--env", "sokoban", "--model", "tiny", "--filter", a.filter,
               "--groups", str(a.groups), "--group-size", str(a.group_size),
               "--max-turns", str(a.max_turns), "--max-new-tokens", str(a.max_new_tokens),

@@ -36,12 +36,26 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import envs  # noqa: E402
 import ppo  # noqa: E402
 import train  # noqa: E402
-from plumbing import defaults, runs  # noqa: E402
+from plumbing import defaults, models, runs  # noqa: E402
+from plumbing.flags import UsageError  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # its siblings, however loaded
+from arguments import Parser, at_least, parse, refuse, thread_count  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 OUT = os.path.join(ROOT, "results", "zero-shot")
 WORLDS = ("frozenlake", "sokoban", "bandit")
 GROUPS, GROUP_SIZE = 8, 8  # the in-batch diagnosis: 64 first turns cross-scored over 8 prompts
+
+
+def worlds(text):
+    """An argparse type: comma-separated worlds of envs.py."""
+    names = text.split(",")
+    unknown = [n for n in names if n not in envs.ENVS]
+    if unknown:
+        raise argparse.ArgumentTypeError(f"no world {unknown[0]!r}; the worlds: "
+                                         f"{', '.join(envs.ENVS)}")
+    return names
 
 
 def measure(model, world, val_seeds, groups, group_size, probe, max_new_tokens, threads, seed=0,
@@ -140,21 +154,25 @@ def table(folder=OUT):
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = Parser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="smollm2")
-    parser.add_argument("--worlds", default=",".join(WORLDS))
-    parser.add_argument("--max-new-tokens", type=int, default=64)
-    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--worlds", type=worlds, default=",".join(WORLDS),
+                        help=f"comma-separated, of {', '.join(envs.ENVS)}")
+    parser.add_argument("--max-new-tokens", type=at_least(1), default=64)
+    parser.add_argument("--threads", type=thread_count, default=2)
     parser.add_argument("--warm-start", action="store_true",
                         help="the model after its warm start (train.py's), not as pretrained")
     parser.add_argument("--quick", action="store_true", help="small sizes; writes nothing")
     parser.add_argument("--report", action="store_true", help="only the table, from the archives")
-    args = parser.parse_args()
+    args = parse(parser, quick=dict(max_new_tokens=8))
     if not args.report:
-        for world in args.worlds.split(","):
-            sizes = (4, 2, 2, 2, 8) if args.quick else (64, GROUPS, GROUP_SIZE, 8,
-                                                          args.max_new_tokens)
-            row = measure(args.model, world, *sizes, args.threads, warm_start=args.warm_start)
+        for world in args.worlds:
+            sizes = (4, 2, 2, 2) if args.quick else (64, GROUPS, GROUP_SIZE, 8)
+            try:
+                row = measure(args.model, world, *sizes, args.max_new_tokens, args.threads,
+                              warm_start=args.warm_start)
+            except (models.ModelError, UsageError) as e:  # e.g. a model not on this machine
+                refuse(e)
             print(json.dumps({k: v for k, v in row.items() if k != "examples"}))
             if not args.quick:
                 os.makedirs(OUT, exist_ok=True)

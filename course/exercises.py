@@ -441,6 +441,15 @@ def hidden_folder(hidden):
     return os.path.abspath(hidden)
 
 
+def graded_tree(root=ROOT):
+    """The first line of check: which tree it grades. In the repository, the solution passes every
+    exercise; a student who runs check there reads a full score that is not theirs."""
+    if os.path.isfile(os.path.join(root, ASSIGNMENT)):
+        return f"grading the student copy in {root}"
+    return (f"grading the reference solution in {root}, not a student copy (a copy holds "
+            f"{ASSIGNMENT}; run check inside it)")
+
+
 def check(names=(), hidden=None, runs=None, json_path=None, timeout=TIMEOUT, root=ROOT):
     """Grade the chosen exercises, each in a process of its own; returns the exit code (0: all
     passed)."""
@@ -459,6 +468,7 @@ def check(names=(), hidden=None, runs=None, json_path=None, timeout=TIMEOUT, roo
     for module in PRELOAD:
         with contextlib.suppress(ImportError):
             importlib.import_module(module)
+    print(graded_tree(root), flush=True)
     rows, score, best = [], 0, 0
     for name in names:
         points = EXERCISES[name][0]

@@ -141,6 +141,28 @@ def restore_metrics(path, ckpt):
     atomic_write(path, "".join(kept))
 
 
+def drop_garbage(path, expected):
+    """The log of a run that no checkpoint holds a copy of (--save-every 0) cleared of lines that
+    are no record, saying so, when its records are still exactly the steps `expected`, in order:
+    then those lines were added to it, and the run's own lines are all there. Otherwise (a record
+    damaged, a step missing or twice) a CheckpointError: nothing holds what to restore."""
+    with open(path) as f:
+        lines = f.readlines()
+    garbage = [i + 1 for i, line in enumerate(lines) if _step_of(line) == float("inf")]
+    kept = [line for line in lines if _step_of(line) != float("inf")]
+    if [_step_of(line) for line in kept] != list(expected):
+        problems = log_damage(lines, max(expected, default=0)) or [
+            f"its steps are not {expected[0]} to {expected[-1]} in order"]
+        raise CheckpointError(f"{path} is damaged ({'; '.join(problems)}) and no checkpoint holds "
+                              f"a copy of it (--save-every 0): repair the file")
+    if garbage:
+        which = (f"line {garbage[0]} is not a metrics record" if len(garbage) == 1 else
+                 f"{len(garbage)} lines are not metrics records, the first line {garbage[0]}")
+        print(f"{path} is damaged ({which}): removed; its records of steps {expected[0]} to "
+              f"{expected[-1]} are kept as they are")
+        atomic_write(path, "".join(kept))
+
+
 def log_damage(lines, step):
     """What keeps a log from holding every step 1..step once: lines that are no record (a kill's
     half-written last line, after the kept steps, is not damage), missing or repeated steps."""

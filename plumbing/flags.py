@@ -198,7 +198,8 @@ def parse_args(Args, argv):
     given now."""
     args = Args(**vars(build_parser(Args).parse_args(argv)))
     given = vars(build_parser(Args, defaults=False).parse_args(argv))
-    if args.resume:
+    check_named(given)
+    if args.resume is not None:
         saved = read_config(args.resume, Args)
         if given.get("out") not in (None, args.resume):
             raise UsageError(f"--out {given['out']}: a resumed run stays in its folder "
@@ -216,6 +217,16 @@ def parse_args(Args, argv):
     check_ignored(args, given)
     check_args(args)
     return args
+
+
+def check_named(given):
+    """A flag that names something (a folder, a model, layers) given an empty name: one line,
+    not the default it would fall back to (`--resume ""` is no run to continue, `--out ""` no
+    folder)."""
+    for k, v in given.items():
+        if isinstance(v, str) and not v.strip():
+            raise UsageError(f"--{k.replace('_', '-')} {v!r}: an empty name names nothing; give "
+                             f"one, or leave the flag out")
 
 
 def check_ignored(a, given):
@@ -252,8 +263,13 @@ def read_config(folder, Args):
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
         raise UsageError(f"--resume {folder}: config.json is damaged ({e})") from None
     fields = {f.name: f for f in dataclasses.fields(Args)}
-    if not isinstance(saved, dict) or set(saved) - set(fields):
+    if not isinstance(saved, dict):
         raise UsageError(f"--resume {folder}: config.json is not a run's config")
+    unknown = sorted(set(saved) - set(fields))
+    if unknown:
+        raise UsageError(f"--resume {folder}: config.json has {unknown[0]!r}, which is no setting "
+                         f"of train.py (a scaleout.trl_ragen run, or another version's), so it "
+                         f"is not a run train.py can continue")
     for k, v in saved.items():
         kind = fields[k].type
         number = isinstance(v, (int, float)) and not isinstance(v, bool)
@@ -271,8 +287,9 @@ def check_args(a):
         if not ok:
             raise UsageError(message)
 
-    numbers = [v for v in dataclasses.asdict(a).values() if isinstance(v, float)]
-    need(all(math.isfinite(v) for v in numbers), "every number must be finite (no nan / inf)")
+    for name, value in dataclasses.asdict(a).items():
+        need(not isinstance(value, float) or math.isfinite(value),
+             f"--{name.replace('_', '-')} {value}: a number must be finite (not nan or inf)")
     need(0 <= a.seed <= 2 ** 32 - 1, f"--seed must be in 0..2**32-1, got {a.seed}")
     need(0 <= a.steps <= MAX_STEPS, f"--steps must be in 0..{MAX_STEPS:,}, got {a.steps} (at least "
          f"a second a step: {MAX_STEPS:,} steps take four months)")
@@ -352,9 +369,10 @@ def check_args(a):
                            and (prior > 0) == (a.template_prior > 0)),
          "--kl-template-prior must be in [0, 1], with --model tiny, no --lora, and > 0 "
          "exactly when --template-prior is (the two warm starts must share a vocabulary)")
-    need(a.room_size <= MAX_MAP and a.lake_size <= MAX_MAP,
-         f"--room-size and --lake-size must be <= {MAX_MAP}, got {a.room_size}, {a.lake_size} (a "
-         f"larger map is a prompt of more than {MAX_MAP ** 2:,} cells a turn)")
+    for name in ("room_size", "lake_size"):
+        value = getattr(a, name)
+        need(value <= MAX_MAP, f"--{name.replace('_', '-')} must be <= {MAX_MAP}, got {value} (a "
+             f"larger map is a prompt of more than {MAX_MAP ** 2:,} cells a turn)")
     try:
         envs.make_env(a.env, **env_kwargs(a)).reset(seed=0)
     except ValueError as e:

@@ -212,10 +212,14 @@ def overlay_folder(run_dirs):
     return os.path.join(os.path.dirname(os.path.normpath(run_dirs[0])), name)
 
 
+class Parser(argparse.ArgumentParser):
+    def error(self, message):  # argparse would print the usage too; one line is enough
+        print(f"error: {message}", file=sys.stderr)
+        sys.exit(2)
+
+
 def main(argv=None):
-    parser = argparse.ArgumentParser(
-        description="Plot the paper's training curves from run folders."
-    )
+    parser = Parser(description="Plot the paper's training curves from run folders.")
     parser.add_argument("runs", nargs="+", help="run folders holding metrics.jsonl")
     parser.add_argument(
         "--out", default=None, help="folder for the PNGs (default: the run folder for one run; "
@@ -233,9 +237,32 @@ def main(argv=None):
               f"restores a run's log from its checkpoint)", file=sys.stderr)
         return 2
     out = args.out or (args.runs[0] if len(args.runs) == 1 else overlay_folder(args.runs))
-    for path in plot_runs(args.runs, out):
+    refused = refuse_out(out, args.runs)
+    if refused:
+        print(f"error: --out {out}: {refused}", file=sys.stderr)
+        return 2
+    try:
+        paths = plot_runs(args.runs, out)
+    except OSError as e:
+        print(f"error: --out {out}: cannot write there ({e.strerror or e})", file=sys.stderr)
+        return 2
+    for path in paths:
         print(path)
     return 0
+
+
+def refuse_out(out, run_dirs):
+    """Why the figures of `run_dirs` may not go into `out`, or None: a file, or the folder of a
+    run other than the one drawn (an overlay never goes into a run's folder: it would replace
+    that run's own figures)."""
+    if os.path.exists(out) and not os.path.isdir(out):
+        return "a file is there, not a folder"
+    own = len(run_dirs) == 1 and os.path.isdir(out) and os.path.samefile(out, run_dirs[0])
+    if not own and any(os.path.isfile(os.path.join(out, f)) for f in ("metrics.jsonl",
+                                                                       "config.json")):
+        return ("the folder of a run, whose own figures these would replace; choose another "
+                "folder (or none: an overlay goes to a new one named after the runs)")
+    return None
 
 
 if __name__ == "__main__":

@@ -47,9 +47,10 @@ import torch
 import envs
 import rollout
 from plumbing import models
+from plumbing.checkpoints import (CheckpointError, atomic_write, checkpoint_step, drop_garbage,
+                                  last_logged_step, recover_checkpoint, restore, restore_metrics,
+                                  save_checkpoint)
 from warmstart import tiny
-from plumbing.checkpoints import (CheckpointError, atomic_write, checkpoint_step, last_logged_step,
-                                  recover_checkpoint, restore, restore_metrics, save_checkpoint)
 from plumbing.flags import UsageError, env_kwargs, read_config
 
 TINY_THREADS = 2  # --threads for the tiny policy on a CPU, whatever the machine: results depend on it
@@ -94,9 +95,7 @@ def diverged(e, a, done, created):
             f"from too large a --lr ({a.lr:g}), --temperature ({a.temperature:g}) or coefficient "
             f"(--entropy-coef {a.entropy_coef:g}, --kl-coef {a.kl_coef:g})")
     if not done and not getattr(a, "resume", None):
-        shutil.rmtree(a.out, ignore_errors=True)
-        if not created:  # an empty folder it was given (check_folder): empty again
-            os.makedirs(a.out)
+        unmake(a.out, created)
         gone = "removed" if created else "emptied"
         return f"{said}; no step was completed, so {a.out} is {gone}: run again with a lower --lr"
     ckpt = recover_checkpoint(a.out)
@@ -104,6 +103,22 @@ def diverged(e, a, done, created):
     again = "--resume keeps these settings, so start" if hasattr(a, "resume") else "Start"
     return (f"{said}; {a.out} keeps the log of step{'s 1-' if done > 1 else ' '}{done}{kept}. "
             f"{again} anew (another --out) with a lower --lr")
+
+
+def unmake(out, created):
+    """The folder of a new run that completed no step, as its start found it: removed when this
+    process made it, else the empty folder it was given (check_folder), empty again."""
+    shutil.rmtree(out, ignore_errors=True)
+    if not created:
+        os.makedirs(out)
+
+
+def tracker_failed(kind, e):
+    """The one line of a --report-to tracker that would not start (`e`: its exception)."""
+    first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+    what = ("; `wandb login` (or WANDB_API_KEY) lets it start, or WANDB_MODE=offline keeps the "
+            "run on disk only" if kind == "wandb" else "")
+    return f"--report-to {kind}: {kind} did not start ({first}){what}"
 
 
 def failed(e, run):
@@ -163,27 +178,30 @@ def check_fits(a, policy, tokenizer, prompt):
 
 def check_lora_targets(a, policy=None):
     """--lora-targets names modules of the policy that LoRA can adapt (peft matches a name to the
-    end of a module's); `policy` None: a Hugging Face model, its layers built without weights."""
-    if not a.lora or a.lora_targets == "all-linear":
+    end of a module's), and --lora is a rank they can use (models.check_lora_rank); `policy`
+    None: a Hugging Face model on this machine, its layers built without weights."""
+    if not a.lora:
         return
     if policy is None:
         if os.path.isfile(os.path.join(a.model, "policy.json")):
             return  # a checkpoint: its adapters come with it
         try:
             from transformers import AutoConfig, AutoModelForCausalLM
+            config = AutoConfig.from_pretrained(a.model, local_files_only=True)
             with torch.device("meta"):
-                policy = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(a.model))
-        except Exception:  # a model that cannot be loaded: models.load says why
+                policy = AutoModelForCausalLM.from_config(config)
+        except Exception:  # a model that cannot be loaded (yet): models.load says why
             return
     names = [n for n, m in policy.named_modules()
              if isinstance(m, (torch.nn.Linear, torch.nn.Embedding))]
-    missing = [t for t in a.lora_targets.split(",")
-               if not any(n == t or n.endswith("." + t) for n in names)]
+    targets = [] if a.lora_targets == "all-linear" else a.lora_targets.split(",")
+    missing = [t for t in targets if not any(n == t or n.endswith("." + t) for n in names)]
     if missing:
         known = sorted({n.rsplit(".", 1)[-1] for n in names})
         raise UsageError(f"--lora-targets {a.lora_targets}: the policy has no layer named "
                          f"{', '.join(missing)}; its layers: {', '.join(known[:8])} (or "
                          f"all-linear)")
+    models.check_lora_rank(policy, a)
 
 
 # ------------------------------------------------------------------------------------------ the run
@@ -370,10 +388,13 @@ def finished(a, ckpt):
     if a.steps < done:
         raise UsageError(f"--steps {a.steps} is below the {done} steps this run has done")
     logged = last_logged_step(os.path.join(a.out, "metrics.jsonl"))
-    if not ckpt and logged and read_config(a.out, type(a))["save_every"] == 0:
-        if logged == a.steps:
+    saved = read_config(a.out, type(a))
+    if not ckpt and logged and saved["save_every"] == 0:
+        if logged == a.steps:  # no checkpoint to continue it from, nor a copy of its log
+            drop_garbage(os.path.join(a.out, "metrics.jsonl"),
+                         list(range(0 if saved["val_every"] else 1, logged + 1)))
             print(f"{a.out} is complete ({logged} of {a.steps} steps)")
-            return True  # no checkpoint to repair its log from, nor to continue it from
+            return True
         raise UsageError(f"--resume {a.out}: its {logged} steps ran with --save-every 0, so no "
                          f"checkpoint holds their weights to continue from; start anew (another "
                          f"--out) with --save-every 1 or more")
@@ -483,16 +504,19 @@ class Tracker:
         self.module = importlib.import_module(self.kind)
         folder = os.path.abspath(a.out)
         ids = {"id": hashlib.sha1(folder.encode()).hexdigest()[:16], "dir": a.out}
-        self.module.init(project="ragen2", name=os.path.basename(folder), resume="allow",
-                         config=dataclasses.asdict(a), **(ids if self.kind == "wandb" else {}))
+        try:  # wandb without an API key, for one, refuses here before any network
+            self.module.init(project="ragen2", name=os.path.basename(folder), resume="allow",
+                             config=dataclasses.asdict(a), **(ids if self.kind == "wandb" else {}))
+        except Exception as e:  # noqa: BLE001 -- whatever the tracker raises: one line
+            raise UsageError(tracker_failed(self.kind, e)) from None
 
     def log(self, record):
         numbers = scalars(record)
         if self.kind == "tensorboard":
             for k, v in numbers.items():
                 self.writer.add_scalar(k, v, record["step"])
-        else:
-            self.module.log(numbers, step=record["step"])
+        else:  # the step is wandb's and trackio's own axis (trackio renames a "step" key)
+            self.module.log({k: v for k, v in numbers.items() if k != "step"}, step=record["step"])
 
     def close(self):
         if self.kind == "tensorboard":

@@ -33,9 +33,9 @@ draws both; the command line writes them to DIR/metrics.jsonl, one line per step
 """
 import contextlib
 import dataclasses
+import importlib.util
 import json
 import os
-import shutil
 import sys
 import time
 import types
@@ -93,7 +93,9 @@ def parse_args(argv):
     parser.description = ("RAGEN-2 in TRL's GRPOTrainer: SNR-aware filtering and the MI diagnosis "
                           "on multi-turn episodes. Defaults in brackets.")
     a = Args(**vars(parser.parse_args(argv)))
-    flags.check_ignored(a, vars(flags.build_parser(Args, defaults=False).parse_args(argv)))
+    given = vars(flags.build_parser(Args, defaults=False).parse_args(argv))
+    flags.check_named(given)
+    flags.check_ignored(a, given)
     if a.steps < 1 or a.group_size < 2 or a.accumulation < 1:
         raise flags.UsageError("need --steps >= 1, --group-size >= 2 (GRPO compares rollouts) "
                                "and --accumulation >= 1")
@@ -102,8 +104,17 @@ def parse_args(argv):
     return a
 
 
+def check_vllm(a):
+    """--use-vllm on a machine without vLLM, which is no dependency here: TRL samples through
+    vLLM's own engine, and that runs on CUDA GPUs only (main checks for the GPU)."""
+    if a.use_vllm and importlib.util.find_spec("vllm") is None:
+        raise flags.UsageError("--use-vllm: vLLM is not installed; it needs a CUDA GPU and pip "
+                               "install trl[vllm] (vLLM pins its own torch), or leave --use-vllm "
+                               "out to sample with the trainer's model")
+
+
 if __name__ == "__main__":  # before torch loads: a bad flag answers at once (flags.before_torch)
-    flags.before_torch(parse_args, sys.argv[1:])
+    flags.refuse_now(check_vllm, flags.before_torch(parse_args, sys.argv[1:]))
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
@@ -537,6 +548,34 @@ def metrics_writer(path, trainer_box):
     return Writer()
 
 
+def run_trainer(a, model, tokenizer, prompt, state, make_policy, callbacks):
+    """The trainer of the command line, its config.json written, trained; wandb's files go into
+    the run folder as train.py's do (TRL gives wandb no folder: WANDB_DIR, unless one is set)."""
+    path = os.path.join(a.out, "metrics.jsonl")
+    box = [None]
+    box[0] = trainer = build_trainer(a, model, tokenizer, prompt, state.num_processes,
+                                     make_policy, [metrics_writer(path, box), *callbacks])
+    if state.is_main_process:
+        os.makedirs(a.out, exist_ok=True)
+        runs.atomic_write(os.path.join(a.out, "config.json"),
+                          json.dumps(dataclasses.asdict(a), indent=1))
+    given = os.environ.get("WANDB_DIR")
+    os.environ["WANDB_DIR"] = given or os.path.abspath(a.out)
+    try:
+        trainer.train()
+    finally:
+        if given is None:
+            del os.environ["WANDB_DIR"]
+
+
+def steps_logged(path):
+    """The lines of a metrics log (0: none yet, or no log)."""
+    if not os.path.isfile(path):
+        return 0
+    with open(path) as f:
+        return sum(1 for _ in f)
+
+
 def main(argv=None, make_policy=None, callbacks=()):
     """Parse, load, train; bad input is one line on stderr and exit code 2."""
     from transformers.utils import logging as hf_logging
@@ -545,6 +584,7 @@ def main(argv=None, make_policy=None, callbacks=()):
     warnings.filterwarnings("ignore", "`(is_)?gradient_checkpointing", FutureWarning)
     try:
         a = parse_args(sys.argv[1:] if argv is None else argv)
+        check_vllm(a)
         cuda = torch.cuda.is_available()
         a.model = a.model or ("Qwen/Qwen2.5-0.5B-Instruct" if cuda else "tiny")
         a.lr = a.lr or (1e-4 if a.model == "tiny" else 1e-6)
@@ -557,25 +597,21 @@ def main(argv=None, make_policy=None, callbacks=()):
         path = os.path.join(a.out, "metrics.jsonl")
         if state.is_main_process:
             runs.check_folder(a)
+        if a.use_vllm and not cuda:
+            raise runs.UsageError("--use-vllm: vLLM samples on a CUDA GPU and none was found; "
+                                  "leave --use-vllm out to sample with the trainer's model")
         model, tokenizer, prompt, fresh = *load_model(a, cuda), not os.path.exists(a.out)
         runs.check_fits(a, model, tokenizer, prompt)
-        box = [None]
         try:
-            box[0] = trainer = build_trainer(a, model, tokenizer, prompt, state.num_processes,
-                                             make_policy, [metrics_writer(path, box), *callbacks])
-        except runs.UsageError:  # TRL made the folder already: a failed start leaves none
-            if fresh and state.is_main_process:
-                shutil.rmtree(a.out, ignore_errors=True)
-            raise
-        if state.is_main_process:
-            os.makedirs(a.out, exist_ok=True)
-            runs.atomic_write(os.path.join(a.out, "config.json"),
-                              json.dumps(dataclasses.asdict(a), indent=1))
-        try:
-            trainer.train()
+            run_trainer(a, model, tokenizer, prompt, state, make_policy, callbacks)
         except runs.Diverged as e:
-            done = len(open(path).readlines()) if os.path.isfile(path) else 0
-            raise runs.UsageError(runs.diverged(e, a, done, fresh)) from None
+            raise runs.UsageError(runs.diverged(e, a, steps_logged(path), fresh)) from None
+        except BaseException as e:  # TRL made the folder already: a failed start leaves none
+            if state.is_main_process and not steps_logged(path) and os.path.isdir(a.out):
+                runs.unmake(a.out, fresh)
+            if type(e).__module__.split(".")[0] == a.report_to:  # wandb without a key, ...
+                raise runs.UsageError(runs.tracker_failed(a.report_to, e)) from None
+            raise
         if state.is_main_process:
             print(f"metrics: {path}")
         return 0

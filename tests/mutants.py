@@ -226,8 +226,8 @@ MUTANTS = [
       "for option in [ckpt] if ckpt is not None else [True, False]:",
       RUNS + "test_memory_plan_fits_the_budget_and_prefers_no_checkpointing"),
     # ---------------------------------------------------------------------------------- tiny.py
-    m("warm-start-cache-never-read", "warmstart/tiny.py", "load_tiny",
-      "if not rebuild:", "if rebuild:",
+    m("warm-start-cache-never-read", "warmstart/tiny.py", "_load_cached",
+      "if not os.path.exists(info_path):", "if True:",
       RUNS + "test_the_same_result_whether_the_warm_start_was_built_or_loaded"),
     m("warm-start-built-without-waiting-for-the-lock", "warmstart/tiny.py", "_locked",
       "fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)", "pass",

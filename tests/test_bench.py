@@ -107,3 +107,47 @@ def test_the_zero_shot_table_regenerates_from_its_committed_archives():
     assert archives and all(any(t.endswith("/" + f) for t in tracked) for f in archives)
     with open(os.path.join(folder, "README.md")) as f:
         assert load("zero_shot.py").table(folder) == f.read()
+
+
+@pytest.mark.parametrize("script, argv, words", [
+    ("bench_step.py", ["--threads", "0"], "argument --threads: must be >= 1, got 0"),
+    ("bench_step.py", ["--env", "nosuch"], "argument --env: invalid choice: 'nosuch'"),
+    ("bench_filter.py", ["--groups", "0"], "argument --groups: must be >= 2, got 0"),
+    ("bench_filter.py", ["--quick", "--top-p", "2"], "--top-p must be in (0, 1], got 2.0"),
+    ("bench_memory.py", ["--batch", "-1"], "argument --batch: must be >= 4, got -1"),
+    ("bench_memory.py", ["--batch", "-1", "--quick"], "argument --batch: must be >= 4, got -1"),
+    ("bench_memory.py", ["--batch", "5"], "argument --batch: must be even (two groups), got 5"),
+    ("bench_cross_scores.py", ["--prompts", "0"], "argument --prompts: must be >= 1, got 0"),
+    ("bench_cross_scores.py", ["--hidden", "12"], "argument --hidden: must be a multiple of 8"),
+    ("bench_rollout.py", ["--env", "nosuch"], "argument --env: invalid choice: 'nosuch'"),
+    ("bench_rollout.py", ["--threads", str(10 * (os.cpu_count() or 1))], "the machine's"),
+    ("zero_shot.py", ["--model", "gpt2", "--quick"], "--model gpt2: not in the local Hugging Face cache"),
+    ("zero_shot.py", ["--worlds", "frozenlake,nosuch"], "argument --worlds: no world 'nosuch'"),
+])
+def test_a_size_or_name_a_script_cannot_use_is_one_line_and_exit_2(script, argv, words, monkeypatch, capsys):
+    """As train.py's flags: one line naming the flag, exit code 2, no traceback from inside a
+    measurement (the sizes are checked as they are parsed; a model is refused as it loads)."""
+    monkeypatch.setattr(sys, "argv", [script] + argv)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # gpt2 is not on this machine: no network asked
+    with project_modules_restored():
+        sys.path.insert(0, BENCH)
+        with pytest.raises(SystemExit) as stopped:
+            load(script).main()
+    err = capsys.readouterr().err.strip().splitlines()
+    assert stopped.value.code == 2 and len(err) == 1, err
+    assert err[0].startswith("error: ") and words in err[0], err
+
+
+def test_a_size_given_with_quick_is_used_not_ignored():
+    """--quick's small sizes stand in for the defaults only: a flag given beside it is the one
+    used."""
+    with project_modules_restored():
+        sys.path.insert(0, BENCH)
+        arguments = load("arguments.py")
+        parser = arguments.Parser()
+        parser.add_argument("--batch", type=arguments.at_least(4), default=16)
+        parser.add_argument("--quick", action="store_true")
+        quick = dict(batch=4)
+        assert arguments.parse(parser, ["--quick"], quick).batch == 4
+        assert arguments.parse(parser, ["--quick", "--batch", "8"], quick).batch == 8
+        assert arguments.parse(parser, [], quick).batch == 16

@@ -255,7 +255,9 @@ def test_check_grades_hidden_tests_and_writes_json(tmp_path, monkeypatch, capsys
     monkeypatch.setenv("EXERCISES_HIDDEN", str(hidden))
     result = tmp_path / "results.json"
     assert exercises.main(["check", "gae", "topk", "--json", str(result)]) == 1
-    rows = capsys.readouterr().out.splitlines()
+    tree, *rows = capsys.readouterr().out.splitlines()
+    assert tree == f"grading the reference solution in {ROOT}, not a student copy (a copy holds " \
+                   f"assignment.txt; run check inside it)"
     assert rows[0].split()[:3] == ["gae", "0/4", "FAILED"] and "a hidden expectation" in rows[0]
     assert rows[1].split()[:3] == ["topk", "2/2", "passed"]
     assert rows[2].startswith("total") and "2/6 points" in rows[2]
@@ -297,7 +299,7 @@ def test_check_survives_code_that_hangs_or_ends_its_process(tmp_path, monkeypatc
     result = tmp_path / "results.json"
     argv = ["check", "gae", "clip_loss", "grpo", "topk", "--timeout", "2", "--json", str(result)]
     assert exercises.main(argv) == 1
-    rows = capsys.readouterr().out.splitlines()
+    rows = capsys.readouterr().out.splitlines()[1:]  # after the tree graded
     assert rows[0].split()[:3] == ["gae", "0/4", "FAILED"] and rows[0].endswith(
         "test_gae_skips_observation_tokens: timed out after 2 s")
     assert rows[1].split()[:3] == ["clip_loss", "0/4", "FAILED"] and rows[1].endswith(
@@ -352,7 +354,8 @@ def test_a_copy_of_some_exercises_grades_them_only(tmp_path, capsys):
                           cwd=copy, capture_output=True, text=True,
                           env={**os.environ, "EXERCISE_RUNS": ""})
     assert done.returncode == 0, done.stdout + done.stderr[-2000:]
-    rows = done.stdout.splitlines()
+    tree, *rows = done.stdout.splitlines()
+    assert tree == f"grading the student copy in {copy}"  # its own score, not the solution's
     assert [row.split()[:3] for row in rows] == [["gae", "4/4", "passed"],
                                                   ["total", "4/4", "points,"]]
     assert json.loads((copy / "result.json").read_text())["max_score"] == 4

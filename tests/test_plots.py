@@ -2,6 +2,8 @@
 import json
 import os
 
+import pytest
+
 from plumbing import plots
 
 
@@ -92,3 +94,32 @@ def test_the_readme_says_what_each_figure_shows():
     assert plots.FIGURES
     for name in plots.FIGURES:
         assert f"- `{name}.png`: " in readme, name
+
+
+def test_figures_never_replace_another_runs_own_nor_a_file(tmp_path, capsys):
+    """--out naming a file, or another run's folder (a single run's figures, or an overlay): one
+    line naming --out, exit 2, and nothing there changed; a run's own folder takes its own."""
+    write_run(tmp_path / "a", 3, 0.5)
+    write_run(tmp_path / "b", 3, 0.2)
+    assert plots.main([str(tmp_path / "b")]) == 0  # b's own figures
+    before = {p.name: p.read_bytes() for p in (tmp_path / "b").iterdir()}
+    (tmp_path / "figure.png").write_text("mine")
+    for argv, words in (([str(tmp_path / "a"), "--out", str(tmp_path / "figure.png")], "a file is there"),
+                        ([str(tmp_path / "a"), "--out", str(tmp_path / "b")], "the folder of a run"),
+                        ([str(tmp_path / "a"), str(tmp_path / "b"), "--out", str(tmp_path / "a")],
+                         "the folder of a run")):
+        capsys.readouterr()
+        assert plots.main(argv) == 2, argv
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith(f"error: --out {argv[-1]}: ") and words in err[0], err
+    assert {p.name: p.read_bytes() for p in (tmp_path / "b").iterdir()} == before
+    assert (tmp_path / "figure.png").read_text() == "mine" and not list((tmp_path / "a").glob("*.png"))
+    assert plots.main([str(tmp_path / "a"), "--out", str(tmp_path / "a")]) == 0  # its own folder
+    assert (tmp_path / "a" / "success.png").exists()
+
+
+def test_bad_arguments_are_one_line(capsys):
+    with pytest.raises(SystemExit) as stopped:
+        plots.main([])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert stopped.value.code == 2 and len(err) == 1 and "required: runs" in err[0], err

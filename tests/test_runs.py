@@ -145,8 +145,15 @@ def test_help_is_one_line_per_flag_with_its_default(capsys):
     (["--temperature", "1e-30"], "use --temperature 0.001 or more"),
     (["--val-temperature", "1e-30"], "use --val-temperature 0.001 or more (or 0: greedy)"),
     (["--lora", "4", "--lora-targets", "nosuchlayer"], "no layer named nosuchlayer; its layers: down_proj"),
-    (["--env", "frozenlake", "--lake-size", "3000"], "--room-size and --lake-size must be <= 128"),
-    (["--room-size", "100000"], "--room-size and --lake-size must be <= 128"),
+    (["--env", "frozenlake", "--lake-size", "3000"], "--lake-size must be <= 128, got 3000 ("),
+    (["--room-size", "100000"], "--room-size must be <= 128, got 100000 ("),
+    # a number that is not finite, an empty name, a LoRA rank above every layer's: named
+    (["--lr", "nan"], "--lr nan: a number must be finite"),
+    (["--top-p", "inf"], "--top-p inf: a number must be finite"),
+    (["--resume", ""], "--resume '': an empty name names nothing"),
+    (["--out", ""], "--out '': an empty name names nothing"),
+    (["--lora", "100000"], "--lora 100000: no layer it adapts has a rank above 64"),
+    (["--lora", "65", "--lora-targets", "q_proj"], "use --lora 64 or less"),
     (["--optimizer-steps", "1000000"], "--optimizer-steps must be in 0..128"),
 ])
 def test_bad_arguments_print_one_line_exit_2_and_leave_nothing(tmp_path, argv, words, capsys, monkeypatch):
@@ -362,6 +369,70 @@ def test_a_tracker_that_is_not_installed_is_one_line(tmp_path, capsys, monkeypat
     assert not out.exists()
 
 
+@pytest.fixture
+def no_wandb_account(monkeypatch, tmp_path):
+    """wandb as on a machine where nobody logged in: no key in the environment or in ~/.netrc;
+    its settings, which a process reads once, read afresh before and after the test."""
+    wandb = pytest.importorskip("wandb")
+    for name in ("WANDB_API_KEY", "WANDB_MODE", "WANDB_DIR", "WANDB_CONFIG_DIR", "WANDB_CACHE_DIR"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    monkeypatch.setenv("WANDB_CONSOLE", "off")  # leaves pytest's capture of stdout alone
+    wandb.teardown()
+    yield wandb
+    wandb.teardown()
+
+
+def test_wandb_without_an_api_key_is_one_line_and_leaves_no_folder(tmp_path, capsys, no_wandb_account):
+    """Refused by wandb before any network: one line saying how to log in or stay offline; the
+    folder made for the run is gone, so the same command runs once that is done."""
+    out = tmp_path / "run"
+    argv = SMALL + ["--steps", "1", "--mi-every", "0", "--report-to", "wandb", "--out", str(out)]
+    last = fails(argv, capsys, "--report-to wandb: wandb did not start (No API key")
+    assert "WANDB_MODE=offline" in last and not out.exists()
+
+
+def test_wandb_offline_gets_every_number_and_a_resumed_run_continues_its_run(tmp_path, monkeypatch,
+                                                                             no_wandb_account):
+    """WANDB_MODE=offline: every number of each log line at its step goes to wandb.log, into
+    <out>/wandb; a resumed run continues the same wandb run (one id, the folder's)."""
+    wandb = no_wandb_account
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    sent, log = [], wandb.Run.log  # wandb.log is the run's, bound when the run starts
+    monkeypatch.setattr(wandb.Run, "log", lambda run, data, step=None, **kw: sent.append((step, dict(data)))
+                        or log(run, data, step=step, **kw))
+    out = str(tmp_path / "run")
+    argv = SMALL + ["--steps", "2", "--mi-every", "1", "--val-every", "2", "--report-to", "wandb"]
+    assert train.main(argv + ["--out", out]) == 0
+    assert train.main(["--resume", out, "--steps", "3"]) == 0
+    expected = [(r["step"], {k: v for k, v in runs.scalars(r).items() if k != "step"}) for r in records(out)]
+    assert [step for step, _ in sent] == [0, 1, 2, 3] and sent == expected
+    folders = sorted(os.listdir(os.path.join(out, "wandb")))
+    ids = {f.rsplit("-", 1)[1] for f in folders if f.startswith("offline-run-")}
+    assert len([f for f in folders if f.startswith("offline-run-")]) == 2 and len(ids) == 1, folders
+
+
+def test_trackio_gets_every_number_of_the_log_and_a_resumed_run_continues_it(tmp_path):
+    """trackio, local: its stored values are the log's, steps 0-3 over a run and its resume. In a
+    process of its own: trackio reads where it stores (TRACKIO_DIR) once, on import."""
+    pytest.importorskip("trackio")
+    out = str(tmp_path / "run")
+    argv = SMALL + ["--steps", "2", "--mi-every", "1", "--val-every", "2", "--report-to", "trackio"]
+    code = (f"import json, train, trackio; assert train.main({argv + ['--out', out]!r}) == 0; "
+            f"assert train.main(['--resume', {out!r}, '--steps', '3']) == 0; "
+            f"print(json.dumps(trackio.SQLiteStorage.get_logs('ragen2', run='run')))")
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
+                          env={**os.environ, "TRACKIO_DIR": str(tmp_path / "trackio"),
+                               "HOME": str(tmp_path), "HF_HUB_OFFLINE": "1"})
+    assert done.returncode == 0, done.stderr[-2000:]
+    stored = json.loads(done.stdout.strip().splitlines()[-1])
+    assert [s["step"] for s in stored] == [r["step"] for r in records(out)] == [0, 1, 2, 3]
+    for s, r in zip(stored, records(out)):
+        numbers = {k: v for k, v in runs.scalars(r).items() if k != "step"}
+        assert {k: s[k] for k in numbers} == pytest.approx(numbers), r["step"]
+
+
 def test_tensorboard_gets_every_number_of_the_log_at_its_step(tmp_path):
     """--report-to tensorboard: every numeric key of metrics.jsonl (nested dicts' keys joined
     with '/') at each step that logged it, read back with TensorBoard's own reader; a resumed run
@@ -470,6 +541,10 @@ def test_a_finished_run_with_an_emptied_log_gets_it_back(tmp_path, capsys):
     (lambda d: open(os.path.join(d, "checkpoint", "trainer_state.pt"), "wb").write(os.urandom(4096)), "damaged"),
     (lambda d: open(os.path.join(d, "checkpoint", "policy.json"), "w").write("garbage"), "policy.json is damaged"),
     (lambda d: open(os.path.join(d, "checkpoint", "policy.json"), "w").write("[]"), "policy.json is damaged"),
+    (lambda d: json.dump({**json.load(open(os.path.join(d, "config.json"))), "loss_type": "dapo"},
+                         open(os.path.join(d, "config.json.x"), "w")) or os.replace(
+        os.path.join(d, "config.json.x"), os.path.join(d, "config.json")),
+     "config.json has 'loss_type', which is no setting of train.py"),
 ])
 def test_a_damaged_run_folder_is_one_line(tmp_path, capsys, damage, words):
     out = str(tmp_path / "run")
@@ -512,15 +587,27 @@ def test_a_damaged_log_is_repaired_from_the_checkpoint_saying_so(tmp_path, capsy
 
 def test_a_run_without_checkpoints_is_complete_or_refused_never_run_again(tmp_path, capsys):
     """--save-every 0 keeps no weights to continue from: extending the run is refused, and its
-    log stays as it is."""
+    log stays as it is. Without a checkpoint's copy of the log, a line that is no record is
+    removed saying so while every step is still there once; a record damaged is refused."""
     out = str(tmp_path / "run")
+    log = os.path.join(out, "metrics.jsonl")
     assert train.main(SMALL + ["--steps", "2", "--out", out, "--mi-every", "0", "--save-every", "0"]) == 0
-    before = open(os.path.join(out, "metrics.jsonl")).read()
+    before = open(log).read()
     capsys.readouterr()
     fails(["--resume", out, "--steps", "5"], capsys, "its 2 steps ran with --save-every 0")
     assert train.main(["--resume", out]) == 0
     assert "is complete (2 of 2 steps)" in capsys.readouterr().out
-    assert open(os.path.join(out, "metrics.jsonl")).read() == before
+    assert open(log).read() == before
+    garbage_inserted(log)
+    assert train.main(["--resume", out]) == 0
+    said = capsys.readouterr().out
+    assert "metrics.jsonl is damaged (line 2 is not a metrics record): removed" in said, said
+    assert "is complete (2 of 2 steps)" in said and open(log).read() == before
+    garbage_line_2(log)  # step 1's record itself: nothing holds it
+    damaged = open(log).read()
+    fails(["--resume", out], capsys, "line 2 is not a metrics record; step 1 is missing) and no checkpoint "
+          "holds a copy of it (--save-every 0)")
+    assert open(log).read() == damaged
 
 
 def test_a_damaged_log_without_a_copy_is_refused(tmp_path, capsys):
@@ -676,9 +763,10 @@ def test_the_same_result_whether_the_warm_start_was_built_or_loaded(tmp_path, mo
               "--mi-samples", "4", "--no-plot", "--steps", "2", "--tiny-cache", str(tmp_path / "cache")]
     # builds the warm start in-process
     assert train.main(common + ["--out", str(tmp_path / "built")]) == 0
-    assert len(built) == 1 and loaded == [False]
+    assert len(built) == 1 and loaded and not any(loaded)  # looked for (again under the lock)
+    looked = len(loaded)
     assert train.main(common + ["--out", str(tmp_path / "loaded")]) == 0  # loads it
-    assert len(built) == 1 and loaded == [False, True]  # read from the cache, not built again
+    assert len(built) == 1 and loaded[looked:] == [True]  # read from the cache, not built again
     same_metrics(records(tmp_path / "built"), records(tmp_path / "loaded"))
 
 

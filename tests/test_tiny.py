@@ -185,6 +185,33 @@ def test_a_template_prior_builds_its_own_warm_start_and_none_keeps_todays_folder
         build(tmp_path, template_prior=1.5)
 
 
+def test_a_complete_cache_on_a_read_only_disk_loads(tmp_path, monkeypatch):
+    """Reading a complete entry needs no write, not even its lock file: on a read-only disk it
+    loads as it would anywhere (tiny.py's every write refused with EROFS, as such a disk would)."""
+    import builtins
+    import errno
+
+    model, tokenizer = build(tmp_path)
+    before = sorted(p.name for p in tmp_path.iterdir())
+
+    def read_only(path, mode="r", *args, **kwargs):
+        if any(c in mode for c in "wax+"):
+            raise OSError(errno.EROFS, "Read-only file system", str(path))
+        return builtins.open(path, mode, *args, **kwargs)
+
+    def no_training(*args, **kwargs):
+        raise AssertionError("trained again although a cached model exists")
+
+    monkeypatch.setattr(tiny, "open", read_only, raising=False)
+    monkeypatch.setattr(demos, "imitate", no_training)
+    again, tokenizer2 = build(tmp_path)
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), again.parameters()))
+    assert tokenizer2.get_vocab() == tokenizer.get_vocab()
+    assert sorted(p.name for p in tmp_path.iterdir()) == before
+    with pytest.raises(OSError):  # an entry not there cannot be built on it: models.py says so
+        build(tmp_path, seed=1)
+
+
 @pytest.mark.parametrize("damage", [
     # truncated
     lambda f: (f / "model.safetensors").write_bytes((f / "model.safetensors").read_bytes()[:-100]),

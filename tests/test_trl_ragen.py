@@ -368,6 +368,81 @@ def test_unusable_out_and_what_cannot_fit_are_one_line_as_in_train_py(tmp_path, 
     assert not (tmp_path / "x").exists() and os.listdir(full) == ["notes.txt"]
 
 
+def test_use_vllm_without_vllm_or_a_gpu_is_one_line(tmp_path, capsys, monkeypatch):
+    """--use-vllm needs vLLM installed and a CUDA GPU: without either, one line saying so and
+    exit code 2 before anything loads, no folder."""
+    out = tmp_path / "run"
+    argv = script.ARGS + ["--steps", "1", "--use-vllm", "--out", str(out)]
+    find_spec = trl_ragen.importlib.util.find_spec
+    monkeypatch.setattr(trl_ragen.importlib.util, "find_spec",
+                        lambda name, *a: None if name == "vllm" else find_spec(name, *a))
+    assert trl_ragen.main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: --use-vllm: vLLM is not installed"), err
+    monkeypatch.setattr(trl_ragen.importlib.util, "find_spec",  # installed, but no GPU here
+                        lambda name, *a: object() if name == "vllm" else find_spec(name, *a))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert trl_ragen.main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--use-vllm: vLLM samples on a CUDA GPU and none was found" in err[0], err
+    assert not out.exists()
+
+
+class StartFails(Exception):
+    """What a tracker or a sampler that cannot start raises as training begins."""
+
+
+def test_a_failed_start_leaves_the_folder_as_it_found_it_and_the_same_command_runs(tmp_path):
+    """TRL writes config.json and trl/ before training begins; a start that fails there (a
+    tracker, vLLM) leaves no folder it made, and an empty one it was given empty, so the same
+    command is not refused as 'already holds a run' once the cause is gone."""
+    from transformers import TrainerCallback
+
+    class Fails(TrainerCallback):
+        def on_train_begin(self, *args, **kwargs):
+            raise StartFails("cannot start")
+
+    for out in (tmp_path / "new", tmp_path / "empty"):
+        given = out.name == "empty"
+        if given:
+            out.mkdir()
+        argv = script.ARGS + ["--steps", "1", "--mi-every", "0", "--out", str(out)]
+        with pytest.raises(StartFails):
+            trl_ragen.main(argv, make_policy=script.scripted(), callbacks=[Fails()])
+        assert (out.exists() and not os.listdir(out)) if given else not out.exists()
+        assert trl_ragen.main(argv, make_policy=script.scripted()) == 0
+        assert len((out / "metrics.jsonl").read_text().splitlines()) == 1
+
+
+def test_wandb_without_a_key_is_one_line_and_offline_writes_into_the_run_folder(tmp_path, capsys,
+                                                                                monkeypatch):
+    """TRL's wandb callback refused for want of an API key: one line, exit 2, no folder; then the
+    same command with WANDB_MODE=offline runs, its wandb files in the run folder, not in the
+    working directory."""
+    wandb = pytest.importorskip("wandb")
+    for name in ("WANDB_API_KEY", "WANDB_MODE", "WANDB_DIR", "WANDB_CONFIG_DIR"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    monkeypatch.setenv("WANDB_CONSOLE", "off")
+    monkeypatch.chdir(tmp_path)
+    wandb.teardown()
+    out = tmp_path / "run"
+    argv = script.ARGS + ["--steps", "1", "--mi-every", "0", "--report-to", "wandb", "--out", str(out)]
+    try:
+        assert trl_ragen.main(argv, make_policy=script.scripted()) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and "--report-to wandb: wandb did not start (No API key" in err[0], err
+        assert "WANDB_MODE=offline" in err[0] and not out.exists()
+        wandb.teardown()
+        monkeypatch.setenv("WANDB_MODE", "offline")
+        assert trl_ragen.main(argv, make_policy=script.scripted()) == 0
+        assert any(f.startswith("offline-run-") for f in os.listdir(out / "wandb"))
+        assert not (tmp_path / "wandb").exists() and "WANDB_DIR" not in os.environ
+    finally:
+        wandb.teardown()
+
+
 def test_a_diverged_run_stops_with_one_line(tmp_path, capsys, monkeypatch):
     """A learning rate past today's ceiling: the first step whose loss or gradient norm is not
     finite ends the run with one line naming it; the steps before it stay logged."""

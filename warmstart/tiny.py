@@ -219,6 +219,12 @@ def load_tiny(env_name, env_kwargs=None, cache_dir=".cache/tiny", rebuild=False,
     if filler is not None:
         settings.update(filler=filler)
     folder = cache_folder(cache_dir, env_name, tokenizer, env_kwargs, **settings)
+    # a complete entry is only ever swapped in whole: reading it needs no lock, nor a cache that
+    # can be written (a read-only disk); a damaged one is built again under the lock below
+    if not rebuild:
+        model, _ = _load_cached(folder)
+        if model is not None:
+            return model, PreTrainedTokenizerFast.from_pretrained(folder)
     os.makedirs(cache_dir, exist_ok=True)
     with _locked(folder + ".lock", f"waiting for another process that is building the tiny warm "
                                    f"start in {folder}"):
