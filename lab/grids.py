@@ -8,7 +8,8 @@ a re-run is a replication, and a changed grid gets a new name.
 
 A rule ("paired") compares a - b, paired over the seeds both have, at an environment step or at a
 number of cumulative optimiser steps; it holds when the 95% interval over at least 5 seeds lies on
-the predicted side of 0, is contradicted on the other side, else undecided. "leadlag": the step at
+the predicted side of 0 (of its `margin`, where it has one), is contradicted on the other side,
+else undecided. "leadlag": the step at
 which `a` starts to move (stats.onset) comes before the step at which `b` does. "gradients": a Fig. 4
 statistic per run (stats.gradient_stat) on the predicted side of 0. "search": a search's criteria
 (stats.CRITERIA: a collapse regime, or a growing template share), run by run.
@@ -482,6 +483,65 @@ GRIDS["smollm2"] = dict(
         "collapse as the regime search defines it (zero-spread groups mostly failing, probe MI "
         "halved, validation 0.1 below its best)."))])
 
+# A real language model that learns here, and the paper's question asked of it. SmolLM2-135M-
+# Instruct reads the grid and its coordinates (--observation coords, RAGEN's grid_coord
+# observation) and is warm-started to work the way out from them (demos.work_out: 80 steps of 8
+# two-turn demonstrations), so that a correct reasoning depends on its input and is labelled
+# exactly (warmstart/grounding.py). Then the README's SmolLM2 command: GRPO + LoRA 16 at lr 2e-4,
+# 4 groups x 4 rollouts of 2 turns of at most 40 tokens, the official entropy bonus (0.001) and a
+# KL term (k3, 0.001) towards the initial policy only (with LoRA: the warm start, adapters off),
+# no push towards templates. On the deterministic lake the warm start's groups often all succeed
+# or all fail (no reward spread: a pilot's Top-P kept 25-75% of the groups), the regime in which
+# the mechanism lets the regularisers drive the update. Every update is one optimiser step whatever
+# the filter keeps (at most 16 trajectories, mini-batches of 32): equal optimiser steps by
+# construction. Registered before its first run.
+SMOLLM2_COORDS = ["--model", "smollm2", "--observation", "coords", "--env", "frozenlake", "--algo",
+                  "grpo", "--lora", "16", "--lr", "2e-4", "--kl-coef", "0.001", "--groups", "4",
+                  "--group-size", "4", "--max-turns", "2", "--max-new-tokens", "40",
+                  "--mi-samples", "16", "--probe-prompts", "8", "--probe-samples", "4"]
+GRIDS["smollm2-coords"] = dict(
+    claim="A real language model, SmolLM2-135M-Instruct, reading the coordinates and warm-started "
+          "to work the way out from them: does RL raise its validation success (Top-P, the "
+          "README's command), and does its reasoning stop depending on the input -- without a "
+          "filter the exact grounded share (reasoning that states its own input's way) and the "
+          "probe MI fall, Top-P keeps the grounded share above no filter and above a random subset "
+          "of its size, the MI falls before success? 60 steps, 5 seeds. A clear null is a "
+          "result.",
+    flags=SMOLLM2_COORDS, common=["--mi-every", "5", "--val-every", "10", "--threads", "1",
+                                  "--no-plot"],
+    world="frozenlake",
+    settings={"topp": FILTERS["topp"], "none": FILTERS["none"],
+              "random": ["--filter", "random", "--control-of", "topp"]},
+    seeds=SEEDS, steps=60, table_steps=[0, 10, 20, 30, 40, 50, 60],
+    dials=["probe_mi_estimate", "mi_zscore", "probe_retrieval_acc", "probe_reasoning_entropy",
+           "probe_conditional_entropy", "token_entropy", "response_length"],
+    decide=[
+        dict(kind="paired", metric="val_success", a=("topp", "step", 60), b=("topp", "step", 0),
+             sign=1, text="RL raises validation success from the warm start (step 0) to step 60 "
+                          "(Top-P: the README's command)"),
+        dict(kind="paired", metric="val_success", a=("topp", "step", 60), b=("topp", "step", 0),
+             sign=1, margin=0.2, text="... by more than 0.2 (the interval lies above 0.2)"),
+        dict(kind="paired", metric="probe_grounded_share", a=("none", "step", 60),
+             b=("none", "step", 1), sign=-1,
+             text="without a filter the grounded share falls from step 1 to step 60"),
+        dict(kind="paired", metric="probe_mi_estimate", a=("none", "step", 60),
+             b=("none", "step", 1), sign=-1,
+             text="without a filter the probe MI falls from step 1 to step 60"),
+        dict(kind="paired", metric="probe_grounded_share", a=("topp", "step", 60),
+             b=("none", "step", 60), sign=1,
+             text="Top-P keeps the grounded share above no filter's at step 60"),
+        dict(kind="paired", metric="probe_grounded_share", a=("topp", "step", 60),
+             b=("random", "step", 60), sign=1,
+             text="Top-P keeps the grounded share above a random subset of its size at step 60"),
+        dict(kind="paired", metric="val_success", a=("topp", "step", 60),
+             b=("none", "step", 60), sign=1, text="Top-P beats no filter at step 60"),
+        dict(kind="paired", metric="val_success", a=("topp", "step", 60),
+             b=("random", "step", 60), sign=1,
+             text="Top-P beats a random subset of its size at step 60"),
+        dict(kind="leadlag", setting="none", a="probe_mi_estimate", b="val_success", sign=1,
+             text="the probe MI falls before success does (no filter; no verdict where success "
+                  "does not fall)")])
+
 # Whole programme: 2.5 + 1.1 + 1.0 (+ 0.15 warm starts) + 0.3 + 1.1 = about 6.2 h of the 2-core
 # machine (gradients was added after collapse-env had run, before its own runs).
 # Cut to fit: no filter is not rerun at equal optimiser steps; the softmax Top-P variant only at
@@ -505,8 +565,11 @@ PHASE = ["probe_mi_estimate", "probe_reasoning_entropy", "probe_conditional_entr
 # over the 64 validation seeds; for the probe metrics their own logged standard error takes its place
 ONSET = {"probe_mi_estimate": (-1, 0.01), "val_success": (-1, 0.0625),
          "probe_conditional_entropy": (1, 0.01), "token_entropy": (1, 0.005),
-         "probe_template_share": (1, 0.0625)}  # a share of the 8 x 8 probe samples: as success
+         "probe_template_share": (1, 0.0625),  # a share of the 8 x 8 probe samples: as success
+         "probe_grounded_share": (-1, 0.088)}  # a share of the 8 x 4 probe samples: at p = 1/2
 TEMPLATE = ["probe_template_share", "template_share"]  # reported where the runs logged them
+# a real model's exact labels (warmstart/grounding.py), reported where the runs logged them
+GROUNDED = ["probe_grounded_share", "probe_borrowed_share", "grounded_share"]
 
 
 def runs_of(name):

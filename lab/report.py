@@ -23,10 +23,10 @@ import random
 import shutil
 import zlib
 
-from lab import stats
+from lab import reasonings, stats
 from plumbing.defaults import GROUP_SIZE
-from lab.grids import (BUCKET, COMMON, DIAGNOSTICS, GRIDS, METRICS, ONSET, PHASE, RESULTS,
-                       TEMPLATE, WINDOW, done, runs_of, world_of)
+from lab.grids import (BUCKET, COMMON, DIAGNOSTICS, GRIDS, GROUNDED, METRICS, ONSET, PHASE,
+                       RESULTS, TEMPLATE, WINDOW, done, runs_of, world_of)
 
 FIRST_REPORT = "round3"  # results/round3/<grid>/: the first report, whose archives were never kept
 
@@ -145,8 +145,9 @@ def decide(name, data, rule, results=RESULTS):
         verdict = "not run" if not values else "no values"
     elif half is None:
         verdict = f"{n} runs: no interval"
-    else:
-        verdict = side(m - half, m + half, rule["sign"])
+    else:  # a rule with a margin predicts a - b beyond it, not only beyond 0
+        margin = rule.get("margin", 0.0)
+        verdict = side(m - half - margin, m + half - margin, rule["sign"])
     return {"rule": rule["text"], "estimate": m, "low": None if half is None else m - half,
             "high": None if half is None else m + half, "n": n, "verdict": verdict,
             "values": " ".join("-" if v is None else f"{v:.3f}" for v in values.values())}
@@ -186,7 +187,7 @@ def replication(name, decisions, results=RESULTS):
 def table_rows(name, data):
     """Per setting and table step, each METRIC's mean over the seeds with its 95% interval."""
     g, rows = GRIDS[name], []
-    metrics = METRICS + logged(data, TEMPLATE)
+    metrics = METRICS + logged(data, TEMPLATE) + logged(data, GROUNDED)
     for setting in g["settings"]:
         runs = [r for (s, _), r in sorted(data.items()) if s == setting]
         complete = sum(done(r, g["steps"]) for r in runs)
@@ -230,22 +231,21 @@ def merged(records):
     return [r for _, r in sorted(by_step.items())]
 
 
-def correlations(name, data, resamples=1000, seed=0):
-    """Spearman correlation of each diagnostic with validation success, at the validation steps:
-    within each run, summarised as one number per seed (the mean over its runs) and then over seeds
-    with a 95% t interval; within each world (all its runs' points; 95% interval from resampling
-    whole seeds); in a grid of several worlds, pooled over them (a footnote: worlds differ in
-    both)."""
-    points = {key: [r for r in merged(records) if "val_success" in r]
-              for key, records in data.items()}
+def correlations(name, data, target="val_success", resamples=1000, seed=0):
+    """Spearman correlation of each diagnostic (the grid's `dials`, else DIAGNOSTICS) with `target`
+    (validation success, at the validation steps), within each run, summarised as one number per
+    seed (the mean over its runs) and then over seeds with a 95% t interval; within each world (all
+    its runs' points; 95% interval from resampling whole seeds); in a grid of several worlds,
+    pooled over them (a footnote: worlds differ in both)."""
+    points = {key: [r for r in merged(records) if target in r] for key, records in data.items()}
     worlds = {}
     for key in points:
         worlds.setdefault(world_of(name, key[0]), []).append(key)
     within, world_rows = [], []
     rng = random.Random(seed)
-    for diagnostic in DIAGNOSTICS:
+    for diagnostic in GRIDS[name].get("dials", DIAGNOSTICS):
         xy = {k: ([r[diagnostic] for r in rs if diagnostic in r],  # each run's points, once
-                  [r["val_success"] for r in rs if diagnostic in r]) for k, rs in points.items()}
+                  [r[target] for r in rs if diagnostic in r]) for k, rs in points.items()}
 
         def rho(keys):
             return stats.spearman([x for k in keys for x in xy[k][0]],
@@ -302,12 +302,16 @@ def report(name, results=RESULTS, with_figures=True, force=False):
     searched = [row for rule in g["decide"] if rule["kind"] == "search"
                 for row in stats.CRITERIA[rule.get("criteria", "collapse")](data)]
     replicated = replication(name, decisions, results)
+    grounded = (correlations(name, data, "probe_grounded_share")
+                if logged(data, GROUNDED[:1]) else ([], []))
+    said = reasonings.rows(name, data, samples_per_prompt(name))
     files = {"table.csv": rows, "decisions.csv": decisions, "leadlag.csv": leads,
              "correlations.csv": within + world_rows, "gradients.csv": gradients,
              "search.csv": searched, "replication.csv": replicated,
              "perseed.csv": [{"setting": setting, "seed": seed, "step": step,
                               **{k: stats.value_at(data[setting, seed], k, step)
-                                 for k in ["val_success"] + PHASE + logged(data, TEMPLATE[:1])}}
+                                 for k in ["val_success"] + PHASE + logged(data, TEMPLATE[:1])
+                                 + logged(data, GROUNDED[:1])}}
                              for setting in g["settings"] for seed in g["seeds"]
                              if (setting, seed) in data for step in g["table_steps"]]}
     numbers = {"decisions": decisions, "correlations": within + world_rows, "leadlag": leads,
@@ -315,9 +319,33 @@ def report(name, results=RESULTS, with_figures=True, force=False):
                "archives": archives}
     text = markdown(name, rows, decisions, within, world_rows, leads, gradients, searched,
                     replicated)
+    if said:  # a real model's runs: the dials against the grounded share, what the reasoning says
+        files.update({"correlations-grounded.csv": sum(grounded, []), "reasonings.csv": said})
+        numbers["correlations_grounded"] = sum(grounded, [])
+        text += "\n".join(grounded_section(*grounded) + reasonings.section(
+            said, samples_per_prompt(name))) + "\n"
     publish(name, out, files, numbers, text,
             (lambda folder: figures(name, data, folder)) if with_figures else None)
     return rows
+
+
+def samples_per_prompt(name):
+    """--probe-samples of a grid (every setting runs the same probe set)."""
+    flags = GRIDS[name]["flags"] + GRIDS[name].get("common", COMMON)
+    return int(flags[flags.index("--probe-samples") + 1]) if "--probe-samples" in flags else 8
+
+
+def grounded_section(within, world_rows):
+    """table.md's lines on the dials against the exact grounded share."""
+    lines = ["", "## Spearman correlation with the probe set's grounded share", "",
+             "Which dial tracks whether the reasoning reads its input: at the diagnoses, within "
+             "runs (one rho per run, averaged over each seed's runs, then over seeds) and within "
+             "the world.", "",
+             "| scope | world | diagnostic | rho | 95% interval | n |", "|---|---|---|---|---|---|"]
+    for c in within + [c for c in world_rows if c["scope"] != "pooled"]:
+        lines.append(f"| {c['scope']} | {c['world']} | {c['diagnostic']} | {fmt(c['rho'])} | "
+                     f"{span(c['low'], c['high'])} | {c['n']} |")
+    return lines
 
 
 def publish(name, out, files, numbers, text, draw=None):
@@ -378,7 +406,7 @@ def span(low, high):
 def markdown(name, rows, decisions, within, world_rows, leads, gradients, searched, replicated):
     """table.md: the tables above, in the order a reader checks a claim."""
     g = GRIDS[name]
-    shown = ["val_success"] + [k for k in TEMPLATE[:1] if k in rows[0]] + [
+    shown = ["val_success"] + [k for k in TEMPLATE[:1] + GROUNDED[:1] if k in rows[0]] + [
         "probe_mi_estimate", "probe_reasoning_entropy", "probe_conditional_entropy",
         "probe_action_mi", "token_entropy", "kept_ratio", "zero_var_fail_frac",
         "optimizer_steps_total"]

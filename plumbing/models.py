@@ -113,6 +113,8 @@ def load_policy(a, source, device, env_kwargs):
             raise ModelError(f"{folder}/policy.json is damaged ({e})") from None
         if not isinstance(saved, dict):
             raise ModelError(f"{folder}/policy.json is damaged (not a JSON object)")
+        # what the policy was trained to read (its warm start and prompts): a checkpoint says
+        a = dataclasses.replace(a, observation=saved.get("observation", a.observation))
     # LoRA adapters: the base model first, then the adapters on it
     if saved.get("lora_base") is not None:
         from peft import PeftModel
@@ -126,8 +128,8 @@ def load_policy(a, source, device, env_kwargs):
         model.set_adapter("default")
         return model.to(device), tokenizer, prompt
     model, tokenizer = load_hf(source, saved.get("attn_implementation"))
-    prompt = (tiny.prompts(a.env) if saved.get("prompt") == "tiny"
-              else real_prompt(a.env, saved.get("observation", a.observation)))
+    tiny_prompt = saved.get("prompt") == "tiny"
+    prompt = tiny.prompts(a.env) if tiny_prompt else real_prompt(a.env, a.observation)
     return model.to(device), tokenizer, prompt
 
 

