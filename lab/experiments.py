@@ -95,15 +95,17 @@ def settle(folder, name, steps):
 
 
 def archive(folder, name, results=RESULTS):
-    """A run's metrics.jsonl, every scalar metric and the gradient decomposition's BUCKET numbers,
-    floats to 6 significant digits, gzipped without a time stamp (the same log gives the same bytes)
-    to results/<grid>/runs/<run>.jsonl.gz, written atomically. No log: nothing."""
+    """A run's metrics.jsonl, every scalar metric, a real model's logged texts (probe_reasonings)
+    and the gradient decomposition's BUCKET numbers, floats to 6 significant digits, gzipped
+    without a time stamp (the same log gives the same bytes) to
+    results/<grid>/runs/<run>.jsonl.gz, written atomically. No log: nothing."""
     path = os.path.join(folder, "metrics.jsonl")
     if not os.path.isfile(path):
         return None
     lines = []
     for r in read_jsonl(open(path)):
-        kept = {k: six_digits(v) for k, v in r.items() if not isinstance(v, (list, dict))}
+        kept = {k: six_digits(v) for k, v in r.items() if not isinstance(v, (list, dict))
+                or isinstance(v, list) and all(isinstance(x, str) for x in v)}
         if "grad_decomposition" in r:
             kept["grad_decomposition"] = [{k: six_digits(b[k]) for k in BUCKET}
                                           for b in r["grad_decomposition"]]

@@ -2,6 +2,7 @@
 statistics (intervals over seeds, values at a count of optimiser steps, onsets, correlations by
 seed), the report's refusals -- on small synthetic runs (no training here); and the committed tables
 equal the ones regenerated from the committed per-run archives."""
+import csv
 import filecmp
 import gzip
 import json
@@ -96,7 +97,7 @@ def test_every_grid_parses_as_train_flags_and_claims_get_five_seeds():
     for name, g in grids.GRIDS.items():
         for _, _, _, argv in grids.runs_of(name):
             args = flags.parse_args(train.Args, argv)  # every flag is a real train.py flag
-            assert args.model == ("smollm2" if name == "smollm2" else "tiny")  # named, never by machine
+            assert args.model == ("smollm2" if name.startswith("smollm2") else "tiny")  # never by machine
         if g["decide"] and g["decide"][0]["kind"] != "search":
             assert g["seeds"] == [0, 1, 2, 3, 4], name  # 5 seeds for every claim
         for rule in g["decide"]:
@@ -182,6 +183,70 @@ def test_the_archive_keeps_every_scalar_gzipped_and_reproducible(grid):
         "reg_grad_norm": 1.0}
     assert records[5]["probe_mi_estimate"] == float(f"{0.5 / 3:.6g}") and records[5]["time_step"] == 1.0
     assert experiments.archive(os.path.join("runs", "nowhere"), grid) is None
+
+
+def real_model_run(folder, ways, own_share):
+    """A real model's metrics.jsonl: validation every 10 steps rising, at the diagnoses (step 1,
+    every 5) the probe set's three prompts' reasonings as text -- the share own_share(s) stating
+    their own input's way, the rest another's -- with the grounded share and an MI that follow it
+    (the first two prompts' inputs have the same way: the third's is the other way they state)."""
+    os.makedirs(folder)
+    say = lambda w: f" {abs(w[0])} {'Up' if w[0] < 0 else 'Down'}, {abs(w[1])} {'Left' if w[1] < 0 else 'Right'}."
+    with open(os.path.join(folder, "metrics.jsonl"), "w") as f:
+        for s in range(0, 21):
+            r = {"step": s}
+            if s:
+                r.update(train_success=0.5, time_step=1.0, token_entropy=0.5, response_length=20.0,
+                         optimizer_steps=1)
+            if s % 5 == 0 and s or s == 1:
+                own = round(own_share(s) * 4)  # of each prompt's 4 samples
+                other = [ways[2], ways[2], ways[0]]
+                texts = [say(ways[p] if k < own else other[p]) for p in range(3) for k in range(4)]
+                r.update(probe_reasonings=texts, probe_grounded_share=own / 4, probe_mi_estimate=own / 40,
+                         mi_zscore=own / 4, probe_retrieval_acc=0.5, probe_reasoning_entropy=1.0,
+                         probe_conditional_entropy=1.0)
+            if s % 10 == 0:
+                r["val_success"] = 0.3 + 0.01 * s
+            f.write(json.dumps(r) + "\n")
+
+
+def test_a_real_models_report_reads_its_grounded_share_and_what_its_reasoning_says(tmp_path, monkeypatch):
+    """A grid of a real model reading coordinates: the archives keep the probe reasonings (text),
+    the report correlates the grid's dials with the grounded share, labels every reasoning of the
+    first and last diagnosis exactly (reasonings.csv), and decides a rule with a margin."""
+    from warmstart import grounding
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setitem(grids.GRIDS, "real", dict(
+        claim="a real model", flags=grids.SMOLLM2_COORDS[:-4] + ["--probe-prompts", "3", "--probe-samples", "4"],
+        common=grids.GRIDS["smollm2-coords"]["common"], world="frozenlake",
+        settings={"none": ["--filter", "none"]}, seeds=[0, 1, 2, 3, 4], steps=20, table_steps=[0, 20],
+        dials=["probe_mi_estimate", "mi_zscore", "token_entropy"],
+        decide=[dict(kind="paired", metric="val_success", a=("none", "step", 20), b=("none", "step", 0),
+                     sign=1, margin=0.1, text="rises by more than 0.1"),
+                dict(kind="paired", metric="val_success", a=("none", "step", 20), b=("none", "step", 0),
+                     sign=1, margin=0.3, text="rises by more than 0.3")]))
+    ways = [grounding.input_way("frozenlake", {"size": 4, "success_rate": 1.0}, defaults.PROBE_SEED_BASE + p)
+            for p in range(3)]
+    assert ways[0] == ways[1] != ways[2]
+    for _, seed, folder, _ in grids.runs_of("real"):
+        real_model_run(folder, ways, lambda s: 1.0 - 0.025 * s)  # the grounded share falls
+        experiments.archive(folder, "real")
+    records = [json.loads(line) for line in gzip.open(report.archive_path("real", folder), "rt")]
+    assert len(records[1]["probe_reasonings"]) == 12  # the texts are archived
+    report.report("real", with_figures=False)
+    text = open(os.path.join("results", "real", "table.md")).read()
+    verdicts = [line.rsplit("|", 2)[1].strip() for line in text.splitlines() if line.startswith("| rises")]
+    assert verdicts == ["holds", "contradicted"]  # + 0.2 exactly, every seed alike
+    assert "## Spearman correlation with the probe set's grounded share" in text
+    with open(os.path.join("results", "real", "correlations-grounded.csv")) as f:
+        rows = {r["diagnostic"]: r for r in csv.DictReader(f) if r["scope"] == "within runs, by seed"}
+    assert float(rows["probe_mi_estimate"]["rho"]) == pytest.approx(1.0)  # it tracks the share
+    with open(os.path.join("results", "real", "reasonings.csv")) as f:
+        said = list(csv.DictReader(f))
+    first, last = ([r for r in said if r["seed"] == "0" and r["step"] == s] for s in ("1", "20"))
+    assert [r["label"] for r in first] == ["grounded"] * 12  # step 1: every reasoning its own way
+    assert [r["label"] for r in last] == (["grounded"] * 2 + ["borrowed"] * 2) * 3
+    assert "## What the reasoning looks like" in text and "| none | 0 |" in text
 
 
 # --------------------------------------------------------------------------------------- statistics
