@@ -214,10 +214,11 @@ def probe(run):
 
 
 def scoring(run):
-    """How the diagnosis scores: at the rollouts' temperature, --micro-batch reasonings at a time,
-    the ids as sampled or, with --retokenize, the decoded texts tokenised again."""
+    """How the diagnosis scores: at the rollouts' temperature, every reasoning of a prompt in one
+    batch (no gradients: no memory to save), the ids as sampled or, with --retokenize, the decoded
+    texts tokenised again."""
     a = run.args
-    return dict(temperature=a.temperature, batch_size=a.micro_batch, pad_id=run.pad_id,
+    return dict(temperature=a.temperature, batch_size=None, pad_id=run.pad_id,
                 retokenize=run.tokenizer if a.retokenize else None)
 
 

@@ -494,7 +494,11 @@ GRIDS["smollm2"] = dict(
 # or all fail (no reward spread: a pilot's Top-P kept 25-75% of the groups), the regime in which
 # the mechanism lets the regularisers drive the update. Every update is one optimiser step whatever
 # the filter keeps (at most 16 trajectories, mini-batches of 32): equal optimiser steps by
-# construction. Registered before its first run.
+# construction. The diagnosis and validation every 10 steps (one cadence for the onsets). Estimate:
+# about 100 s a step with its share of diagnoses and validations, one thread each, two at a time
+# (measured on 2 cores: rollouts 25 s, an update of all 16 trajectories 49 s, a probe diagnosis
+# 73 s, a validation 60 s, with 2 threads): 15 runs x 60 steps x 100 s / 2 = 12.5 h, the Top-P
+# runs (the README's command) first. Registered before its first run.
 SMOLLM2_COORDS = ["--model", "smollm2", "--observation", "coords", "--env", "frozenlake", "--algo",
                   "grpo", "--lora", "16", "--lr", "2e-4", "--kl-coef", "0.001", "--groups", "4",
                   "--group-size", "4", "--max-turns", "2", "--max-new-tokens", "40",
@@ -507,12 +511,13 @@ GRIDS["smollm2-coords"] = dict(
           "probe MI fall, Top-P keeps the grounded share above no filter and above a random subset "
           "of its size, the MI falls before success? 60 steps, 5 seeds. A clear null is a "
           "result.",
-    flags=SMOLLM2_COORDS, common=["--mi-every", "5", "--val-every", "10", "--threads", "1",
+    flags=SMOLLM2_COORDS, common=["--mi-every", "10", "--val-every", "10", "--threads", "1",
                                   "--no-plot"],
     world="frozenlake",
     settings={"topp": FILTERS["topp"], "none": FILTERS["none"],
               "random": ["--filter", "random", "--control-of", "topp"]},
     seeds=SEEDS, steps=60, table_steps=[0, 10, 20, 30, 40, 50, 60],
+    seconds={s: 100.0 for s in ("topp", "none", "random")},
     dials=["probe_mi_estimate", "mi_zscore", "probe_retrieval_acc", "probe_reasoning_entropy",
            "probe_conditional_entropy", "token_entropy", "response_length"],
     decide=[
