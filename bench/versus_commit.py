@@ -8,9 +8,9 @@ threads. Runs alternate, old then new, so a change in the machine's load hits bo
 repeats is compared.
 
 - tiny: `train.py --env sokoban --filter topp --steps 5`, warm-started by its own code (the first
-  run of each builds its warm start; a build is not a step, so it is not timed). A step's time is
-  train.py's own `time_step`, the mean over steps 2-4 (step 1 and step 5 also cross-score, and step
-  5 validates).
+  run of each builds its warm start; a build is not a step, so it is not timed). train.py's own
+  time_rollout, time_update and time_step, the mean over steps 2-4 (step 1 and step 5 also
+  cross-score, and step 5 validates).
 - smollm2: the README's SmolLM2 sizes (4 groups x 4 rollouts, 2 turns of at most 40 tokens, GRPO,
   LoRA 16) without the warm start and without a filter, so that every step updates and replies run
   near the token limit, 3 steps, no diagnosis or validation: time_rollout and time_update, the mean
@@ -34,6 +34,7 @@ STEPS = {"tiny": (2, 3, 4), "smollm2": (2, 3)}
 SMOLLM2 = ["--env", "frozenlake", "--model", "smollm2", "--algo", "grpo", "--lora", "16", "--groups",
            "4", "--group-size", "4", "--max-turns", "2", "--max-new-tokens", "40", "--no-warm-start",
            "--filter", "none", "--mi-every", "0", "--val-every", "0", "--steps", "3"]
+PHASES = ("time_rollout", "time_update", "time_step")
 WARM_START = 4  # steps of the warm start timed
 BUILD = ("import json, os, sys, time; sys.path.insert(0, os.getcwd()); from plumbing import models; "
          "models.smollm2_warm_start('frozenlake', {{'size': 4, 'success_rate': 1.0}}, "
@@ -69,8 +70,7 @@ def seconds_per_step(code, model, out, cache):
             print(f"  {line} ({os.path.basename(code)})", flush=True)
     with open(os.path.join(out, "metrics.jsonl")) as f:
         steps = {m["step"]: m for m in map(json.loads, f) if "time_step" in m}
-    phases = ("time_step",) if model == "tiny" else ("time_rollout", "time_update", "time_step")
-    return {k: statistics.mean(steps[s][k] for s in STEPS[model]) for k in phases}
+    return {k: statistics.mean(steps[s][k] for s in STEPS[model]) for k in PHASES}
 
 
 def warm_start_seconds(code, cache):
