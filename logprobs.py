@@ -16,7 +16,7 @@ import ppo
 
 
 def policy_logprobs(model, input_ids, mask, with_entropy=False, temperature=1.0,
-                    chunk_elements=2 ** 24, dtype=torch.float32):
+                    chunk_elements=2 ** 24, dtype=torch.float32, share_prefix=False):
     """log pi(ids[b, t+1] | ids[b, :t+1]) -- and the entropy of pi there -- only at the positions
     where mask[b, t] = 1 -> ([B, T-1], [B, T-1] or None) in `dtype`, 0 elsewhere. `input_ids`
     [B, T] is right-padded: a causal mask already hides the padding at the end from every real
@@ -26,19 +26,23 @@ def policy_logprobs(model, input_ids, mask, with_entropy=False, temperature=1.0,
     verl and TRL divide the logits before every log-prob). Scoring samples drawn at T = 0.7 with
     the T = 1 softmax would make the ratio, the entropy bonus and the KL those of another policy.
 
-    Rows that share their first tokens (prefix_cells: a group's rollouts share their prompt) run
-    them once (shared_prefix_hidden). The output layer is what costs memory: full logits are
-    [B, T, V] floats (V = 151,936 for Qwen). Here the hidden states are gathered at the masked
-    positions ([N, D]), and the output layer runs on them a chunk at a time (head_logprobs), so
-    the backward pass keeps only the [N, D] inputs and recomputes one chunk's [n, V] logits at a
-    time. Equal to ppo.token_logprobs and ppo.entropy_from_logits on the full tempered logits
-    (tests check it). Works for peft models (the adapters stay active).
+    share_prefix: rows that share their first tokens (prefix_cells) run them once
+    (shared_prefix_hidden). That pays where many rows share a long prompt and go on briefly, as
+    cross-scoring's reasonings under one prompt (mi.cross_scores); over whole transcripts (the
+    update) one pass over all rows is faster (bench/README.md).
+
+    The output layer is what costs memory: full logits are [B, T, V] floats (V = 151,936 for
+    Qwen). Here the hidden states are gathered at the masked positions ([N, D]), and the output
+    layer runs on them a chunk at a time (head_logprobs), so the backward pass keeps only the
+    [N, D] inputs and recomputes one chunk's [n, V] logits at a time. Equal to ppo.token_logprobs
+    and ppo.entropy_from_logits on the full tempered logits (tests check it). Works for peft
+    models (the adapters stay active).
     """
     lm = model.get_base_model() if hasattr(model, "get_base_model") else model
     at = mask.bool()                                                           # [B, T-1]
     logp = torch.zeros(at.shape, dtype=dtype, device=input_ids.device)         # [B, T-1]
     entropy = torch.zeros_like(logp) if with_entropy else None
-    for rows, n in prefix_cells(input_ids, at, shared=not _drops_the_cache(lm)):
+    for rows, n in prefix_cells(input_ids, at, shared=share_prefix and not _drops_the_cache(lm)):
         hidden = shared_prefix_hidden(lm.get_decoder(), input_ids[rows], n)[:, :-1]  # [k, T-1-n, D]
         cell = at[rows, n:]                                                    # [k, T-1-n]
         out = head_logprobs(lm, hidden[cell], input_ids[rows, n + 1:][cell], with_entropy,

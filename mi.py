@@ -466,8 +466,8 @@ def cross_scores(model, prompt_ids, reasoning_ids, batch_size=None, temperature=
                     ids[r, :len(row)] = torch.tensor(row)
                     mask[r, len(x) - 1:len(row) - 1] = 1
                 logp, _ = logprobs.policy_logprobs(model, ids.to(device), mask.to(device),
-                                                   temperature=temperature,
-                                                   dtype=torch.float64)              # [b, T-1]
+                                                   temperature=temperature, dtype=torch.float64,
+                                                   share_prefix=True)                # [b, T-1]
                 scores[batch, j] = logp.sum(1).cpu()
     finally:
         model.train(was_training)
@@ -503,6 +503,15 @@ def logprob_diff(scores, owner, sampled):
     return (own - torch.tensor(sampled, dtype=torch.float64)).abs().max().item()
 
 
+def scored_ids(prompts, samples, retokenize=None):
+    """The prompts' and the reasonings' token ids as sampled (rollout.FirstTurn records), or their
+    texts tokenised again by `retokenize` (the official code's way) -> (xs, zs)."""
+    if retokenize is None:
+        return [p.prompt_ids for p in prompts], [s.reasoning_ids for s in samples]
+    return (tokenize(retokenize, [p.prompt for p in prompts]),
+            tokenize(retokenize, [s.reasoning for s in samples]))
+
+
 def diagnose(model, prompts, samples, owner, temperature=1.0, batch_size=None, pad_id=0,
              retokenize=None):
     """Sec. 2.3 on one step: every sample's first reasoning cross-scored under every prompt's
@@ -510,11 +519,7 @@ def diagnose(model, prompts, samples, owner, temperature=1.0, batch_size=None, p
     identical prompt texts counting as one target, and diagnosis_logprob_diff (logprob_diff: 0 up
     to float rounding when the ids sampled are scored). `retokenize`: a tokenizer, to score the
     decoded texts tokenised again instead (the official code's way)."""
-    if retokenize is not None:
-        xs = tokenize(retokenize, [p.prompt for p in prompts])
-        zs = tokenize(retokenize, [s.reasoning for s in samples])
-    else:
-        xs, zs = [p.prompt_ids for p in prompts], [s.reasoning_ids for s in samples]
+    xs, zs = scored_ids(prompts, samples, retokenize)
     scores, lengths = cross_scores(model, xs, zs, batch_size, temperature, pad_id)
     out = collapse_metrics(scores, owner, lengths, prompt_keys=[p.prompt for p in prompts])
     out["diagnosis_logprob_diff"] = logprob_diff(scores, owner,
@@ -530,11 +535,7 @@ def probe(model, samples, per_prompt, temperature=1.0, batch_size=None, pad_id=0
     z_j of its prompt), with diagnosis_logprob_diff over both scorings."""
     firsts, K = samples[::per_prompt], per_prompt
     owner = [i // K for i in range(len(samples))]
-    if retokenize is not None:
-        xs = tokenize(retokenize, [p.prompt for p in firsts])
-        zs = tokenize(retokenize, [s.reasoning for s in samples])
-    else:
-        xs, zs = [p.prompt_ids for p in firsts], [s.reasoning_ids for s in samples]
+    xs, zs = scored_ids(firsts, samples, retokenize)
     scores, lengths = cross_scores(model, xs, zs, batch_size, temperature, pad_id)
     diffs = [logprob_diff(scores, owner, [s.reasoning_logprob for s in samples])]
     actions = []  # [P, K, K]: L[k, j] = log p(a_k | x, z_j), within each prompt

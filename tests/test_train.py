@@ -180,7 +180,7 @@ def test_shared_prefixes_run_once_and_change_nothing(tmp_path, checkpointing):
     (plain.sum() + plain_entropy.sum()).backward()
     plain_grads = [p.grad.clone() for p in run.policy.parameters()]
     run.policy.zero_grad()
-    logp, entropy = logprobs.policy_logprobs(run.policy, ids, mask, with_entropy=True)
+    logp, entropy = logprobs.policy_logprobs(run.policy, ids, mask, with_entropy=True, share_prefix=True)
     torch.testing.assert_close(logp, plain, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(entropy, plain_entropy, atol=1e-5, rtol=1e-5)
     (logp.sum() + entropy.sum()).backward()
