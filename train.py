@@ -230,9 +230,11 @@ def labels(run, episodes, inputs):
     a = run.args
     if "system" in run.prompt:  # the tiny policy's prompt (a real model's has no system piece)
         return {"template_share": templates.share_of(episodes, a.env, a.template_kind)}
+    if a.env != "frozenlake":  # only FrozenLake has a way to label
+        return {}
     seeds = {e.group: e.seed for e in inputs}
     ways = {g: grounding.input_way(a.env, runs.env_kwargs(a), seed) for g, seed in seeds.items()}
-    return grounding.shares(episodes, ways) if a.env == "frozenlake" else {}
+    return grounding.shares(episodes, ways)
 
 
 def reasonings(run, episodes):

@@ -304,7 +304,8 @@ def report(name, results=RESULTS, with_figures=True, force=False):
     replicated = replication(name, decisions, results)
     grounded = (correlations(name, data, "probe_grounded_share")
                 if logged(data, GROUNDED[:1]) else ([], []))
-    said = reasonings.rows(name, data, samples_per_prompt(name))
+    per_prompt = samples_per_prompt(name)
+    said = reasonings.rows(name, data, per_prompt)
     files = {"table.csv": rows, "decisions.csv": decisions, "leadlag.csv": leads,
              "correlations.csv": within + world_rows, "gradients.csv": gradients,
              "search.csv": searched, "replication.csv": replicated,
@@ -322,8 +323,7 @@ def report(name, results=RESULTS, with_figures=True, force=False):
     if said:  # a real model's runs: the dials against the grounded share, what the reasoning says
         files.update({"correlations-grounded.csv": sum(grounded, []), "reasonings.csv": said})
         numbers["correlations_grounded"] = sum(grounded, [])
-        text += "\n".join(grounded_section(*grounded) + reasonings.section(
-            said, samples_per_prompt(name))) + "\n"
+        text += "\n".join(grounded_section(*grounded) + reasonings.section(said, per_prompt)) + "\n"
     publish(name, out, files, numbers, text,
             (lambda folder: figures(name, data, folder)) if with_figures else None)
     return rows

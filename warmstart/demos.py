@@ -40,9 +40,9 @@ TINY_SYSTEM = "Reach the goal. Think in <think> </think>, then act in <answer> <
 # demonstrations use seeds from here on, away from the small seeds used for validation
 DEMO_SEEDS = 1_000_000
 ROUND = 4  # batches of demonstrations played at once, then cut by length
-# the objects a positions line names, per world: (name, grid symbols that show it)
-OBJECTS = {"sokoban": (("Player", "PS"), ("box", "X√"), ("target", "O√S")),
-           "frozenlake": (("Player", "PX√"), ("goal", "G√"))}
+# the objects a positions line names, per world: (name, grid symbols that show it); the
+# coordinates line's (envs.COORDINATES) but FrozenLake's holes, which the tiny policy is not told
+OBJECTS = {"sokoban": envs.COORDINATES["sokoban"], "frozenlake": envs.COORDINATES["frozenlake"][:2]}
 NEIGHBOURS = (("Up", -1, 0), ("Down", 1, 0), ("Left", 0, -1), ("Right", 0, 1))
 
 

@@ -45,7 +45,8 @@ def input_way(env_name, env_kwargs, seed):
     if env_name != "frozenlake":
         return None
     grid, _ = envs.make_env(env_name, **(env_kwargs or {})).reset(seed=seed)
-    (player,), (goal,) = envs.where(grid, "PX√"), envs.where(grid, "G√")
+    player_goal = envs.COORDINATES[env_name][:2]
+    (player,), (goal,) = (envs.where(grid, symbols) for _, symbols in player_goal)
     return goal[0] - player[0], goal[1] - player[1]
 
 
