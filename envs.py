@@ -53,9 +53,10 @@ def make_env(name, **kwargs):
     check(isinstance(name, str) and name.lower() in ENVS,
           f"unknown environment {name!r}; valid: {', '.join(sorted(ENVS))}")
     cls = ENVS[name.lower()]
-    valid = [k for k in inspect.signature(cls).parameters]
-    bad = sorted(set(kwargs) - set(valid))
-    check(not bad, f"unknown parameter(s) {bad} for {name}; valid: {', '.join(valid)}")
+    if kwargs:  # read the signature only when there is something to check: it is slow
+        valid = [k for k in inspect.signature(cls).parameters]
+        bad = sorted(set(kwargs) - set(valid))
+        check(not bad, f"unknown parameter(s) {bad} for {name}; valid: {', '.join(valid)}")
     return cls(**kwargs)
 
 
