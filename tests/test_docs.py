@@ -192,3 +192,22 @@ def test_a_bad_command_is_caught(monkeypatch):
         check_script("bench/run_all.py", ["--nosuch"])
     with pytest.raises(AssertionError):
         check_module("no_such_module_here", [], monkeypatch)
+
+
+def test_the_readmes_smollm2_command_is_the_grids_top_p_run():
+    """What RESULTS.md section 14 measures is what the README tells a reader to run: train.py reads
+    the README's SmolLM2 command and the smollm2-coords grid's Top-P run as the same settings, but
+    for the grid's thread count, figures and run folder."""
+    import dataclasses
+
+    from lab import grids
+
+    with open(os.path.join(ROOT, "README.md"), encoding="utf-8") as f:
+        readme = [argv_of(line) for line in bash_commands(f.read())]
+    smollm2 = [argv[2:] for argv in readme if argv and argv[1] == "train.py" and "smollm2" in argv]
+    assert len(smollm2) == 1, smollm2
+    grid = grids.GRIDS["smollm2-coords"]
+    run = grid["flags"] + grid["common"] + grid["settings"]["topp"] + ["--steps", str(grid["steps"])]
+    settings = [{k: v for k, v in dataclasses.asdict(flags.parse_args(flags.Args, argv)).items()
+                 if k not in ("threads", "plot", "out")} for argv in (smollm2[0], run)]
+    assert settings[0] == settings[1]
