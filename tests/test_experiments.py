@@ -544,21 +544,29 @@ def test_some_grids_have_committed_reports():
     assert REPORTED  # the next test runs once for each
 
 
+@pytest.fixture(scope="module")
+def archives(tmp_path_factory):
+    """Every reported grid's archives and manifest, copied once (a rule may compare with another
+    grid's runs), and the first report: what a report may be made from, and nothing else."""
+    folder = tmp_path_factory.mktemp("results")
+    for grid in REPORTED:
+        shutil.copytree(os.path.join(ROOT, "results", grid, "runs"), folder / grid / "runs")
+        shutil.copy(os.path.join(ROOT, "results", grid, "numbers.json"), folder / grid)
+    shutil.copytree(os.path.join(ROOT, "results", report.FIRST_REPORT), folder / report.FIRST_REPORT)
+    return folder
+
+
 @pytest.mark.parametrize("name", REPORTED)
-def test_committed_tables_equal_the_regenerated_ones(name, tmp_path):
+def test_committed_tables_equal_the_regenerated_ones(name, archives):
     """A registered grid with a committed report has its archives, all that the report was made
     from (a missing or shorter one fails), and regenerating from them alone gives every file byte
     for byte."""
-    for grid in REPORTED:  # every grid's archives: a rule may compare with another grid's runs
-        shutil.copytree(os.path.join(ROOT, "results", grid, "runs"), tmp_path / grid / "runs")
-        shutil.copy(os.path.join(ROOT, "results", grid, "numbers.json"), tmp_path / grid)
-    shutil.copytree(os.path.join(ROOT, "results", report.FIRST_REPORT), tmp_path / report.FIRST_REPORT)
-    manifest = json.load(open(tmp_path / name / "numbers.json"))["archives"]
-    assert manifest and len(os.listdir(tmp_path / name / "runs")) == len(manifest)
-    experiments.write_report(name, results=str(tmp_path), with_figures=False)  # refuses a missing archive
+    manifest = json.load(open(archives / name / "numbers.json"))["archives"]
+    assert manifest and len(os.listdir(archives / name / "runs")) == len(manifest)
+    experiments.write_report(name, results=str(archives), with_figures=False)  # refuses a missing archive
     for file in OUTPUTS:
         if os.path.isfile(os.path.join(ROOT, "results", name, file)):
-            assert filecmp.cmp(os.path.join(ROOT, "results", name, file), tmp_path / name / file,
+            assert filecmp.cmp(os.path.join(ROOT, "results", name, file), archives / name / file,
                                shallow=False), file
 
 
