@@ -6,6 +6,8 @@ archives.
                                                                # an hour on 2 idle CPU cores
     python bench/zero_shot.py --report                         # the table again, from the archives
     python bench/zero_shot.py --model smollm2 --warm-start     # after train.py's warm start
+    python bench/zero_shot.py --model smollm2 --warm-start --observation coords --worlds frozenlake
+                                                               # the grid read with coordinates
     python bench/zero_shot.py --model smollm2 --quick          # small sizes, to prove it runs
 
 Per world, all at sampling temperature 1 (the training temperature) and at most --max-new-tokens a
@@ -37,7 +39,7 @@ import envs  # noqa: E402
 import ppo  # noqa: E402
 import train  # noqa: E402
 from plumbing import defaults, models, runs  # noqa: E402
-from plumbing.flags import UsageError  # noqa: E402
+from plumbing.flags import UsageError, check_args  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # its siblings, however loaded
 from arguments import Parser, at_least, parse, refuse, thread_count  # noqa: E402
@@ -59,13 +61,14 @@ def worlds(text):
 
 
 def measure(model, world, val_seeds, groups, group_size, probe, max_new_tokens, threads, seed=0,
-            warm_start=False):
+            warm_start=False, observation="grid"):
     started = time.time()
-    a = train.Args(model=model, warm_start=warm_start, env=world, temperature=1.0,
-                   val_temperature=1.0,
+    a = train.Args(model=model, warm_start=warm_start, env=world, observation=observation,
+                   temperature=1.0, val_temperature=1.0,
                    max_new_tokens=max_new_tokens, threads=threads, groups=groups,
                    group_size=group_size, mi_samples=groups * group_size, val_seeds=val_seeds,
                    probe_prompts=probe, probe_samples=probe, seed=seed, out="runs/zero-shot")
+    check_args(a)  # e.g. --observation coords for a world without a grid: one line
     runs.resolve_defaults(a, torch.device("cpu"))
     run = runs.load_run(a, torch.device("cpu"), a.model)
     torch.manual_seed(seed)
@@ -79,7 +82,8 @@ def measure(model, world, val_seeds, groups, group_size, probe, max_new_tokens, 
     wins = sum(e.success for e in episodes)
     lengths = [n for e in episodes for n in e.response_lengths]
     cut = [n >= max_new_tokens for n in lengths]
-    out = {"model": model + (" (warm start)" if warm_start else ""), "world": world,
+    out = {"model": model + (" (warm start)" if warm_start else ""),
+           "world": world + (f" ({observation})" if observation != "grid" else ""),
            "max_new_tokens": max_new_tokens, "seed": seed,
            "val_seeds": val_seeds, "success": wins / val_seeds,
            "random_success": envs.baselines(world, **runs.env_kwargs(a))[1],
@@ -162,6 +166,8 @@ def main():
     parser.add_argument("--threads", type=thread_count, default=2)
     parser.add_argument("--warm-start", action="store_true",
                         help="the model after its warm start (train.py's), not as pretrained")
+    parser.add_argument("--observation", choices=envs.OBSERVATIONS, default="grid",
+                        help="the bare grid, or with its coordinates (train.py's --observation)")
     parser.add_argument("--quick", action="store_true", help="small sizes; writes nothing")
     parser.add_argument("--report", action="store_true", help="only the table, from the archives")
     args = parse(parser, quick=dict(max_new_tokens=8))
@@ -170,15 +176,16 @@ def main():
             sizes = (4, 2, 2, 2) if args.quick else (64, GROUPS, GROUP_SIZE, 8)
             try:
                 row = measure(args.model, world, *sizes, args.max_new_tokens, args.threads,
-                              warm_start=args.warm_start)
+                              warm_start=args.warm_start, observation=args.observation)
             except (models.ModelError, UsageError) as e:  # e.g. a model not on this machine
                 refuse(e)
             print(json.dumps({k: v for k, v in row.items() if k != "examples"}))
             if not args.quick:
                 os.makedirs(OUT, exist_ok=True)
                 name = os.path.basename(os.path.normpath(args.model)) + (
-                    "-warm-start" if args.warm_start else "")
-                with open(os.path.join(OUT, f"{name}-{world}.json"), "w") as f:
+                    "-warm-start" if args.warm_start else "") + f"-{world}" + (
+                    f"-{args.observation}" if args.observation != "grid" else "")
+                with open(os.path.join(OUT, f"{name}.json"), "w") as f:
                     json.dump(row, f, indent=1)
             print(f"RESULT zero_shot_format_rate_{world} {row['format_rate']:.4f}")
     if not args.quick:

@@ -123,6 +123,8 @@ def test_the_zero_shot_table_regenerates_from_its_committed_archives():
     ("bench_rollout.py", ["--threads", str(10 * (os.cpu_count() or 1))], "the machine's"),
     ("zero_shot.py", ["--model", "gpt2", "--quick"], "--model gpt2: not in the local Hugging Face cache"),
     ("zero_shot.py", ["--worlds", "frozenlake,nosuch"], "argument --worlds: no world 'nosuch'"),
+    ("zero_shot.py", ["--observation", "coords", "--worlds", "bandit", "--quick"],
+     "--observation coords is for a real model in a grid world"),
 ])
 def test_a_size_or_name_a_script_cannot_use_is_one_line_and_exit_2(script, argv, words, monkeypatch, capsys):
     """As train.py's flags: one line naming the flag, exit code 2, no traceback from inside a
