@@ -153,7 +153,7 @@ def table(folder=OUT):
               for label, show in ROWS]
     sizes = {(r["val_seeds"], r["max_new_tokens"]) for r in archives}
     note = "; ".join(f"{v} validation seeds, at most {t} tokens a turn" for v, t in sorted(sizes))
-    return ("# Before any training\n\nMade by `python bench/zero_shot.py --report` from the "
+    return ("# Before RL\n\nMade by `python bench/zero_shot.py --report` from the "
             f"archives beside this file ({note}; temperature 1).\n\n" + "\n".join(lines) + "\n")
 
 
