@@ -39,6 +39,7 @@ import envs  # noqa: E402
 import ppo  # noqa: E402
 import train  # noqa: E402
 from plumbing import defaults, models, runs  # noqa: E402
+from plumbing.checkpoints import atomic_write  # noqa: E402
 from plumbing.flags import UsageError, check_args  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # its siblings, however loaded
@@ -185,13 +186,11 @@ def main():
                 name = os.path.basename(os.path.normpath(args.model)) + (
                     "-warm-start" if args.warm_start else "") + f"-{world}" + (
                     f"-{args.observation}" if args.observation != "grid" else "")
-                with open(os.path.join(OUT, f"{name}.json"), "w") as f:
-                    json.dump(row, f, indent=1)
+                atomic_write(os.path.join(OUT, f"{name}.json"), json.dumps(row, indent=1))
             print(f"RESULT zero_shot_format_rate_{world} {row['format_rate']:.4f}")
     if not args.quick:
         text = table()
-        with open(os.path.join(OUT, "README.md"), "w") as f:
-            f.write(text)
+        atomic_write(os.path.join(OUT, "README.md"), text)
         print(text)
 
 
