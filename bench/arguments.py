@@ -5,11 +5,8 @@ import argparse
 import os
 import sys
 
-
-class Parser(argparse.ArgumentParser):
-    def error(self, message):  # argparse would print the usage too; one line is enough
-        print(f"error: {message}", file=sys.stderr)
-        sys.exit(2)
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the project
+from plumbing.flags import Parser, UsageError  # noqa: E402,F401 (Parser: the scripts' parser)
 
 
 def at_least(low):
@@ -47,13 +44,17 @@ def multiple_of(n):
 
 def parse(parser, argv=None, quick=None):
     """The parsed flags; with --quick, the sizes `quick` ({dest: value}) stand in for the defaults
-    of the flags not given, so a flag given with --quick is used, not ignored."""
-    args = parser.parse_args(argv)
-    if quick and args.quick:
-        defaults = {k: parser.get_default(k) for k in quick}
-        parser.set_defaults(**quick)
+    of the flags not given, so a flag given with --quick is used, not ignored. A refused flag is
+    one line and exit code 2."""
+    try:
         args = parser.parse_args(argv)
-        parser.set_defaults(**defaults)
+        if quick and args.quick:
+            defaults = {k: parser.get_default(k) for k in quick}
+            parser.set_defaults(**quick)
+            args = parser.parse_args(argv)
+            parser.set_defaults(**defaults)
+    except UsageError as e:
+        refuse(str(e))
     return args
 
 

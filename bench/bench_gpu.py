@@ -30,7 +30,7 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # its siblings, however loaded
-from arguments import Parser, at_least, thread_count  # noqa: E402
+from arguments import Parser, at_least, parse, thread_count  # noqa: E402
 # Qwen2.5 base and -Instruct: hidden, intermediate, layers, attention heads, key-value heads
 SHAPES = {
     "0.5b": (896, 4864, 24, 14, 2),
@@ -203,7 +203,7 @@ def main(argv=None):
     parser.add_argument(
         "--cpu", action="store_true", help="run without a GPU anyway (a 0.5B step takes hours)"
     )
-    args = parser.parse_args(argv)
+    args = parse(parser, argv)
     if not (args.quick or args.cpu or torch.cuda.is_available()):
         print("error: no GPU found: these rows measure GPU memory and time; --quick runs a tiny "
               "model on the CPU, --cpu runs the rows there anyway", file=sys.stderr)

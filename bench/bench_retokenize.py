@@ -24,7 +24,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # its siblings, however loaded
-from arguments import Parser, thread_count  # noqa: E402
+from arguments import Parser, parse, thread_count  # noqa: E402
 import rollout  # noqa: E402
 import train  # noqa: E402
 from plumbing import defaults, runs  # noqa: E402
@@ -66,7 +66,7 @@ def main():
                              "at most 64 tokens")
     parser.add_argument("--world", choices=("frozenlake", "sokoban"), help="one world only")
     parser.add_argument("--float64", action="store_true", help="sample and score in float64")
-    args = parser.parse_args()
+    args = parse(parser)
     torch.set_num_threads(args.threads)
     worlds, temperatures = [args.world] if args.world else ["frozenlake", "sokoban"], [1.0, 2.5]
     groups, group_size, tokens = 8, 16, None

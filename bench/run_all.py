@@ -7,7 +7,6 @@ bench_gpu.py's full size needs a GPU (a 0.5B model on a CPU takes hours); withou
 one only its --quick mode runs. Exit status 1 when any script fails.
 """
 
-import argparse
 import glob
 import os
 import subprocess
@@ -16,15 +15,18 @@ import sys
 import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)  # its siblings, however loaded
+from arguments import Parser, parse, thread_count  # noqa: E402
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = Parser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="pass --quick to every script")
     parser.add_argument(
-        "--threads", type=int, default=2, help="passed to every script (torch.set_num_threads)"
+        "--threads", type=thread_count, default=2,
+        help="passed to every script (torch.set_num_threads)"
     )
-    args = parser.parse_args()
+    args = parse(parser)
 
     results, failed = [], []
     for script in sorted(glob.glob(os.path.join(HERE, "bench_*.py"))):

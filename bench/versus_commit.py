@@ -21,7 +21,6 @@ repeats is compared.
 It needs git and the repository's history (a clone, not an archive). Not named bench_*.py, so
 run_all.py leaves it out: it takes minutes.
 """
-import argparse
 import json
 import os
 import statistics
@@ -30,6 +29,9 @@ import sys
 import tempfile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "bench"))  # its siblings, however loaded
+from arguments import Parser, at_least, parse  # noqa: E402
+
 STEPS = {"tiny": (2, 3, 4), "smollm2": (2, 3)}
 SMOLLM2 = ["--env", "frozenlake", "--model", "smollm2", "--algo", "grpo", "--lora", "16", "--groups",
            "4", "--group-size", "4", "--max-turns", "2", "--max-new-tokens", "40", "--no-warm-start",
@@ -82,11 +84,11 @@ def warm_start_seconds(code, cache):
 
 
 def main():
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = Parser(description=__doc__.splitlines()[0])
     p.add_argument("commit", help="the earlier commit (e.g. 1acd888)")
     p.add_argument("--model", default="tiny", choices=("tiny", "smollm2"))
-    p.add_argument("--repeats", type=int, default=2)
-    a = p.parse_args()
+    p.add_argument("--repeats", type=at_least(1), default=2)
+    a = parse(p)
     times = {"old": [], "new": []}
     with tempfile.TemporaryDirectory() as tmp:
         old = os.path.join(tmp, "old")

@@ -34,7 +34,6 @@ time limit (--timeout, 300 s), and this process only reads what that one reports
 hangs, or code that ends its process (os._exit, a crash), fails that exercise with the reason in
 its row; the rows and the JSON file are written whatever the code does.
 """
-import argparse
 import ast
 import contextlib
 import importlib
@@ -47,6 +46,8 @@ import shutil
 import subprocess
 import sys
 import time
+
+from plumbing.flags import Parser, UsageError
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository
 GRADING_TESTS = os.path.join("tests", "test_grading.py")
@@ -241,10 +242,6 @@ def student_source(text, chosen, path="<text>"):
 
 
 # ---------------------------------------------------------------------------------------- commands
-
-class UsageError(Exception):
-    """Bad input: one line on stderr, exit code 2."""
-
 
 def check_names(names):
     unknown = [n for n in names if n not in EXERCISES]
@@ -492,10 +489,6 @@ def check(names=(), hidden=None, runs=None, json_path=None, timeout=TIMEOUT, roo
 
 
 def main(argv=None):
-    class Parser(argparse.ArgumentParser):
-        def error(self, message):  # argparse would print the usage too; one line is enough
-            raise UsageError(message)
-
     parser = Parser(prog="python -m course.exercises", description="Course assignments on the reference: list "
                     "them, make a student copy, grade a copy.", allow_abbrev=False)
     sub = parser.add_subparsers(dest="command", required=True, parser_class=Parser)

@@ -13,7 +13,6 @@ archive the report reads, committed); a run that did not finish is not archived,
 so. Every grid names its model: the tiny policy (on a GPU machine too), or smollm2 for the grid of
 that name. The statistics are in stats.py, the tables and figures in report.py.
 """
-import argparse
 import gzip
 import io
 import json
@@ -24,6 +23,7 @@ import time
 
 from lab import calibration, report
 from lab.grids import BUCKET, GRIDS, RESULTS, describe, done, estimate_hours, runs_of
+from plumbing.flags import Parser, UsageError
 from plumbing.plots import read_jsonl
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository
@@ -128,7 +128,7 @@ def six_digits(v):
 # ------------------------------------------------------------------------------------- command line
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(
+    parser = Parser(
         prog="python -m lab.experiments", description=" ".join(__doc__.split("\n\n")[0].split()))
     parser.add_argument("command", choices=("list", "run", "report"))
     parser.add_argument("grids", nargs="*", help=f"grid names: {', '.join(GRIDS)} (list, report: "
@@ -137,7 +137,10 @@ def main(argv=None):
     parser.add_argument("--only", help="run: only the settings whose name contains this text")
     parser.add_argument("--force", action="store_true",
                         help="report: overwrite a report even with fewer or shorter archives")
-    args = parser.parse_args(argv)
+    try:
+        args = parser.parse_args(argv)
+    except UsageError as e:
+        return fail(str(e))
     unknown = [g for g in args.grids if g not in GRIDS]
     if unknown:
         return fail(f"unknown grid {unknown[0]!r}; valid: {', '.join(GRIDS)}")

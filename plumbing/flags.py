@@ -65,6 +65,13 @@ class UsageError(Exception):
     """Bad input from the user: one line on stderr, exit code 2."""
 
 
+class Parser(argparse.ArgumentParser):
+    """argparse with a refused flag as a UsageError: one line, where argparse prints its usage too
+    (every command line of the project parses with it)."""
+    def error(self, message):
+        raise UsageError(message)
+
+
 def arg(default, help, **kw):
     return field(default=default, metadata=dict(help=help, **kw))
 
@@ -163,10 +170,6 @@ def build_parser(Args, defaults=True):
     """One flag per Args field, one line of help each with the default in brackets; a boolean
     field is --name and --no-name (hidden). defaults=False leaves out the flags not given (for
     --resume). No abbreviations: --step is an error, not --steps."""
-    class Parser(argparse.ArgumentParser):
-        def error(self, message):  # argparse would print the usage too; one line is enough
-            raise UsageError(message)
-
     description = ("RAGEN-2 in miniature: PPO / GRPO with SNR-aware filtering and the MI "
                    "diagnosis. Defaults in brackets; every on/off flag has a --no- form too.")
     formatter = functools.partial(argparse.HelpFormatter, max_help_position=30, width=110)

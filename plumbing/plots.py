@@ -17,7 +17,6 @@ with their own labels are overlaid in distinct styles.
     python -m plumbing.plots RUN [RUN ...] --out figures/
 """
 
-import argparse
 import json
 import math
 import os
@@ -28,6 +27,8 @@ import matplotlib
 matplotlib.use("Agg")  # files only, no screen needed
 import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.ticker import MaxNLocator  # noqa: E402
+
+from plumbing.flags import Parser, UsageError  # noqa: E402
 
 # figure -> panels: (keys drawn, title, y label, y range: (low, high) or None for automatic)
 FIGURES = {
@@ -212,12 +213,6 @@ def overlay_folder(run_dirs):
     return os.path.join(os.path.dirname(os.path.normpath(run_dirs[0])), name)
 
 
-class Parser(argparse.ArgumentParser):
-    def error(self, message):  # argparse would print the usage too; one line is enough
-        print(f"error: {message}", file=sys.stderr)
-        sys.exit(2)
-
-
 def main(argv=None):
     parser = Parser(description="Plot the paper's training curves from run folders.")
     parser.add_argument("runs", nargs="+", help="run folders holding metrics.jsonl")
@@ -225,7 +220,11 @@ def main(argv=None):
         "--out", default=None, help="folder for the PNGs (default: the run folder for one run; "
         "for several, a new folder beside the first, named after them: A+B)"
     )
-    args = parser.parse_args(argv)
+    try:
+        args = parser.parse_args(argv)
+    except UsageError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     missing = [d for d in args.runs if not os.path.isfile(os.path.join(d, "metrics.jsonl"))]
     if missing:
         print(f"error: no metrics.jsonl in {', '.join(missing)}", file=sys.stderr)

@@ -192,12 +192,11 @@ def check_lora_targets(a, policy=None):
                 policy = AutoModelForCausalLM.from_config(config)
         except Exception:  # a model that cannot be loaded (yet): models.load says why
             return
-    names = [n for n, m in policy.named_modules()
-             if isinstance(m, (torch.nn.Linear, torch.nn.Embedding))]
     targets = [] if a.lora_targets == "all-linear" else a.lora_targets.split(",")
-    missing = [t for t in targets if not any(n == t or n.endswith("." + t) for n in names)]
+    missing = [t for t in targets if not models.lora_layers(policy, t)]
     if missing:
-        known = sorted({n.rsplit(".", 1)[-1] for n in names})
+        known = sorted({n.rsplit(".", 1)[-1] for n, m in policy.named_modules()
+                        if isinstance(m, (torch.nn.Linear, torch.nn.Embedding))})
         raise UsageError(f"--lora-targets {a.lora_targets}: the policy has no layer named "
                          f"{', '.join(missing)}; its layers: {', '.join(known[:8])} (or "
                          f"all-linear)")

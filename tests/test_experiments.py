@@ -619,6 +619,10 @@ def test_command_line_help_list_and_errors(grid, capsys):
     assert "toy: not run yet" in capsys.readouterr().out
     assert experiments.main(["report", "toy"]) == 2
     assert "nothing to report" in capsys.readouterr().err
+    for argv in (["frob"], ["report", "--jobs", "x"]):  # argparse's refusals: one line, no usage
+        assert experiments.main(argv) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and err.startswith("error: argument"), err
 
 
 def test_ctrl_c_stops_the_runs_and_archives_only_what_finished(grid, monkeypatch, capsys):

@@ -119,7 +119,6 @@ def test_figures_never_replace_another_runs_own_nor_a_file(tmp_path, capsys):
 
 
 def test_bad_arguments_are_one_line(capsys):
-    with pytest.raises(SystemExit) as stopped:
-        plots.main([])
+    assert plots.main([]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert stopped.value.code == 2 and len(err) == 1 and "required: runs" in err[0], err
+    assert len(err) == 1 and "required: runs" in err[0], err
