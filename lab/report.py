@@ -264,6 +264,26 @@ def correlations(name, data, target="val_success", resamples=1000, seed=0):
     return within, world_rows
 
 
+def constant_dials(name, data):
+    """{dial: value} of the dials logged with one value at every point of every run: a constant
+    ranks nothing, so the correlation tables have no rho for it (and say why)."""
+    constant = {}
+    for diagnostic in GRIDS[name].get("dials", DIAGNOSTICS):
+        values = {r[diagnostic] for records in data.values() for r in records if diagnostic in r}
+        if len(values) == 1:
+            constant[diagnostic] = values.pop()
+    return constant
+
+
+def constant_note(constant):
+    """The line under a correlation table that names the constant dials."""
+    if not constant:
+        return []
+    said = "; ".join(f"{d} is {fmt(v)}" for d, v in constant.items())
+    return ["", f"No rho where a dial never moves: {said} at every point of every run, and a "
+                f"constant ranks nothing."]
+
+
 def onsets(data):
     """Per run: the step at which each ONSET series starts to move (stats.onset)."""
     keys = logged(data, ONSET)
@@ -318,12 +338,14 @@ def report(name, results=RESULTS, with_figures=True, force=False):
     numbers = {"decisions": decisions, "correlations": within + world_rows, "leadlag": leads,
                "gradients": gradients, "search": searched, "replication": replicated,
                "archives": archives}
+    constant = constant_dials(name, data)
     text = markdown(name, rows, decisions, within, world_rows, leads, gradients, searched,
-                    replicated)
+                    replicated, constant)
     if said:  # a real model's runs: the dials against the grounded share, what the reasoning says
         files.update({"correlations-grounded.csv": sum(grounded, []), "reasonings.csv": said})
         numbers["correlations_grounded"] = sum(grounded, [])
-        text += "\n".join(grounded_section(*grounded) + reasonings.section(said, per_prompt)) + "\n"
+        text += "\n".join(grounded_section(*grounded) + constant_note(constant)
+                          + reasonings.section(said, per_prompt)) + "\n"
     publish(name, out, files, numbers, text,
             (lambda folder: figures(name, data, folder)) if with_figures else None)
     return rows
@@ -403,7 +425,8 @@ def span(low, high):
     return "-" if low is None else f"{low:.3f} .. {high:.3f}"
 
 
-def markdown(name, rows, decisions, within, world_rows, leads, gradients, searched, replicated):
+def markdown(name, rows, decisions, within, world_rows, leads, gradients, searched, replicated,
+             constant):
     """table.md: the tables above, in the order a reader checks a claim."""
     g = GRIDS[name]
     shown = ["val_success"] + [k for k in TEMPLATE[:1] + GROUNDED[:1] if k in rows[0]] + [
@@ -459,6 +482,7 @@ def markdown(name, rows, decisions, within, world_rows, leads, gradients, search
     for c in within + [c for c in world_rows if c["scope"] != "pooled"]:
         lines.append(f"| {c['scope']} | {c['world']} | {c['diagnostic']} | {fmt(c['rho'])} | "
                      f"{span(c['low'], c['high'])} | {c['n']} |")
+    lines += constant_note(constant)
     pooled = ", ".join(f"{c['diagnostic']} {fmt(c['rho'])}" for c in world_rows
                        if c["scope"] == "pooled")
     if pooled:

@@ -385,7 +385,8 @@ def test_correlations_by_seed_within_worlds_and_pooled(grid, monkeypatch):
     cond = next(c for c in within if c["diagnostic"] == "probe_conditional_entropy")
     assert cond["rho"] == pytest.approx(-1.0)
     const = next(c for c in within if c["diagnostic"] == "probe_reasoning_entropy")
-    assert const["rho"] is None  # a constant ranks nothing
+    assert const["rho"] is None  # a constant ranks nothing, and the report says which one it was
+    assert report.constant_dials(grid, report.load(grid)) == {"probe_reasoning_entropy": 1.0}
     rows = {(c["scope"], c["world"]): c for c in worlds if c["diagnostic"] == "probe_mi_estimate"}
     assert set(rows) == {("within world", "--env bandit"), ("within world", "--env frozenlake"),
                          ("pooled", "pooled (footnote)")}
@@ -464,6 +465,9 @@ def test_the_table_is_a_t_interval_over_seeds(grid):
     assert a["trajectories_total"] == 20 * 4 * defaults.GROUP_SIZE
     text = open(os.path.join("results", "toy", "table.md")).read()
     assert f"| a | 20 | 5 (5) | {a['val_success']:.3f} ± {a['val_success_ci95']:.3f} |" in text
+    # the toy runs' H(Z) never moves: no rho, and the line under the table says why
+    assert "probe_reasoning_entropy is 1.000 at every point of every run" in text
+    assert "probe_mi_estimate is" not in text
     for name in ("curves", "perseed", "scatter"):
         assert os.path.isfile(os.path.join("results", "toy", f"{name}.png"))
 
