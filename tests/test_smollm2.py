@@ -98,12 +98,11 @@ def test_the_diagnosis_is_token_exact_on_the_real_model():
     a = train.Args(model="smollm2", warm_start=False, env="frozenlake", algo="grpo", groups=2,
                    group_size=2,
                    mi_samples=4, max_new_tokens=12, max_turns=1, probe_prompts=2,
-                   probe_samples=2, threads=1, out="unused")
+                   probe_samples=2, temperature=2.5, threads=1, out="unused")
     runs.resolve_defaults(a, CPU)
     run = runs.load_run(a, CPU, a.model)
-    run.args.temperature = 2.5
     torch.manual_seed(0)
-    episodes = train.collect_rollouts(run, [3, 4], 2, 2.5, 1.0)
+    episodes = train.collect_rollouts(run, [3, 4], 2, a.temperature, 1.0)
     assert all(e.first.reasoning_ids for e in episodes)
     assert train.diagnose(run, episodes, None)["diagnosis_logprob_diff"] < 1e-4
     assert train.probe(run)["probe_diagnosis_logprob_diff"] < 1e-4  # its answers too, same code
