@@ -79,11 +79,11 @@ def load_policy(a, source, device, env_kwargs):
     """(model, tokenizer, prompt) from 'tiny', a checkpoint of ours, a local folder or a Hugging
     Face hub id; prompt holds rollout.play's `system` / `user` pieces for the tiny policy, else
     nothing."""
-    if source == "smollm2":
-        if not a.warm_start:
-            return (*load_smollm2(), real_prompt(a.env, a.observation))
-        return (*smollm2_warm_start(a.env, env_kwargs, seed=a.warm_start_seed, device=device,
-                                    observation=a.observation), real_prompt(a.env, a.observation))
+    if source == "smollm2":  # both come back on the CPU
+        model, tokenizer = (smollm2_warm_start(a.env, env_kwargs, seed=a.warm_start_seed,
+                                               device=device, observation=a.observation)
+                            if a.warm_start else load_smollm2())
+        return model.to(device), tokenizer, real_prompt(a.env, a.observation)
     if source == "tiny":
         try:
             model, tokenizer = tiny.load_tiny(
