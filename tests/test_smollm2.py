@@ -13,6 +13,7 @@ import torch
 import envs
 import rollout
 import train
+from conftest import tiny_qwen2
 from plumbing import models, runs
 
 CPU = torch.device("cpu")
@@ -150,13 +151,9 @@ def test_the_warm_start_is_built_once_then_loaded(smol, tmp_path, capsys):
 @pytest.mark.parametrize("warm_start", [False, True])
 def test_the_policy_is_moved_to_the_runs_device(warm_start, monkeypatch):
     """Both SmolLM2 loaders give the model back on the CPU; the policy must go to the run's
-    device (a GPU run once sampled on the CPU and failed at its first update). A small Llama stands
-    in for the real one, and the meta device for a GPU."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    small = LlamaForCausalLM(LlamaConfig(vocab_size=32, hidden_size=8, intermediate_size=16,
-                                         num_hidden_layers=1, num_attention_heads=2,
-                                         num_key_value_heads=1))
+    device (a GPU run once sampled on the CPU and failed at its first update). A small random model
+    stands in for the real one, and the meta device for a GPU."""
+    small = tiny_qwen2(32)
     monkeypatch.setattr(models, "load_smollm2", lambda: (small, None))
     monkeypatch.setattr(models, "smollm2_warm_start", lambda *args, **kwargs: (small, None))
     a = train.Args(model="smollm2", warm_start=warm_start, env="frozenlake", out="unused")
