@@ -494,11 +494,12 @@ GRIDS["smollm2"] = dict(
 # or all fail (no reward spread: a pilot's Top-P kept 25-75% of the groups), the regime in which
 # the mechanism lets the regularisers drive the update. Every update is one optimiser step whatever
 # the filter keeps (at most 16 trajectories, mini-batches of 32): equal optimiser steps by
-# construction. The diagnosis and validation every 10 steps (one cadence for the onsets). Estimate:
-# about 100 s a step with its share of diagnoses and validations, one thread each, two at a time
-# (measured on 2 cores: rollouts 25 s, an update of all 16 trajectories 49 s, a probe diagnosis
-# 73 s, a validation 60 s, with 2 threads): 15 runs x 60 steps x 100 s / 2 = 12.5 h, the Top-P
-# runs (the README's command) first. Registered before its first run.
+# construction (read after the runs: not quite, a step that keeps no group does not update;
+# RESULTS.md section 14). The diagnosis and validation every 10 steps (one cadence for the onsets).
+# Estimate: about 100 s a step with its share of diagnoses and validations, one thread each, two at
+# a time (measured on 2 cores: rollouts 25 s, an update of all 16 trajectories 49 s, a probe
+# diagnosis 73 s, a validation 60 s, with 2 threads): 15 runs x 60 steps x 100 s / 2 = 12.5 h, the
+# Top-P runs (the README's command) first. Registered before its first run.
 SMOLLM2_COORDS = ["--model", "smollm2", "--observation", "coords", "--env", "frozenlake", "--algo",
                   "grpo", "--lora", "16", "--lr", "2e-4", "--kl-coef", "0.001", "--groups", "4",
                   "--group-size", "4", "--max-turns", "2", "--max-new-tokens", "40",
