@@ -548,6 +548,103 @@ GRIDS["smollm2-coords"] = dict(
              text="the probe MI falls before success does (no filter; no verdict where success "
                   "does not fall)")])
 
+# Does the diagnosis see a real model's templates? A known answer on SmolLM2: warm starts of
+# SmolLM2-135M-Instruct reading FrozenLake's coordinates, each taught with a template on a share
+# ALPHA of its demonstration turns (templates.py, a real model's templates; the coordinates warm
+# start's recipe otherwise, so ALPHA = 0 is that warm start, the same cache entry), one build a
+# share, two families:
+#   pool      the whole reasoning a sentence of the full grammar (520 sentences, log n = H(Z_task)
+#             within 0.01): I(X;Z) = (1 - ALPHA) H(C) falls, H(Z) level as far as the construction
+#             allows (h(ALPHA) bumps it, the sentences are shorter);
+#   borrowed  the cells copied from the input, the way another layout's: I(X;Z) = H(C) stays level
+#             (the copy carries it), the work's dependence I(X;W) falls -- the case where copying
+#             the prompt hides a template from a whole-reasoning MI.
+# Each policy diagnosed once per sampling seed (--seed: the same 16 probe prompts, 8 samples each,
+# sampled anew), at train.py's step 1 before its update; the batch is kept small (2 x 2: the probe
+# is the measurement). The exact truth of a (policy, seed) is its probe's grounded share
+# (warmstart/grounding.py: reasonings that state their own input's way). The restricted diagnosis
+# (mi.py: the reasoning scored after what it copies, each prompt with its own copy: the work's MI,
+# probe_work_*) is logged beside the plain one.
+# Rules, per family over its 5 shares x 5 seeds (ALPHA = 0 in both): Spearman of a dial with the
+# grounded share, its 95% interval from resampling the seeds within each share (one build a share:
+# the spread between builds is not in it). "tracks": the interval lies above 0.8; "level": inside
+# +-0.3; "falls": below 0 (the dial rises as the share falls). Decided before the builds.
+# Estimate: 9 builds x 21 min (2 threads; ALPHA = 0 shared) + 45 diagnoses x about 5 min, one at a
+# time with 2 threads: about 7 h of the 2-core machine.
+REAL_KINDS = ("pool", "borrowed")
+REAL_WHOLE = ("probe_mi_estimate", "probe_mi_seq_estimate", "probe_retrieval_acc")
+REAL_WORK = ("probe_work_mi_estimate", "probe_work_mi_seq_estimate", "probe_work_retrieval_acc")
+REAL_DIALS = REAL_WHOLE + REAL_WORK + (
+    "probe_reasoning_entropy_seq", "probe_conditional_entropy_seq", "probe_reasoning_entropy",
+    "probe_conditional_entropy", "token_entropy", "probe_action_mi", "response_length")
+REAL_TRACKS, REAL_BAND = 0.8, 0.3
+
+
+def real_template_settings():
+    """{s0: no template, <kind>-s<ALPHA>: flags} of the two families; s0 belongs to both."""
+    out = {"s0": []}
+    for kind in REAL_KINDS:
+        for alpha in ALPHAS[1:]:
+            out[f"{kind}-s{alpha:g}"] = ["--template-prior", f"{alpha:g}", "--template-kind", kind]
+    return out
+
+
+def real_template_rules():
+    """The families' predictions (lab/real_templates.py decides them)."""
+    rules = []
+    for kind in REAL_KINDS:
+        rules.append(dict(kind="falls", family=kind, metric="probe_grounded_share", against="alpha",
+                          threshold=-0.8,
+                          text=f"{kind}: the warm starts learn their prior: Spearman of the "
+                               f"grounded share with ALPHA below -0.8"))
+        plain = "tracks" if kind == "pool" else "level"
+        for metric in REAL_WHOLE:
+            rules.append(dict(
+                kind=plain, family=kind, metric=metric,
+                text=f"{kind}: {metric} (the whole reasoning) " + (
+                    f"tracks the grounded share: Spearman above {REAL_TRACKS}" if kind == "pool"
+                    else f"is blind to the borrowed way, the copy carrying its MI: |Spearman| "
+                         f"within {REAL_BAND}")))
+        for metric in REAL_WORK:
+            rules.append(dict(kind="tracks", family=kind, metric=metric,
+                              text=f"{kind}: {metric} (after the copy) tracks the grounded share: "
+                                   f"Spearman above {REAL_TRACKS}"))
+        if kind == "pool":
+            rules.append(dict(kind="level", family=kind, metric="probe_reasoning_entropy_seq",
+                              text=f"pool: H(Z), level by construction, does not track the "
+                                   f"grounded share: |Spearman| within {REAL_BAND}"))
+        else:
+            rules.append(dict(kind="falls", family=kind, metric="probe_conditional_entropy_seq",
+                              threshold=0.0,
+                              text="borrowed: H(Z|X) rises as the grounded share falls "
+                                   "(Spearman below 0)"))
+    rules.append(dict(kind="verdict", text=(
+        "the work's MI (probe_work_mi_estimate) goes into every run's log where a reasoning "
+        "copies its input (FrozenLake with coordinates) if it tracks the grounded share in both "
+        "families and the plain probe MI is level in the borrowed family; otherwise it stays "
+        "behind a flag")))
+    return rules
+
+
+GRIDS["smollm2-templates"] = dict(
+    kind="real-templates",
+    claim="Does the diagnosis see a real model's templates? SmolLM2-135M-Instruct warm starts "
+          "reading FrozenLake's coordinates, taught a template on a known share ALPHA in {0, "
+          "0.25, 0.5, 0.75, 1} of their turns: the whole reasoning (pool) or only the way, the "
+          "coordinates copied from the input (borrowed). Each diagnosed at 16 probe prompts x 8 "
+          "samples, 5 sampling seeds. Prediction, written before the builds: the plain MI tracks "
+          "the exact grounded share in the pool family and is blind in the borrowed one; the "
+          "MI after the copy tracks it in both.",
+    flags=["--model", "smollm2", "--observation", "coords", "--env", "frozenlake", "--algo",
+           "grpo", "--lora", "16", "--lr", "2e-4", "--filter", "none", "--groups", "2",
+           "--group-size", "2", "--max-turns", "2", "--max-new-tokens", "40", "--mi-samples", "4",
+           "--probe-prompts", "16", "--probe-samples", "8"],
+    common=["--mi-every", "1", "--val-every", "0", "--threads", "2", "--no-plot"],
+    world="frozenlake", settings=real_template_settings(), seeds=SEEDS, steps=1, table_steps=[1],
+    seconds={s: 300.0 + (0 if s.endswith("s0") else 1260.0 / 5)
+             for s in real_template_settings()},
+    decide=real_template_rules())
+
 # Whole programme: 2.5 + 1.1 + 1.0 (+ 0.15 warm starts) + 0.3 + 1.1 = about 6.2 h of the 2-core
 # machine (gradients was added after collapse-env had run, before its own runs).
 # Cut to fit: no filter is not rerun at equal optimiser steps; the softmax Top-P variant only at

@@ -138,11 +138,13 @@ class Args:
     warm_start_seed: int = arg(0, "tiny, smollm2: the warm start's build seed (weights, demos)")
     observation: str = arg("grid", "real models: the bare grid, or with its coordinates (coords)",
                            choices=envs.OBSERVATIONS)
-    template_prior: float = arg(0.0, "tiny: share of warm-start turns reasoning with a template")
+    template_prior: float = arg(0.0, "tiny, smollm2 coords: share of warm-start turns reasoning "
+                                "with a template")
     kl_template_prior: float = arg(
         None, "tiny: template share of the KL reference's warm start (default: the policy's)")
-    template_kind: str = arg("pool", "tiny: pool sentences or surface (another layout's) templates",
-                             choices=("pool", "surface"))
+    template_kind: str = arg("pool", "pool sentences; tiny: surface (another layout's reasoning); "
+                             "smollm2: borrowed (own cells, another's way)",
+                             choices=("pool", "surface", "borrowed"))
     filler: float = arg(None, "tiny: 5 digits end each demo reasoning, random w.p. FILLER")
     # diagnosis, validation, output
     mi_every: int = arg(5, "cross-scoring diagnosis at step 1 and every N steps (0 = off)")
@@ -367,6 +369,14 @@ def check_args(a):
          f"--observation {a.observation} is for a real model in a grid world (frozenlake, "
          f"sokoban): " + ("the tiny policy reads its own positions line" if a.model == "tiny"
                           else f"--env {a.env} has no grid"))
+    need(a.template_kind != "borrowed" or a.model == "smollm2", "--template-kind borrowed is "
+         "SmolLM2's: reading FrozenLake's coordinates (--model smollm2 --observation coords)")
+    need(a.model in (None, "tiny") or not a.template_prior
+         or (a.model == "smollm2" and a.observation == "coords" and a.env == "frozenlake"
+             and a.template_kind != "surface" and a.filler is None),
+         f"--template-prior with --model {a.model}: a real model's templates are taught to "
+         f"SmolLM2 reading FrozenLake's coordinates (--model smollm2 --observation coords --env "
+         f"frozenlake), of kind pool or borrowed, without --filler")
     prior = a.kl_template_prior
     need(prior is None or (0 <= prior <= 1 and a.model == "tiny" and not a.lora
                            and (prior > 0) == (a.template_prior > 0)),

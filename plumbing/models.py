@@ -24,7 +24,7 @@ import torch
 import ppo
 import rollout
 from plumbing import sampler
-from warmstart import demos, tiny
+from warmstart import demos, templates, tiny
 
 
 class ModelError(ValueError):
@@ -81,7 +81,9 @@ def load_policy(a, source, device, env_kwargs):
     nothing."""
     if source == "smollm2":  # both come back on the CPU
         model, tokenizer = (smollm2_warm_start(a.env, env_kwargs, seed=a.warm_start_seed,
-                                               device=device, observation=a.observation)
+                                               device=device, observation=a.observation,
+                                               template_prior=a.template_prior,
+                                               template_kind=a.template_kind)
                             if a.warm_start else load_smollm2())
         return model.to(device), tokenizer, real_prompt(a.env, a.observation)
     if source == "tiny":
@@ -239,15 +241,18 @@ SMOLLM2_WARM_START = {"grid": dict(steps=40, batch_size=8, lr=1e-4, turns=2),
 
 
 def smollm2_warm_start(env_name, env_kwargs=None, seed=0, cache_dir=SMOLLM2_CACHE, device="cpu",
-                       observation="grid", **settings):
+                       observation="grid", template_prior=0.0, template_kind="pool", **settings):
     """SmolLM2 behaviour-cloned on `env_name`'s demonstrations in the prompts of `observation`
-    (SMOLLM2_WARM_START, overridden by `settings`), built on first use on `device` and cached in
-    cache_dir/<world>-<hash>; warm_start.json, written last, marks a finished build and records its
-    losses and time. An interrupted build starts over. The model comes back on the CPU either
-    way."""
+    (SMOLLM2_WARM_START, overridden by `settings`), a share `template_prior` of their turns
+    reasoning with a template of `template_kind` (templates.real_template), built on first use on
+    `device` and cached in cache_dir/<world>-<hash>; warm_start.json, written last, marks a
+    finished build and records its losses and time. An interrupted build starts over. The model
+    comes back on the CPU either way."""
     settings = {**SMOLLM2_WARM_START[observation], **settings, "seed": seed}
     if observation != "grid":  # the bare grid's builds keep the folders they had
         settings["observation"] = observation
+    if template_prior:  # only then: without a prior the key, and the folder, are as before
+        settings.update(template_prior=template_prior, template_kind=template_kind)
     key = json.dumps({"env": env_name, "env_kwargs": env_kwargs or {}, **settings},
                      sort_keys=True, default=str)
     folder = os.path.join(cache_dir, f"{env_name}-{hashlib.sha256(key.encode()).hexdigest()[:12]}")
@@ -270,6 +275,8 @@ def smollm2_warm_start(env_name, env_kwargs=None, seed=0, cache_dir=SMOLLM2_CACH
                            batch_size=settings["batch_size"], lr=settings["lr"], seed=seed,
                            turns=settings["turns"], prompt=real_prompt(env_name, observation),
                            reason=demos.work_out if observation == "coords" else demos.describe,
+                           template_prior=template_prior,
+                           pool=templates.real_template(template_kind) if template_prior else (),
                            on_step=lambda step, loss, _: print(
                                f"  step {step + 1}/{steps}: loss {loss:.3f}", flush=True))
     torch.random.set_rng_state(torch_state)

@@ -203,3 +203,31 @@ def test_a_run_reading_the_coordinates_logs_its_reasonings_labels_and_not_the_te
                            tokenizer, "frozenlake", [3], 1, max_turns=1, **prompt)[0]
     grid, _ = envs.make_env("frozenlake").reset(seed=3)
     assert f"{grid}\n{envs.coordinates('frozenlake', grid)}" in episode.prompt_text
+
+
+def test_a_template_prior_gets_its_own_warm_start_and_none_keeps_the_folder_it_had(tmp_path,
+                                                                                   monkeypatch):
+    """A template prior is part of the warm start's key (each share and kind its own build, taught
+    on its templates); at prior 0 the key is the one before priors existed, so the coordinates
+    warm start every earlier run used is the same cache entry. Behaviour cloning is replaced by a
+    recorder here: the folders and what they are taught, not the training, are under test."""
+    from warmstart import demos, templates, tiny
+
+    taught = []
+    monkeypatch.setattr(models, "load_smollm2", lambda: (tiny_qwen2(32), tiny.build_tokenizer()))
+    monkeypatch.setattr(demos, "imitate", lambda *args, **kw: taught.append(kw) or [1.0])
+    build = dict(cache_dir=str(tmp_path), observation="coords")
+    models.smollm2_warm_start("frozenlake", **build)
+    before = set(os.listdir(tmp_path))
+    models.smollm2_warm_start("frozenlake", template_prior=0.0, template_kind="borrowed", **build)
+    assert set(os.listdir(tmp_path)) == before and len(taught) == 1  # loaded, not built again
+    for kind in templates.REAL_TEMPLATE_KINDS:
+        models.smollm2_warm_start("frozenlake", template_prior=0.5, template_kind=kind, **build)
+    assert len(set(os.listdir(tmp_path))) == 3 and len(taught) == 3
+    assert taught[0]["template_prior"] == 0.0 and taught[1]["template_prior"] == 0.5
+    assert taught[1]["pool"] == templates.pool(templates.COORDS_POOL)
+    assert callable(taught[2]["pool"])
+    import hashlib
+    key = json.dumps({"env": "frozenlake", "env_kwargs": {}, **models.SMOLLM2_WARM_START["coords"],
+                      "seed": 0, "observation": "coords"}, sort_keys=True)
+    assert f"frozenlake-{hashlib.sha256(key.encode()).hexdigest()[:12]}" in before

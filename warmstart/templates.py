@@ -390,3 +390,63 @@ def share_of(episodes, env_name, kind="pool"):
         return None
     return sum(is_surface_template(e.first.reasoning, first_state(e)) for e in episodes) / len(
         episodes)
+
+
+# ------------------------------------------------------------------ a real model's templates
+#
+# SmolLM2 reading FrozenLake's coordinates (--observation coords) is taught to work the way out
+# from them (demos.work_out): "From (1,0) to (3,1): 2 Down, 1 Right." is C, the cells copied from
+# its input, then W, the way worked out from them, then (w.p. NOISE) S, "Try <move>.". Over the
+# first TASK_TURNS demonstration seeds C takes 240 values, H(C) = 5.477 nats (= I_task: W is a
+# function of C), H(W) = 3.670, and H(Z_task) = H(C) + H(S) = 6.255. Two kinds of template, on a
+# share ALPHA of the demonstration turns (the answer still the solver's move):
+#
+#   pool      the whole reasoning a sentence of the full grammar (no cells copied): 8 x 13 x 5 =
+#             520 sentences, log 520 = 6.254, so H(Z) stays level as in the tiny policy's prior:
+#             I(X;Z) = (1 - ALPHA) H(C), H(Z) = h(ALPHA) + ALPHA log n + (1 - ALPHA) H(Z_task)
+#   borrowed  the cells restated from the input, the way another layout's (drawn independently,
+#             its own S): I(X;Z) = H(C) at every ALPHA -- the copy carries all of it -- while the
+#             work's dependence on the input, I(X;W) = surface_mi(ALPHA, law of W), falls to 0
+#
+# so a whole-reasoning MI sees family `pool` fall and family `borrowed` stay level: copying the
+# input hides a template there (theory.md, Sec. 2: the work's MI).
+COORDS_POOL = "frozenlake-coords"  # the pool's key: a real model reading FrozenLake's coordinates
+POOL_SHAPE[COORDS_POOL] = (len(OPENERS), len(ACTIONS), len(ENDINGS))
+COORDS_TASK = {"h_copy": 5.477, "h_way": 3.670, "h_given_x": 0.778}  # over TASK_TURNS, in nats
+REAL_TEMPLATE_KINDS = ("pool", "borrowed")
+
+
+def copied_cells(env):
+    """What a reasoning that works the way out copies from its input: 'From (r,c) to (r,c):'.
+
+    >>> env = envs.FrozenLake(desc=["SF", "FG"]); _ = env.reset()
+    >>> copied_cells(env)
+    'From (0,0) to (1,1):'
+    """
+    from warmstart import demos
+
+    return demos.work_out(env, []).split(":")[0] + ":"
+
+
+def borrowed_template(noise=NOISE):
+    """draw(rng, env) -> env's own cells restated, then the way (and "Try <move>." noise) of
+    another layout drawn independently; env itself is untouched."""
+    from warmstart import demos
+
+    def draw(rng, env):
+        other = copy.deepcopy(env)
+        other.reset(seed=rng.randrange(2 ** 31))
+        way = demos.work_out(other, []).split(":", 1)[1]
+        if rng.random() < noise:
+            way += f" Try {rng.choice(env.actions)}."
+        return copied_cells(env) + way
+    return draw
+
+
+def real_template(kind):
+    """The `pool` (the full grammar) or `borrowed` template a real model reading FrozenLake's
+    coordinates is taught on a share of its turns (demos.demonstration's `pool`)."""
+    if kind not in REAL_TEMPLATE_KINDS:
+        raise ValueError(f"a real model's template kind must be one of "
+                         f"{', '.join(REAL_TEMPLATE_KINDS)}, got {kind!r}")
+    return pool(COORDS_POOL) if kind == "pool" else borrowed_template()
