@@ -29,6 +29,7 @@ Order of the file: closed-form entropies for discrete tables -> metrics from a s
 smoothing -> cross-scoring a causal LM (the definition, then each prompt run once) -> the
 diagnosis of a training step.
 """
+import functools
 import math
 
 import numpy as np
@@ -474,6 +475,42 @@ def cross_scores(model, prompt_ids, reasoning_ids, batch_size=None, temperature=
     return scores, lengths
 
 
+def work_scores(score, prompt_ids, copy_ids, reasoning_ids, owner):
+    """The reasoning's own work, cross-scored: L'[m, j] = log p(w_m | x_j, c_j), where c_j is
+    what a reasoning of prompt j copies from it (copy_ids[j]; empty: nothing) and w_m is
+    reasoning m after its own prompt's copy. A reasoning that does not begin with its own
+    prompt's copy (a template that copies nothing, a wrong copy) is scored whole after each bare
+    prompt: L'[m, j] = log p(z_m | x_j). -> (scores [M, N], lengths [M] of what was scored,
+    copied [M] bool). `score(prompts, reasonings) -> (scores, lengths)` is cross_scores with its
+    settings; each prompt runs once for each kind of reasoning.
+
+    Why (theory.md, Sec. 2, the work's MI): with Z = (C, W) and the copy C a function of the input,
+    I(X; Z) = I(X; W) + H(C | W): a reasoning that restates its input carries the copy's entropy
+    whatever its work does, up to the log N cap of the plain estimate. Scored after each candidate
+    prompt's own copy, the copy counts for nothing and the estimate is I(X; W)'s: what the work
+    says about the input.
+
+    >>> table = {(1, 5, 7): -0.1, (1, 5, 8): -2.4, (2, 6, 7): -2.4, (2, 6, 8): -0.1}
+    >>> exact = lambda xs, zs: (torch.tensor([[table[tuple(x + z)] for x in xs] for z in zs],
+    ...                                      dtype=torch.float64), torch.tensor([len(z) for z in zs]))
+    >>> scores, lengths, copied = work_scores(exact, [[1], [2]], [[5], [6]], [[5, 7], [6, 7]], [0, 1])
+    >>> scores.tolist(), copied    # reasoning 1 copied prompt 1's 6, then said 7: prompt 0's work
+    ([[-0.1, -2.4], [-0.1, -2.4]], [True, True])
+    """
+    copied = [bool(copy_ids[j]) and z[:len(copy_ids[j])] == copy_ids[j]
+              for z, j in zip(reasoning_ids, owner)]
+    scores = torch.zeros(len(reasoning_ids), len(prompt_ids), dtype=torch.float64)  # [M, N]
+    lengths = torch.zeros(len(reasoning_ids), dtype=torch.long)                     # [M]
+    for kind, prompts in ((True, [x + c for x, c in zip(prompt_ids, copy_ids)]),
+                          (False, prompt_ids)):
+        rows = [m for m, c in enumerate(copied) if c == kind]
+        if rows:
+            tails = [reasoning_ids[m][len(copy_ids[owner[m]]) if kind else 0:] for m in rows]
+            table, counts = score(prompts, tails)
+            scores[rows], lengths[rows] = table.double(), counts.long()
+    return scores, lengths, copied
+
+
 # --------------------------------------------------------------------------------------------------
 # The diagnosis of a training step (train.py's step 2): which samples, and the check that the ids
 # scored are the ids sampled
@@ -528,15 +565,26 @@ def diagnose(model, prompts, samples, owner, temperature=1.0, batch_size=None, p
 
 
 def probe(model, samples, per_prompt, temperature=1.0, batch_size=None, pad_id=0,
-          retokenize=None):
+          retokenize=None, copies=None):
     """The diagnosis on a fixed probe set: `samples` (rollout.FirstTurn) are P prompts x
     `per_prompt` first turns, group-major -> metrics_with_se, and on the same samples the answer's
     dependence on its reasoning (action_dependence: each answer a_k scored after every reasoning
-    z_j of its prompt), with diagnosis_logprob_diff over both scorings."""
+    z_j of its prompt), with diagnosis_logprob_diff over both scorings. With `copies` (the token
+    ids each prompt's reasoning copies from it), the same metrics of the work after the copy
+    (work_scores), as work_<metric>, and the share of reasonings that began with their copy."""
     firsts, K = samples[::per_prompt], per_prompt
     owner = [i // K for i in range(len(samples))]
     xs, zs = scored_ids(firsts, samples, retokenize)
     scores, lengths = cross_scores(model, xs, zs, batch_size, temperature, pad_id)
+    out = {}
+    if copies is not None:
+        score = functools.partial(cross_scores, model, batch_size=batch_size,
+                                  temperature=temperature, pad_id=pad_id)
+        work, work_lengths, copied = work_scores(score, xs, copies, zs, owner)
+        keys = [p.prompt for p in firsts]
+        out.update({f"work_{k}": v for k, v in
+                    metrics_with_se(work, owner, work_lengths, prompt_keys=keys).items()})
+        out["work_copied_share"] = sum(copied) / len(copied)
     diffs = [logprob_diff(scores, owner, [s.reasoning_logprob for s in samples])]
     actions = []  # [P, K, K]: L[k, j] = log p(a_k | x, z_j), within each prompt
     for g in range(len(firsts)):
@@ -550,7 +598,7 @@ def probe(model, samples, per_prompt, temperature=1.0, batch_size=None, pad_id=0
         L = cross_scores(model, contexts, answers, batch_size, temperature, pad_id)[0]  # [K, K]
         actions.append(L)
         diffs.append(logprob_diff(L, list(range(K)), [s.answer_logprob for s in group]))
-    out = metrics_with_se(scores, owner, lengths, prompt_keys=[p.prompt for p in firsts])
+    out.update(metrics_with_se(scores, owner, lengths, prompt_keys=[p.prompt for p in firsts]))
     out.update(action_dependence(torch.stack(actions)))
     out["diagnosis_logprob_diff"] = None if None in diffs else max(diffs)
     return out

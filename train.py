@@ -150,8 +150,8 @@ def main(argv=None):
 # ---------------------------------------------------------------------------------------- the steps
 
 def collect_rollouts(run, seeds, group_size, temperature=None, top_p=None, max_turns=None):
-    """Step 1: len(seeds) groups x group_size episodes, sampled in eval mode (no dropout) under the
-    run's dtype, at most --rollout-batch episodes at a time (on a GPU their key/value caches fill
+    """Step 1: len(seeds) groups x group_size episodes, sampled in eval mode (no dropout) in the
+    sampler's dtype (--sample-dtype), at most --rollout-batch episodes at a time (on a GPU their key/value caches fill
     the memory); the rollouts' temperature and nucleus unless given."""
     a = run.args
     run.policy.eval()
@@ -161,7 +161,7 @@ def collect_rollouts(run, seeds, group_size, temperature=None, top_p=None, max_t
         policy = sampler.hf_policy(run.policy, run.tokenizer, a.max_new_tokens,
                                    a.temperature if temperature is None else temperature,
                                    a.sample_top_p if top_p is None else top_p)
-        with run.ctx, runs.finite_sampling(run.step + 1):
+        with run.sample_ctx, runs.finite_sampling(run.step + 1):
             played = rollout.play(policy, run.tokenizer, a.env, seeds[first:first + per_call],
                                   group_size, runs.env_kwargs(a), max_turns or a.max_turns,
                                   a.max_actions_per_turn, **run.prompt)
@@ -199,7 +199,8 @@ def probe(run):
     """Step 2 on a fixed probe set: --probe-prompts held-out prompts (seeds PROBE_SEED_BASE + i),
     one first turn sampled --probe-samples times each, on a forked RNG seeded alike every time (the
     training stream is unchanged and the curve moves only when the policy does); mi.probe's
-    metrics with their standard errors over the prompts, as probe_<metric>."""
+    metrics with their standard errors over the prompts, as probe_<metric>; where a reasoning
+    copies its input (FrozenLake read with coordinates), also the work's MI after the copy."""
     a = run.args
     if not a.probe_prompts:
         return {}
@@ -207,8 +208,11 @@ def probe(run):
     with torch.random.fork_rng(devices=[run.device] if run.device.type == "cuda" else []):
         torch.manual_seed(a.seed)
         episodes = collect_rollouts(run, seeds, a.probe_samples, max_turns=1)
+    copies = (grounding.copy_ids(run.tokenizer, a.env, runs.env_kwargs(a), seeds)
+              if a.observation == "coords" and a.env == "frozenlake" else None)
     with run.ctx:
-        out = mi.probe(run.policy, [e.first for e in episodes], a.probe_samples, **scoring(run))
+        out = mi.probe(run.policy, [e.first for e in episodes], a.probe_samples, copies=copies,
+                       **scoring(run))
     out.update(labels(run, episodes, episodes), **reasonings(run, episodes))
     return {"probe_" + k: v for k, v in out.items() if not k.endswith("upper_bound")}
 
@@ -300,13 +304,17 @@ def before_update(run, episodes, rewards, reference=False):
 
 def old_policy(run, batch):
     """Step 4's log-probs of the sampled tokens and the policy's entropy there, before the update
-    -> ([B, T-1], [B, T-1], metrics). In float32 the sampler recorded the same numbers (both take
-    the log-softmax in float64; they agree within 1e-5 nats a token, tests/test_train.py), so they
-    are taken from it: no forward pass over the batch. Under bf16 autocast they differ (the
-    sampler's one-token passes over a cache round otherwise than a pass over whole transcripts),
-    and a scripted policy records none: then the forward pass, and how far the sampler's own
-    log-probs are from it (rollout_logprob_diff; far from 0 means off-policy scoring)."""
-    if run.args.dtype == "float32" and "logprobs" in batch and "entropies" in batch:
+    -> ([B, T-1], [B, T-1], metrics). When sampler and update both run in float32 the sampler
+    recorded the same numbers (both take the log-softmax in float64; they agree within 1e-5 nats
+    a token, tests/test_train.py), so they are taken from it: no forward pass over the batch.
+    Under bf16 autocast, in either, they differ (bf16's rounding; the sampler's one-token passes
+    over a cache round otherwise than a pass over whole transcripts), and a scripted policy
+    records none: then the update's own forward pass gives them, so the ratio compares the
+    update's policy with itself (exactly 1 before its first optimiser step), and the log says how
+    far the sampler's log-probs are from it (rollout_logprob_diff; far from 0 means the rollouts
+    came from a policy other than the one the update scores)."""
+    exact = run.args.dtype == run.args.sample_dtype == "float32"
+    if exact and "logprobs" in batch and "entropies" in batch:
         return batch["logprobs"][:, 1:], batch["entropies"][:, 1:], {}
     old_logp, old_entropy = over_batch(run, batch, policy_pass, with_entropy=True)     # [B, T-1]
     if "logprobs" not in batch:

@@ -123,8 +123,10 @@ class Args:
     max_new_tokens: int = arg(None, "token limit per turn (400; tiny: 64)")
     # the model, memory and speed
     model: str = arg(None, "HF id, folder, tiny or smollm2 (GPU: Qwen2.5-0.5B-Instruct, else tiny)")
-    dtype: str = arg(None, "bfloat16 (autocast over fp32 weights; GPU default) or float32",
+    dtype: str = arg(None, "bfloat16 (GPU; real models on AVX512-BF16 / AMX) or float32",
                      choices=("float32", "bfloat16"))
+    sample_dtype: str = arg(None, "the rollouts' (--dtype's; if not, the update rescores)",
+                            choices=("float32", "bfloat16"))
     lora: int = arg(0, "LoRA rank: train adapters instead of all weights (0 = off)")
     lora_alpha: float = arg(None, "LoRA alpha (2 x rank)")
     lora_targets: str = arg("all-linear", "LoRA targets: all-linear or comma-separated names")
@@ -138,12 +140,11 @@ class Args:
     warm_start_seed: int = arg(0, "tiny, smollm2: the warm start's build seed (weights, demos)")
     observation: str = arg("grid", "real models: the bare grid, or with its coordinates (coords)",
                            choices=envs.OBSERVATIONS)
-    template_prior: float = arg(0.0, "tiny, smollm2 coords: share of warm-start turns reasoning "
-                                "with a template")
+    template_prior: float = arg(0.0, "tiny, smollm2: share of warm-start turns reasoning with a "
+                                "template")
     kl_template_prior: float = arg(
         None, "tiny: template share of the KL reference's warm start (default: the policy's)")
-    template_kind: str = arg("pool", "pool sentences; tiny: surface (another layout's reasoning); "
-                             "smollm2: borrowed (own cells, another's way)",
+    template_kind: str = arg("pool", "pool, surface (tiny), borrowed (smollm2: another's way)",
                              choices=("pool", "surface", "borrowed"))
     filler: float = arg(None, "tiny: 5 digits end each demo reasoning, random w.p. FILLER")
     # diagnosis, validation, output

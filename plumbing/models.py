@@ -516,9 +516,11 @@ def memory_plan(a, cfg, n_all, n_train, total, budget=0.85):
             micro, ckpt = micro or max(1, min(fit, a.mini_batch_size)), option
             break
     kv_heads, head_dim = cfg.num_key_value_heads, cfg.hidden_size // cfg.num_attention_heads
-    # the sampler's cache keeps up to GrowingLayer.SPARE tokens of room a row
-    kv_per_seq = ((longest + sampler.GrowingLayer.SPARE) * cfg.num_hidden_layers * 2 * kv_heads
-                  * head_dim * 2 + 4 * cfg.vocab_size)
+    # the sampler's cache: every turn's slots (its widest new prompt, then max_new_tokens) with
+    # room rounded up to sampler.ROOM, in bf16; and a step's float64 tables over the vocabulary
+    # (the logits, their log-softmax, its exp and running sum, the nucleus' sort)
+    kv_per_seq = ((longest + sampler.ROOM) * cfg.num_hidden_layers * 2 * kv_heads * head_dim * 2
+                  + 5 * 8 * cfg.vocab_size)
     episodes = a.groups * a.group_size
     # autocast's bf16 weight copies: 2 n_all
     fit = min(episodes, int((free - 2 * n_all) // kv_per_seq))

@@ -211,7 +211,7 @@ class Run:
     loop's state."""
     args: object
     device: torch.device
-    ctx: object  # autocast for the run's dtype (a no-op in float32)
+    ctx: object  # autocast for the update's dtype (a no-op in float32)
     policy: torch.nn.Module
     tokenizer: object
     prompt: dict  # rollout.play's `system` / `user` pieces for the tiny policy, else {}
@@ -229,6 +229,7 @@ class Run:
     lock: object = None
     created: bool = False  # this process made the run folder
     tracker: object = None  # --report-to's (Tracker), or None
+    sample_ctx: object = field(default_factory=contextlib.nullcontext)  # the sampler's autocast
 
 
 def start(a):
@@ -289,11 +290,23 @@ def start(a):
 def load_run(a, device, source):
     """A Run around the models loaded from `source`, without a run folder (start uses it; so can
     a script)."""
-    bf16 = a.dtype == "bfloat16"
-    ctx = torch.autocast(device.type, dtype=torch.bfloat16) if bf16 else contextlib.nullcontext()
-    run = Run(args=a, device=device, ctx=ctx, **models.load(a, device, source, env_kwargs(a)))
+    ctx, sample_ctx = (torch.autocast(device.type, dtype=torch.bfloat16) if dtype == "bfloat16"
+                       else contextlib.nullcontext() for dtype in (a.dtype, a.sample_dtype))
+    run = Run(args=a, device=device, ctx=ctx, sample_ctx=sample_ctx,
+              **models.load(a, device, source, env_kwargs(a)))
     run.pad_id = rollout.pad_token_id(run.tokenizer)
     return run
+
+
+def cpu_computes_bf16():
+    """Whether this CPU multiplies bfloat16 natively (AVX512-BF16 or AMX, in /proc/cpuinfo's
+    flags): there bfloat16 runs faster than float32; without them several times slower."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = set(f.read().split())
+    except OSError:
+        return False
+    return bool(flags & {"avx512_bf16", "amx_bf16"})
 
 
 def resolve_defaults(a, device):
@@ -309,7 +322,14 @@ def resolve_defaults(a, device):
     a.lr = a.lr or (1e-4 if tiny else 1e-6)
     a.critic_lr = a.critic_lr or (1e-3 if tiny else 1e-5)
     a.max_new_tokens = a.max_new_tokens or (64 if tiny else 400)
-    a.dtype = a.dtype or ("bfloat16" if device.type == "cuda" else "float32")
+    if a.dtype is None:  # bfloat16 where the device computes it fast; the tiny policy's width-64
+        # matrices stay float32 (nothing to gain measured, and its results exact across CPUs)
+        fast = device.type == "cuda" or (not tiny and cpu_computes_bf16())
+        a.dtype = "bfloat16" if fast else "float32"
+        if fast and device.type == "cpu":
+            print("precision: bfloat16 (this CPU has AVX512-BF16 or AMX; --dtype float32 "
+                  "chooses otherwise)")
+    a.sample_dtype = a.sample_dtype or a.dtype
     a.lora_alpha = a.lora_alpha or (2.0 * a.lora if a.lora else None)
     if a.threads is None and device.type == "cpu":
         a.threads = min(TINY_THREADS, os.cpu_count() or 1) if tiny else (os.cpu_count() or 1)

@@ -240,28 +240,24 @@ def full_parameters(trainer):
 @contextlib.contextmanager
 def sampling_model(trainer):
     """What the rollouts sample with: None with vLLM (its engine holds the weights; at the end
-    this process joins the calls the others still make: vllm_policy), else full_parameters'.
-    Under FSDP (or ZeRO-3 not gathering) each forward pass gathers shards from every process, so
-    all must make as many, though episodes end at different turns: before each pass the
-    processes share whether they have one; one that is done makes dummy passes meanwhile."""
+    this process joins the calls the others still make: vllm_policy), else the model with every
+    parameter whole on this process: ZeRO-3's shards gathered (unwrap_model_for_generation, as
+    ds3_gather_for_generation does), FSDP's summoned down to every layer (summon_full_params).
+    The sampler (plumbing/sampler.py) runs the model's layers itself, not through their forward
+    passes, so no shard may be left for a forward pass to gather; and with nothing to gather, the
+    processes sample independently, though their episodes end at different turns. The price: a
+    whole copy of the weights on each process while it samples, as vLLM holds one."""
     if trainer.use_vllm:
         yield None
         while n := most(trainer, 0):
             vllm_generate(trainer, [], n)
         return
-    dist = trainer._dist
-    with full_parameters(trainer) as model:
-        if not (dist.is_fsdp or (dist.is_zero3 and not trainer.args.ds3_gather_for_generation)):
-            yield model
-            return
-        hook = model.register_forward_pre_hook(lambda *_: most(trainer, 1) and None)
-        try:
-            yield model
-        finally:
-            hook.remove()
-        dummy = torch.zeros(1, 1, dtype=torch.long, device=model.device)
-        while most(trainer, 0):
-            model(input_ids=dummy)
+    from trl.models import unwrap_model_for_generation
+    wrapped = trainer.model_wrapped
+    with unwrap_model_for_generation(wrapped, trainer.accelerator, True, None,
+                                     trainer.args.gradient_checkpointing_kwargs) as model, \
+            trainer._dist.summon_full_params(wrapped, recurse=True):
+        yield model
 
 
 def vllm_policy(trainer):

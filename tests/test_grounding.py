@@ -128,7 +128,7 @@ def test_a_real_models_templates_copy_its_cells_or_none_and_leave_the_answer_the
             env = envs.make_env("frozenlake")
             env.reset(seed=e.seed)
             assert e.actions[0] == envs.solve(env)[0]
-            copied = e.first.reasoning.startswith(" " + templates.copied_cells(env) + " ")
+            copied = e.first.reasoning.startswith(" " + grounding.copied_cells(env) + " ")
             assert copied == (kind == "borrowed")
             assert templates.is_template(e.first.reasoning, templates.COORDS_POOL) == (kind == "pool")
         if kind == "borrowed":
@@ -149,7 +149,7 @@ def test_the_real_models_pool_matches_the_entropy_of_the_reasoning_it_replaces()
     for seed in range(demos.DEMO_SEEDS, demos.DEMO_SEEDS + n):
         env = envs.make_env("frozenlake")
         env.reset(seed=seed)
-        cells[templates.copied_cells(env)] += 1
+        cells[grounding.copied_cells(env)] += 1
         ways[grounding.input_way("frozenlake", {}, seed)] += 1
     for counts, quoted in ((cells, "h_copy"), (ways, "h_way")):
         plug_in = -sum(c / n * math.log(c / n) for c in counts.values())

@@ -1,13 +1,13 @@
 """Tests of sampler.py: sampling-time log-probs and entropies equal a recomputed forward pass
-(tempered, inside the nucleus); a later turn encodes only its new tokens; the growing cache holds
-what concatenation holds; greedy is the argmax, and a model trained on one of the loop's
-transcripts replays it greedily; the from_pretrained path samples the same."""
+(tempered, inside the nucleus); a later turn encodes only its new tokens; the loop waits for the
+device only when it looks, into a cache allocated before it; greedy is the argmax of a full
+forward pass, and a model trained on one of the loop's transcripts replays it greedily; the
+from_pretrained path samples the same."""
 import math
 
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
-from transformers.cache_utils import DynamicLayer
 
 import rollout
 from plumbing import sampler
@@ -26,17 +26,17 @@ def test_bad_arguments_raise_value_error(tokenizer):
         sampler.hf_policy(None, tokenizer, 4, top_p=0.0)
 
 
-def test_a_later_turn_encodes_only_its_new_tokens(tokenizer):
+def test_a_later_turn_encodes_only_its_new_tokens(tokenizer, monkeypatch):
     """hf_policy continues each episode's cached row: the second call feeds the model only the
     tokens added since the first (the sampled reply and the new observation)."""
     model, fed = make_model(tokenizer), []
-    forward = model.forward
+    forward = sampler.forward
 
-    def counting(*args, **kwargs):
-        fed.append(kwargs["input_ids"].shape[1])
-        return forward(*args, **kwargs)
+    def counting(lm, cache, ids, *args):
+        fed.append(ids.shape[1])
+        return forward(lm, cache, ids, *args)
 
-    model.forward = counting
+    monkeypatch.setattr(sampler, "forward", counting)
     policy = sampler.hf_policy(model, tokenizer, max_new_tokens=5)
     eps = rollout.play(policy, tokenizer, "frozenlake", [0], 2, env_kwargs=LAKE, max_turns=2,
                        system=SYSTEM)
@@ -86,30 +86,91 @@ def test_sampling_logprobs_equal_a_forward_pass(tokenizer, device, temperature, 
         assert all(tokenizer.eos_token_id in (ids[i - 1], ids[i]) for i in run_ends)
 
 
-def test_growing_cache_holds_what_concatenation_holds():
-    """GrowingLayer against Hugging Face's DynamicLayer: the same keys and values after a prefill,
-    single tokens, a regrowth past its spare room and a batch selection (a row dropped, two
-    reordered)."""
-    grow, plain, spare = sampler.GrowingLayer(), DynamicLayer(), sampler.GrowingLayer.SPARE
-    g = torch.Generator().manual_seed(0)
-    for width, rows in [(7, 3), (1, 3), (spare + 3, 3), (1, 2), (5, 2)]:
-        if grow.get_seq_length() and rows < grow.keys.shape[0]:
-            for layer in (grow, plain):
-                layer.batch_select_indices(torch.tensor([2, 0]))
-        k, v = torch.randn(2, rows, 4, width, 8, generator=g)                 # [B, H, W, D] each
-        for ours, theirs in zip(grow.update(k, v), plain.update(k, v)):
-            assert torch.equal(ours, theirs)
-    assert grow.get_seq_length() == 7 + 1 + spare + 3 + 1 + 5
+SYNCS = {"__bool__", "item", "tolist", "__int__", "__float__", "__index__", "cpu", "numpy",
+         "nonzero", "masked_select", "unique"}  # what makes the host wait for a GPU
 
 
-def test_greedy_picks_the_argmax(tokenizer):
+@pytest.mark.parametrize("every", [1, 4])
+def test_the_loop_waits_for_the_device_only_when_it_looks_and_keeps_its_cache(
+        tokenizer, monkeypatch, every):
+    """Between two looks (every `every` steps: has every row stopped?) a step asks the device
+    nothing: every operation that would make the host wait for a GPU (a tensor read as a bool, an
+    int, a list, copied to the CPU...) inside the decode loop is a look. And the cache a turn
+    decodes into is allocated before its loop: the same storage at every step."""
+    from torch.overrides import TorchFunctionMode
+
+    events, storage = [], set()
+    step_function, looks_alive = sampler.step_function, sampler.looks_alive
+
+    def step(lm):
+        run = step_function(lm)
+
+        def logged(cache, *args):
+            events.append("step")
+            storage.add((id(cache), cache.keys[0].data_ptr(), cache.valid.data_ptr()))
+            return run(cache, *args)
+        return logged
+
+    def look(*args):
+        events.append("look")
+        return looks_alive(*args)
+
+    class Syncs(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            if getattr(func, "__name__", "") in SYNCS:
+                events.append("sync")
+            return func(*args, **(kwargs or {}))
+
+    monkeypatch.setattr(sampler, "step_function", step)
+    monkeypatch.setattr(sampler, "looks_alive", look)
+    policy = sampler.hf_policy(make_model(tokenizer), tokenizer, max_new_tokens=40, temperature=0.7,
+                               top_p=0.5, check_every=every)
+    torch.manual_seed(1)
+    with Syncs():
+        eps = rollout.play(lambda *args: events.append("call") or policy(*args), tokenizer, "frozenlake", [0, 1], 2, max_turns=2, system=SYSTEM)
+    assert any(n < 40 for e in eps for n in e.response_lengths)  # rows stop early
+    calls = "".join({"call": "|", "step": "s", "look": "L", "sync": "."}[e] for e in events)
+    loops = [c[min(c.find("s"), c.find("L")):c.rindex("s") + 1] for c in calls.split("|")[1:]]
+    assert len(loops) == 2  # one decode loop a turn, from its first step or look to its last step
+    for loop in loops:
+        assert loop.replace("L.", "").count(".") == 0  # each sync is a look, and only one
+        runs = loop.replace(".", "").split("L")  # the steps between two looks
+        assert len(runs[0]) == every - 1 and all(len(r) == every for r in runs[1:-1])
+    assert len(storage) == 2  # one cache a turn, never reallocated while decoding
+
+
+def test_a_distribution_that_is_not_finite_is_the_error_a_run_reads_as_diverged(tokenizer):
+    """A model whose output layer holds a nan samples garbage until the loop's next look, which
+    raises what torch.multinomial raises (runs.finite_sampling names the diverged step)."""
+    model = make_model(tokenizer)
+    with torch.no_grad():
+        model.lm_head.weight[5, 0] = math.nan
+    policy = sampler.hf_policy(model, tokenizer, max_new_tokens=6, check_every=3)
+    with pytest.raises(RuntimeError, match="probability tensor contains"):
+        rollout.play(policy, tokenizer, "frozenlake", [0], 2, max_turns=1, system=SYSTEM)
+
+
+def test_a_model_of_another_layout_is_refused_in_one_line(tokenizer):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    gpt2 = GPT2LMHeadModel(GPT2Config(vocab_size=len(tokenizer), n_embd=32, n_layer=1, n_head=2))
+    with pytest.raises(ValueError, match="Llama layout.*'gpt2'"):
+        sampler.hf_policy(gpt2, tokenizer, 4)
+
+
+def test_greedy_picks_the_argmax_of_a_full_forward_pass(tokenizer):
+    """Greedy decoding through the cache equals a plain decode that runs the whole transcript for
+    every token: each policy token is the argmax of a fresh forward pass over what precedes it, on
+    episodes of two and three turns."""
     model = make_model(tokenizer)
     policy = sampler.hf_policy(model, tokenizer, max_new_tokens=10, temperature=0)
-    (e,) = rollout.play(policy, tokenizer, "frozenlake", [2], 1, max_turns=2, system=SYSTEM)
-    table, recomputed = forward_logprobs(model, rollout.collate([e], 0), 1.0)
-    mask = torch.tensor(e.policy_mask[1:]) == 1
-    assert (table[0].argmax(-1)[mask] == torch.tensor(e.ids[1:])[mask]).all()
-    torch.testing.assert_close(torch.tensor(e.logprobs[1:])[mask], recomputed[0][mask], atol=1e-4, rtol=0)
+    eps = rollout.play(policy, tokenizer, "frozenlake", [2, 7], 1, max_turns=3, system=SYSTEM)
+    assert min(e.turns for e in eps) >= 2
+    batch = rollout.collate(eps, 0)
+    table, recomputed = forward_logprobs(model, batch, 1.0)
+    mask = batch["policy_mask"][:, 1:] == 1                                         # [B, T-1]
+    assert (table.argmax(-1)[mask] == batch["input_ids"][:, 1:][mask]).all()
+    torch.testing.assert_close(batch["logprobs"][:, 1:][mask], recomputed[mask], atol=1e-4, rtol=0)
 
 
 def test_from_pretrained_round_trip_is_identical(tokenizer, tmp_path):
@@ -167,18 +228,18 @@ def test_greedy_sampling_replays_a_learned_transcript(tokenizer):
     assert greedy_success(model, tokenizer, [0, 1], max_new_tokens=60) == 1.0
 
 
-def test_draw_follows_the_probabilities_and_refuses_what_is_not_finite():
+def test_draw_follows_the_probabilities_and_flags_what_is_not_finite():
     """sampler.draw's inverse transform has torch.multinomial's law: over 40,000 draws a row, each
     token's frequency lies within 4 standard errors of its probability (the probabilities
-    unnormalised, one row with zeros that are never drawn); a row with a nan or inf is the error
-    runs.finite_sampling reads as a diverged run."""
+    unnormalised, one row with zeros that are never drawn); a row with a nan or inf is flagged."""
     probs = torch.tensor([[0.1, 0.2, 0.3, 0.4], [0.0, 3.0, 0.0, 1.0]], dtype=torch.float64)
     torch.manual_seed(0)
-    draws = sampler.draw(probs.repeat(40_000, 1)).view(40_000, 2)                    # [n, 2]
+    draws, finite = sampler.draw(probs.repeat(40_000, 1))
+    draws = draws.view(40_000, 2)                                                    # [n, 2]
+    assert finite.all()
     p = probs / probs.sum(-1, keepdim=True)
     freq = torch.stack([torch.bincount(draws[:, b], minlength=4) for b in range(2)]) / 40_000
     assert ((freq - p).abs() <= 4 * (p * (1 - p) / 40_000).sqrt() + 1e-12).all(), freq
     assert freq[1, 0] == freq[1, 2] == 0
     for bad in (math.nan, math.inf):
-        with pytest.raises(RuntimeError, match="probability tensor contains"):
-            sampler.draw(torch.tensor([[0.5, bad]]))
+        assert sampler.draw(torch.tensor([[0.5, bad], [0.5, 0.5]]))[1].tolist() == [False, True]

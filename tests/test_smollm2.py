@@ -176,7 +176,8 @@ def test_without_the_wheel_smollm2_is_one_line_naming_the_install(tmp_path, monk
 def test_a_run_reading_the_coordinates_logs_its_reasonings_labels_and_not_the_template_share(tmp_path):
     """--observation coords: each user turn shows the grid and its coordinates; the diagnosis logs
     the grounded / borrowed / ungrounded shares (a real model's labels) in the batch and on the probe
-    set, and the probe set's reasonings as text, but no template_share; the checkpoint says what it
+    set, the probe set's reasonings as text and its work's MI after the copied cells, but no
+    template_share; the checkpoint says what it
     read, so that evaluating it reads the same."""
     out = str(tmp_path / "run")
     argv = ["--model", "smollm2", "--no-warm-start", "--observation", "coords", "--env", "frozenlake",
@@ -192,6 +193,9 @@ def test_a_run_reading_the_coordinates_logs_its_reasonings_labels_and_not_the_te
     for p in ("", "probe_"):
         assert sum(step[f"{p}{k}_share"] for k in ("grounded", "borrowed", "ungrounded")) == pytest.approx(1)
     assert len(step["probe_reasonings"]) == 4 and all(isinstance(t, str) for t in step["probe_reasonings"])
+    # the work's MI after the copied cells, where the reasoning copies its input (mi.work_scores)
+    assert {"probe_work_mi_estimate", "probe_work_retrieval_acc", "probe_work_copied_share"} <= set(step)
+    assert 0 <= step["probe_work_copied_share"] <= 1 and "work_mi_estimate" not in step  # probe only
     # token-exact at the training temperature: each reasoning scores as it was sampled
     assert step["diagnosis_logprob_diff"] < 1e-4 and step["probe_diagnosis_logprob_diff"] < 1e-4
     with open(os.path.join(out, "checkpoint", "policy.json")) as f:

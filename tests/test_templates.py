@@ -22,6 +22,8 @@ def test_each_pool_is_a_short_full_product_whose_entropy_matches_the_task_reason
     assert templates.POOL_SHAPE
     vocab = tok.get_vocab()
     for world, (a, b, c) in templates.POOL_SHAPE.items():
+        if world == templates.COORDS_POOL:  # a real model's (tests/test_grounding.py)
+            continue
         pool = templates.pool(world)
         assert len(set(pool)) == len(pool) == a * b * c  # uniform over it: three uniform slots
         task = templates.TASK[world]

@@ -50,6 +50,31 @@ def input_way(env_name, env_kwargs, seed):
     return goal[0] - player[0], goal[1] - player[1]
 
 
+def copied_cells(env):
+    """What a reasoning that works the way out (demos.work_out) copies from its input first: the
+    player's and the goal's cells, 'From (r,c) to (r,c):' (FrozenLake).
+
+    >>> env = envs.FrozenLake(desc=["SF", "FG"]); _ = env.reset()
+    >>> copied_cells(env)
+    'From (0,0) to (1,1):'
+    """
+    player_goal = envs.COORDINATES[env.name][:2]
+    (player,), (goal,) = (envs.where(env.render(), symbols) for _, symbols in player_goal)
+    return f"From ({player[0]},{player[1]}) to ({goal[0]},{goal[1]}):"
+
+
+def copy_ids(tokenizer, env_name, env_kwargs, seeds):
+    """For each input (a layout seed) the token ids of what its reasoning copies from it (the
+    reasoning begins with the space after "<think>"): what mi.probe's work MI scores each
+    reasoning's work after. Only FrozenLake read with coordinates has such a copy."""
+    out = []
+    for seed in seeds:
+        env = envs.make_env(env_name, **(env_kwargs or {}))
+        env.reset(seed=seed)
+        out.append(tokenizer.encode(" " + copied_cells(env), add_special_tokens=False))
+    return out
+
+
 def label(reasoning, own, others):
     """grounded, borrowed or ungrounded (module docstring): `own` the reasoning's input's way,
     `others` the ways of the other inputs of the diagnosed set.

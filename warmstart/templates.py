@@ -45,6 +45,7 @@ import math
 import re
 
 import envs
+from warmstart import grounding
 
 OPENERS = ("Let me", "I will", "I should", "I need to", "Now I will", "I want to", "Time to",
            "I must")
@@ -409,23 +410,12 @@ def share_of(episodes, env_name, kind="pool"):
 #             work's dependence on the input, I(X;W) = surface_mi(ALPHA, law of W), falls to 0
 #
 # so a whole-reasoning MI sees family `pool` fall and family `borrowed` stay level: copying the
-# input hides a template there (theory.md, Sec. 2: the work's MI).
+# input hides a template there (theory.md, Sec. 2: the work's MI; grounding.copied_cells is the
+# copy).
 COORDS_POOL = "frozenlake-coords"  # the pool's key: a real model reading FrozenLake's coordinates
 POOL_SHAPE[COORDS_POOL] = (len(OPENERS), len(ACTIONS), len(ENDINGS))
 COORDS_TASK = {"h_copy": 5.477, "h_way": 3.670, "h_given_x": 0.778}  # over TASK_TURNS, in nats
 REAL_TEMPLATE_KINDS = ("pool", "borrowed")
-
-
-def copied_cells(env):
-    """What a reasoning that works the way out copies from its input: 'From (r,c) to (r,c):'.
-
-    >>> env = envs.FrozenLake(desc=["SF", "FG"]); _ = env.reset()
-    >>> copied_cells(env)
-    'From (0,0) to (1,1):'
-    """
-    from warmstart import demos
-
-    return demos.work_out(env, []).split(":")[0] + ":"
 
 
 def borrowed_template(noise=NOISE):
@@ -439,7 +429,7 @@ def borrowed_template(noise=NOISE):
         way = demos.work_out(other, []).split(":", 1)[1]
         if rng.random() < noise:
             way += f" Try {rng.choice(env.actions)}."
-        return copied_cells(env) + way
+        return grounding.copied_cells(env) + way
     return draw
 
 
