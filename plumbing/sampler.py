@@ -28,9 +28,11 @@ attention itself: the G query heads that share a key/value head are laid side by
 rows of that head, so grouped keys and values are read as they are, never copied G times (the
 trick of flash-decoding). Nothing in a step asks the device anything: stopped rows are masked on
 the device, and whether every row has stopped, or a distribution stopped being finite, is read
-every `check_every` steps (each a wait for the device on a GPU, free on a CPU). On a GPU the
-step is compiled (torch.compile, CUDA graphs: one launch a step instead of hundreds) over a cache
-whose length is fixed for the turn.
+every `check_every` steps (each a wait for the device on a GPU, free on a CPU). So on a GPU a
+turn's step, its cache's shapes fixed until the turn ends, is captured once as a CUDA graph and
+replayed (graphed_step): one launch a token instead of hundreds, what torch.compile's
+"reduce-overhead" mode would record, without a compiler. Weights are read from copies kept for
+sampling (project): in autocast's dtype, and on a CPU transposed, where that multiplies faster.
 """
 import dataclasses
 import functools
@@ -179,8 +181,8 @@ def rotate(x, cos, sin):
 
 
 def forward(lm, cache, ids, positions, slots, end):
-    """Feed `ids` [B, W] at positions [B, W] into slots `slots` [W] (a tensor, so a compiled step
-    never sees a new constant) -> the last hidden state of each row [B, D] (the output layer is
+    """Feed `ids` [B, W] at positions [B, W] into slots `slots` [W] (a tensor, so a captured step
+    reads the slot it is given) -> the last hidden state of each row [B, D] (the output layer is
     the caller's). Each query attends to the valid slots up to its own among the first `end` (and
     to itself, so a padding query attends somewhere). The G query heads of a key/value head go in
     as G x W query rows of that head: grouped keys and values are never repeated."""
@@ -218,31 +220,36 @@ def forward(lm, cache, ids, positions, slots, end):
     return body.norm(x[:, -1])                                                 # [B, D]
 
 
-TRANSPOSED = weakref.WeakKeyDictionary()  # {nn.Linear: (its weight's version, W^T contiguous)}
+COPIES = weakref.WeakKeyDictionary()  # {nn.Linear: (its weight's version, the sampling copy)}
 
 
 def project(module, x):
-    """module(x) for a linear layer (nn.Linear, or a peft LoRA layer around one). On a CPU the
-    weight is multiplied as a contiguous copy of W^T, refreshed when W changes: with a few rows
-    (a decode step's), F.linear(x, W) ran at a fifth of the speed of x @ W^T on a 2-core Intel
-    Xeon (bench/README.md); the same numbers up to the order of a sum. Under autocast the copy is
-    kept in its dtype, so no step casts the weights again."""
+    """module(x) for a linear layer (nn.Linear, or a peft LoRA layer around one), its weight read
+    from a copy kept for sampling, made again when the weight changes (an optimiser step): in
+    autocast's dtype, so no step casts the weights again (a CUDA graph must not), and on a CPU as
+    a contiguous W^T -- with a decode step's few rows, F.linear(x, W) ran at a fifth of the speed
+    of x @ W^T on a 2-core Intel Xeon (bench/README.md). The same numbers up to the order of a
+    sum."""
     base = getattr(module, "base_layer", module)
-    if x.is_cuda or not isinstance(base, torch.nn.Linear) or any(
-            getattr(module, "use_dora", {}).values()):
+    if not isinstance(base, torch.nn.Linear) or any(getattr(module, "use_dora", {}).values()):
         return module(x)
-    w = base.weight
-    dtype = torch.get_autocast_dtype("cpu") if torch.is_autocast_enabled("cpu") else w.dtype
-    version, t = TRANSPOSED.get(base, (None, None))
-    if version != (w._version, w.data_ptr(), dtype):  # under autocast in its dtype: cast once
-        t = w.detach().t().to(dtype).contiguous()                              # [in, out]
-        TRANSPOSED[base] = ((w._version, w.data_ptr(), dtype), t)
-    out = x @ t if base.bias is None else torch.addmm(base.bias, x.flatten(0, -2), t).view(
-        *x.shape[:-1], -1)
+    w, kind = base.weight, x.device.type
+    dtype = torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else w.dtype
+    version, copy = COPIES.get(base, (None, None))
+    if version != (w._version, w.data_ptr(), dtype):
+        copy = w.detach().to(dtype)                                            # [out, in]
+        copy = copy.t().contiguous() if kind == "cpu" else copy                # CPU: [in, out]
+        COPIES[base] = ((w._version, w.data_ptr(), dtype), copy)
+    x = x.to(dtype)
+    bias = None if base.bias is None else base.bias.to(dtype)
+    out = F.linear(x, copy, bias) if kind != "cpu" else (
+        x @ copy if bias is None else torch.addmm(bias, x.flatten(0, -2), copy).view(
+            *x.shape[:-1], -1))
     if base is not module and not module.disable_adapters and not module.merged:
         for name in module.active_adapters:  # peft's LoRA: B(A(dropout(x))) x scaling, added
             if name in module.lora_A:
-                lora = module.lora_B[name](module.lora_A[name](module.lora_dropout[name](x)))
+                lora = project(module.lora_B[name], project(module.lora_A[name],
+                                                            module.lora_dropout[name](x)))
                 out = out + lora * module.scaling[name]
     return out
 
@@ -261,25 +268,45 @@ def decode_step(lm, cache, token, running, slot, end):
     """One step of the loop: each row's last token goes into slot `slot` [1] (real for the rows
     still running, a hole for the others), attending over the first `end` slots -> the next
     token's logits [B, V]. On a GPU `end` is the whole cache: the same shapes at every step of a
-    turn, what a compiler turns into one CUDA graph; on a CPU only the filled slots."""
+    turn, one CUDA graph (graphed_step); on a CPU only the filled slots."""
     cache.valid.index_copy_(1, slot, running[:, None])
     hidden = forward(lm, cache, token[:, None], cache.position[:, None], slot, end)  # [B, D]
     cache.position += running.long()
     return project(lm.get_output_embeddings(), hidden)                         # [B, V]
 
 
-COMPILED = weakref.WeakKeyDictionary()  # {model: its compiled step}, while the model lives
+def graphed_step(lm, cache, rows):
+    """decode_step for this turn, captured as one CUDA graph over its cache (whose shapes hold
+    until the loop ends): each step copies its inputs into the graph's own and replays it, one
+    launch instead of the hundreds of kernels a step of a 24-layer model is. The capture runs the
+    step on rows that are not running at the slot the loop writes first, so what it writes is
+    written over. None where it cannot be captured (the loop then runs the step eagerly)."""
+    device = cache.valid.device
+    token = torch.zeros(rows, dtype=torch.long, device=device)
+    running = torch.zeros(rows, dtype=torch.bool, device=device)
+    slot = torch.tensor([cache.slot], device=device)
+    end = cache.valid.shape[1]
+    try:
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):  # a first run outside the capture: copies, lazy set-ups
+            decode_step(lm, cache, token, running, slot, end)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            logits = decode_step(lm, cache, token, running, slot, end)
+    except RuntimeError as e:
+        print(f"the decode step runs eagerly: capturing it as a CUDA graph failed "
+              f"({str(e).splitlines()[0]})")
+        return None
 
-
-def step_function(lm):
-    """decode_step for `lm`: compiled on a GPU (CUDA graphs; the shapes may change between turns,
-    a graph recorded for each), eager on a CPU, where a step's time is arithmetic, not launches."""
-    if not next(lm.parameters()).is_cuda:
-        return functools.partial(decode_step, lm)
-    if lm not in COMPILED:
-        COMPILED[lm] = torch.compile(functools.partial(decode_step, lm), mode="reduce-overhead",
-                                     dynamic=True)
-    return COMPILED[lm]
+    def step(cache_, token_, running_, slot_, end_):
+        token.copy_(token_)
+        running.copy_(running_)
+        slot.copy_(slot_)
+        graph.replay()
+        return logits
+    return step
 
 
 # ------------------------------------------------------------------------------------- the policy
@@ -354,7 +381,8 @@ def hf_policy(model, tokenizer, max_new_tokens, temperature=1.0, top_p=1.0, chec
 
         # ---- the loop of identical steps: sample, record, feed; a stopped row is fed padding
         # into a hole. Every `every` steps one look at the device: has every row stopped?
-        step = step_function(lm)
+        step = graphed_step(lm, cache, B) if device.type == "cuda" else None
+        step = step or functools.partial(decode_step, lm)
         tokens = torch.full((B, max_new_tokens), pad, dtype=torch.long, device=device)  # [B, N]
         logprobs = torch.zeros(B, max_new_tokens, dtype=torch.float64, device=device)  # [B, N]
         entropies = torch.zeros(B, max_new_tokens, dtype=torch.float64, device=device)  # [B, N]

@@ -100,16 +100,12 @@ def test_the_loop_waits_for_the_device_only_when_it_looks_and_keeps_its_cache(
     from torch.overrides import TorchFunctionMode
 
     events, storage = [], set()
-    step_function, looks_alive = sampler.step_function, sampler.looks_alive
+    decode_step, looks_alive = sampler.decode_step, sampler.looks_alive
 
-    def step(lm):
-        run = step_function(lm)
-
-        def logged(cache, *args):
-            events.append("step")
-            storage.add((id(cache), cache.keys[0].data_ptr(), cache.valid.data_ptr()))
-            return run(cache, *args)
-        return logged
+    def step(lm, cache, *args):
+        events.append("step")
+        storage.add((id(cache), cache.keys[0].data_ptr(), cache.valid.data_ptr()))
+        return decode_step(lm, cache, *args)
 
     def look(*args):
         events.append("look")
@@ -121,7 +117,7 @@ def test_the_loop_waits_for_the_device_only_when_it_looks_and_keeps_its_cache(
                 events.append("sync")
             return func(*args, **(kwargs or {}))
 
-    monkeypatch.setattr(sampler, "step_function", step)
+    monkeypatch.setattr(sampler, "decode_step", step)
     monkeypatch.setattr(sampler, "looks_alive", look)
     policy = sampler.hf_policy(make_model(tokenizer), tokenizer, max_new_tokens=40, temperature=0.7,
                                top_p=0.5, check_every=every)
