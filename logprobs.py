@@ -98,7 +98,7 @@ def shared_prefix_hidden(decoder, ids, n):
 def _drops_the_cache(lm):
     """Hugging Face layers under gradient checkpointing ignore a cache while training with
     gradients: a shared prefix would be lost, so every row then runs its whole transcript."""
-    return (getattr(lm, "is_gradient_checkpointing", False) and lm.training
+    return (getattr(lm, "is_activation_checkpointing", False) and lm.training
             and torch.is_grad_enabled())
 
 

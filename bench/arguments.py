@@ -6,7 +6,9 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the project
-from plumbing.flags import Parser, UsageError  # noqa: E402,F401 (Parser: the scripts' parser)
+from plumbing.flags import Parser, UsageError, polite_threads  # noqa: E402,F401 (Parser: theirs)
+
+polite_threads()  # every bench script imports this module before torch
 
 
 def at_least(low):

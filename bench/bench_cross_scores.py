@@ -19,12 +19,14 @@ import statistics
 import sys
 import time
 
-import torch
+# the bench's siblings; arguments first: it lets OpenMP's threads sleep before torch loads
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from arguments import Parser, at_least, multiple_of, parse, thread_count  # noqa: E402
+import torch  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import mi  # noqa: E402
 import ppo  # noqa: E402
-from arguments import Parser, at_least, multiple_of, parse, thread_count  # noqa: E402
 
 
 def build_word_tokenizer(vocab_size):
@@ -94,7 +96,7 @@ def median_seconds(fns, repeats):
 
 
 def main():
-    parser = Parser(description=__doc__.splitlines()[0])
+    parser = Parser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--threads", type=thread_count, default=2, help="torch.set_num_threads")
     parser.add_argument("--prompts", type=at_least(1), default=8, help="N prompts")
     parser.add_argument("--samples", type=at_least(1), default=64,

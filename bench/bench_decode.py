@@ -36,7 +36,10 @@ import sys
 import tempfile
 import time
 
-import torch
+# the bench's siblings; arguments first: it lets OpenMP's threads sleep before torch loads
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from arguments import Parser, at_least, parse, refuse, thread_count  # noqa: E402
+import torch  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
@@ -46,8 +49,6 @@ from plumbing import models, sampler  # noqa: E402
 from plumbing.runs import cpu_computes_bf16  # noqa: E402
 from warmstart import tiny  # noqa: E402
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # its siblings, however loaded
-from arguments import Parser, at_least, parse, refuse, thread_count  # noqa: E402
 
 BEFORE = "97f350b"  # the sampler before the static-cache loop: Hugging Face's forward a token
 SIZES = {"tiny": dict(groups=8, group_size=16, max_turns=3, max_new_tokens=64),

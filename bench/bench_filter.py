@@ -26,7 +26,10 @@ Last line: RESULT filter <1 - |time ratio - kept fraction|>.
 import os
 import sys
 
-import torch
+# the bench's siblings; arguments first: it lets OpenMP's threads sleep before torch loads
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from arguments import Parser, at_least, multiple_of, parse, thread_count  # noqa: E402
+import torch  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import rollout  # noqa: E402
@@ -35,7 +38,6 @@ import train  # noqa: E402
 from warmstart import tiny  # noqa: E402
 from bench_cross_scores import median_seconds  # noqa: E402
 from bench_step import make_run  # noqa: E402
-from arguments import Parser, at_least, multiple_of, parse, thread_count  # noqa: E402
 
 
 def synthetic_rewards(groups, group_size, generator):
@@ -85,7 +87,7 @@ def synthetic_episodes(rewards, turns, template_len, response_len, vocab, genera
 
 
 def main():
-    parser = Parser(description=__doc__.splitlines()[0])
+    parser = Parser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--threads", type=thread_count, default=2, help="torch.set_num_threads")
     parser.add_argument("--groups", type=at_least(2), default=16)
     parser.add_argument("--group-size", type=at_least(2), default=8)

@@ -25,12 +25,13 @@ import subprocess
 import sys
 import time
 
-import torch
+# the bench's siblings; arguments first: it lets OpenMP's threads sleep before torch loads
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from arguments import Parser, at_least, parse, thread_count  # noqa: E402
+import torch  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # its siblings, however loaded
-from arguments import Parser, at_least, parse, thread_count  # noqa: E402
 # Qwen2.5 base and -Instruct: hidden, intermediate, layers, attention heads, key-value heads
 SHAPES = {
     "0.5b": (896, 4864, 24, 14, 2),
@@ -182,7 +183,7 @@ def one_row(args):
 
 
 def main(argv=None):
-    parser = Parser(description=__doc__.splitlines()[0])
+    parser = Parser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--size", default="0.5b", choices=tuple(SHAPES))
     parser.add_argument("--algo", default="ppo", choices=("ppo", "grpo"))
     parser.add_argument("--lora", type=at_least(0), default=0)

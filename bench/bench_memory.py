@@ -109,7 +109,7 @@ def measure(args, path, micro_batch, seq_len):
 
 
 def main():
-    parser = Parser(description=__doc__.splitlines()[0])
+    parser = Parser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--threads", type=thread_count, default=2, help="torch.set_num_threads")
     parser.add_argument("--batch", type=even_batch, default=16,
                         help="transcripts in the update: two groups, an even number >= 4")

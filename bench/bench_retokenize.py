@@ -20,11 +20,12 @@ import os
 import sys
 
 import numpy as np
-import torch
+# the bench's siblings; arguments first: it lets OpenMP's threads sleep before torch loads
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from arguments import Parser, parse, thread_count  # noqa: E402
+import torch  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # its siblings, however loaded
-from arguments import Parser, parse, thread_count  # noqa: E402
 import rollout  # noqa: E402
 import train  # noqa: E402
 from plumbing import defaults, runs  # noqa: E402
@@ -58,7 +59,7 @@ def measure(world, temperature, groups, group_size, warm_start, threads, seed=0,
 
 
 def main():
-    parser = Parser(description=__doc__.splitlines()[0])
+    parser = Parser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="a random tiny policy, small sizes")
     parser.add_argument("--threads", type=thread_count, default=2)
     parser.add_argument("--model", default="tiny", choices=("tiny", "smollm2"),

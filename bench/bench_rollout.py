@@ -27,7 +27,10 @@ Last line: RESULT rollout <loop tokens/s / plain generate tokens/s> (target >= 0
 import os
 import sys
 
-import torch
+# the bench's siblings; arguments first: it lets OpenMP's threads sleep before torch loads
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from arguments import Parser, at_least, multiple_of, parse, thread_count  # noqa: E402
+import torch  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import envs  # noqa: E402
@@ -35,7 +38,6 @@ import rollout  # noqa: E402
 from plumbing import sampler  # noqa: E402
 from warmstart import demos, tiny  # noqa: E402
 from bench_cross_scores import median_seconds  # noqa: E402
-from arguments import Parser, at_least, multiple_of, parse, thread_count  # noqa: E402
 
 
 def recording(policy, calls):
@@ -85,7 +87,7 @@ def plain_in(ctx, *args):
 
 
 def main():
-    parser = Parser(description=__doc__.splitlines()[0])
+    parser = Parser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--threads", type=thread_count, default=2, help="torch.set_num_threads")
     parser.add_argument("--env", default="sokoban", choices=tuple(envs.ENVS))
     parser.add_argument("--groups", type=at_least(1), default=4)

@@ -79,7 +79,7 @@ def measure(policy, threads, passes):
 
 
 def main(argv=None):
-    parser = Parser(description=__doc__.splitlines()[0])
+    parser = Parser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--threads", type=thread_count, default=2,
                         help="torch threads of the workload")
     parser.add_argument("--passes", type=at_least(1), default=40,

@@ -35,9 +35,11 @@ import sys
 import time
 
 # as train.py: OpenMP threads that spin at barriers would take the shared cores from other work
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import numpy as np  # noqa: E402
+# the bench's siblings; arguments first: it lets OpenMP's threads sleep before torch loads
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from arguments import Parser, at_least, parse, refuse, thread_count  # noqa: E402
 import torch  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -49,7 +51,6 @@ import snr_filter  # noqa: E402
 import train  # noqa: E402
 from plumbing import defaults, models, runs, sampler  # noqa: E402
 from plumbing.flags import UsageError, parse_args  # noqa: E402
-from arguments import Parser, at_least, parse, refuse, thread_count  # noqa: E402
 
 
 def plain_policy(model, tokenizer, max_new_tokens, temperature=1.0, top_p=1.0):
@@ -185,7 +186,7 @@ def timed_update(run, start, episodes, rewards):
 
 
 def main():
-    parser = Parser(description=__doc__.splitlines()[0])
+    parser = Parser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--threads", type=thread_count, default=2, help="torch.set_num_threads")
     parser.add_argument("--model", default="tiny", choices=("tiny", "smollm2"))
     parser.add_argument("--env", default=None, choices=tuple(envs.ENVS),

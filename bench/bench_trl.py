@@ -53,7 +53,7 @@ def step_seconds(script, flags, out, threads):
 
 
 def main():
-    parser = Parser(description=__doc__.splitlines()[0])
+    parser = Parser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--threads", type=thread_count, default=2,
                         help="torch threads of each side")
     parser.add_argument("--groups", type=at_least(2), default=4, help="G prompt groups per step")

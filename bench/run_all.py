@@ -12,15 +12,17 @@ import os
 import subprocess
 import sys
 
-import torch
+# the bench's siblings; arguments first: it lets OpenMP's threads sleep before torch loads
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from arguments import Parser, parse, thread_count  # noqa: E402
+import torch  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)  # its siblings, however loaded
-from arguments import Parser, parse, thread_count  # noqa: E402
 
 
 def main():
-    parser = Parser(description=__doc__.splitlines()[0])
+    parser = Parser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="pass --quick to every script")
     parser.add_argument(
         "--threads", type=thread_count, default=2,

@@ -84,7 +84,7 @@ def warm_start_seconds(code, cache):
 
 
 def main():
-    p = Parser(description=__doc__.splitlines()[0])
+    p = Parser(description=__doc__.split("\n\n")[0])
     p.add_argument("commit", help="the earlier commit (e.g. 1acd888)")
     p.add_argument("--model", default="tiny", choices=("tiny", "smollm2"))
     p.add_argument("--repeats", type=at_least(1), default=2)

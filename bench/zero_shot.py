@@ -32,7 +32,10 @@ import time
 
 import numpy as np
 import scipy.stats
-import torch
+# the bench's siblings; arguments first: it lets OpenMP's threads sleep before torch loads
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from arguments import Parser, at_least, parse, refuse, thread_count  # noqa: E402
+import torch  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import envs  # noqa: E402
@@ -42,8 +45,6 @@ from plumbing import defaults, models, runs  # noqa: E402
 from plumbing.checkpoints import atomic_write  # noqa: E402
 from plumbing.flags import UsageError, check_args  # noqa: E402
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # its siblings, however loaded
-from arguments import Parser, at_least, parse, refuse, thread_count  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 OUT = os.path.join(ROOT, "results", "zero-shot")
@@ -159,7 +160,7 @@ def table(folder=OUT):
 
 
 def main():
-    parser = Parser(description=__doc__.splitlines()[0])
+    parser = Parser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="smollm2")
     parser.add_argument("--worlds", type=worlds, default=",".join(WORLDS),
                         help=f"comma-separated, of {', '.join(envs.ENVS)}")

@@ -47,7 +47,7 @@ import subprocess
 import sys
 import time
 
-from plumbing.flags import Parser, UsageError
+from plumbing.flags import Parser, UsageError, polite_threads
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository
 GRADING_TESTS = os.path.join("tests", "test_grading.py")
@@ -462,6 +462,7 @@ def check(names=(), hidden=None, runs=None, json_path=None, timeout=TIMEOUT, roo
     if json_path:
         with open(json_path, "w") as f:  # an unwritable path stops here, before any grading
             json.dump({}, f)
+    polite_threads()  # before torch loads: its OpenMP threads sleep while they wait
     for module in PRELOAD:
         with contextlib.suppress(ImportError):
             importlib.import_module(module)

@@ -17,11 +17,15 @@ import gzip
 import io
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
 
-from lab import calibration, report
+from plumbing.flags import polite_threads
+
+polite_threads()  # before anything loads torch (and for the train.py runs it starts)
+from lab import calibration, report  # noqa: E402
 from lab.grids import BUCKET, GRIDS, RESULTS, describe, done, estimate_hours, runs_of
 from plumbing.flags import Parser, UsageError
 from plumbing.plots import read_jsonl
@@ -32,7 +36,10 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the reposi
 def finished(folder, steps):
     """The run did its steps, or train.py stopped it: MAX_SKIPS steps in a row without spread."""
     path = os.path.join(folder, "metrics.jsonl")
-    records = read_jsonl(open(path)) if os.path.isfile(path) else []
+    if not os.path.isfile(path):
+        return done([], steps)
+    with open(path) as f:
+        records = read_jsonl(f)
     return done(records, steps)
 
 
@@ -103,7 +110,9 @@ def archive(folder, name, results=RESULTS):
     if not os.path.isfile(path):
         return None
     lines = []
-    for r in read_jsonl(open(path)):
+    with open(path) as f:
+        records = read_jsonl(f)
+    for r in records:
         kept = {k: six_digits(v) for k, v in r.items() if not isinstance(v, (list, dict))
                 or isinstance(v, list) and all(isinstance(x, str) for x in v)}
         if "grad_decomposition" in r:
@@ -137,6 +146,8 @@ def main(argv=None):
     parser.add_argument("--only", help="run: only the settings whose name contains this text")
     parser.add_argument("--force", action="store_true",
                         help="report: overwrite a report even with fewer or shorter archives")
+    parser.add_argument("--into", help="report: regenerate into this folder (the archives copied "
+                                       "there first), to compare with results/")
     try:
         args = parser.parse_args(argv)
     except UsageError as e:
@@ -161,11 +172,15 @@ def main(argv=None):
             for name in args.grids:
                 run(name, args.jobs, args.only)
         else:
-            for name in args.grids or GRIDS:
-                if args.grids or os.path.isdir(os.path.join(RESULTS, name, "runs")):
-                    write_report(name, force=args.force)
-                else:
-                    print(f"{name}: not run yet (no {RESULTS}/{name}/runs)")
+            names = [n for n in args.grids or GRIDS
+                     if args.grids or os.path.isdir(os.path.join(RESULTS, n, "runs"))]
+            for name in set(args.grids or GRIDS) - set(names):
+                print(f"{name}: not run yet (no {RESULTS}/{name}/runs)")
+            results = RESULTS if args.into is None else scratch_copy(args.into)
+            for name in names:
+                write_report(name, results=results, force=args.force)
+            if args.into is not None:
+                print(f"reports written into {args.into}; compare: diff -r {RESULTS} {args.into}")
     except report.ReportError as e:
         return fail(str(e))
     except KeyboardInterrupt:
@@ -173,6 +188,24 @@ def main(argv=None):
               "the others", file=sys.stderr)
         return 130
     return 0
+
+
+def scratch_copy(folder, results=RESULTS):
+    """Every committed grid's archives and manifest, and the first report, copied into `folder`
+    (new or empty): what a report is made from and nothing else -> `folder`."""
+    if os.path.exists(folder) and os.listdir(folder):
+        raise report.ReportError(f"--into {folder}: not an empty folder")
+    for name in os.listdir(results):
+        for part in ("runs", "numbers.json"):
+            source = os.path.join(results, name, part)
+            if os.path.isdir(source):
+                shutil.copytree(source, os.path.join(folder, name, part))
+            elif os.path.isfile(source):
+                os.makedirs(os.path.join(folder, name), exist_ok=True)
+                shutil.copy(source, os.path.join(folder, name, part))
+    shutil.copytree(os.path.join(results, report.FIRST_REPORT),
+                    os.path.join(folder, report.FIRST_REPORT), dirs_exist_ok=True)
+    return folder
 
 
 def fail(message):

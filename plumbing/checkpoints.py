@@ -130,6 +130,10 @@ def restore_metrics(path, ckpt):
     copy = os.path.join(ckpt, "metrics.jsonl") if ckpt else None
     saved = open(copy).read() if copy and os.path.isfile(copy) else None
     problems = log_damage(lines, step)
+    garbage = [i + 1 for i, line in enumerate(lines) if _step_of(line) == float("inf")]
+    if garbage and not problems:  # after the kept steps: a kill's half-written line, or added
+        print(f"{path}: removed line {garbage[0]}, which is not a metrics record"
+              + (f" (and {len(garbage) - 1} more)" if len(garbage) > 1 else ""))
     if saved is not None and (problems or "".join(kept) != saved):
         problems = problems or ["it differs from the checkpoint's copy"]
         print(f"{path} is damaged ({'; '.join(problems)}): rewrote its steps up to {step} from "
@@ -183,12 +187,13 @@ def log_damage(lines, step):
     return problems
 
 
-def last_logged_step(path):
-    """The highest step the metrics log at `path` records (0: none, or no log)."""
+def log_steps(path):
+    """The step of each line of the metrics log at `path`, inf for a line that is no record ([]:
+    no log)."""
     if not os.path.isfile(path):
-        return 0
+        return []
     with open(path) as f:
-        return max((s for s in map(_step_of, f) if s != float("inf")), default=0)
+        return [_step_of(line) for line in f]
 
 
 def _step_of(line):

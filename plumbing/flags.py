@@ -424,13 +424,20 @@ def env_kwargs(a):
             "bandit": dict(high_prob=a.high_prob)}.get(a.env, {})
 
 
+def polite_threads():
+    """Let OpenMP's threads sleep while they wait instead of spinning, which takes shared cores
+    from other work (the tiny warm start beside one busy process on 2 cores: 73 s -> 1387 s;
+    bench/bench_shared_cores.py). OpenMP reads OMP_WAIT_POLICY once, when torch loads it: every
+    entry point calls this first. A policy the user set is kept; an empty one is no policy
+    (OpenMP then spins), so it counts as unset."""
+    if not os.environ.get("OMP_WAIT_POLICY", "").strip():
+        os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
+
+
 def before_torch(parse, *args):
-    """What an entry point does before it loads torch: refuse a bad flag at once (refuse_now), and
-    let OpenMP's threads sleep while they wait instead of spinning, which takes shared cores from
-    other work (the tiny warm start beside one busy process on 2 cores: 73 s -> 1387 s;
-    bench/bench_shared_cores.py). OpenMP reads OMP_WAIT_POLICY once, when torch loads it; one set
-    by the user is kept."""
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    """What an entry point does before it loads torch: polite_threads, and refuse a bad flag at
+    once (refuse_now)."""
+    polite_threads()
     return refuse_now(parse, *args)
 
 

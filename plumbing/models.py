@@ -18,6 +18,7 @@ import os
 import shutil
 import socket
 import time
+import warnings
 
 import torch
 
@@ -37,15 +38,11 @@ def load(a, device, source, env_kwargs):
     settings that were not given are chosen here (gpu_memory_settings)."""
     policy, tokenizer, prompt = load_policy(a, source, device, env_kwargs)
     if a.lora and not hasattr(policy, "disable_adapter"):
-        check_lora_rank(policy, a)
         policy = add_lora(policy, a)
     if device.type == "cuda" and None in (a.micro_batch, a.grad_checkpointing, a.rollout_batch):
         gpu_memory_settings(a, policy, device)
     if a.grad_checkpointing:
-        (
-            getattr(policy, "activation_checkpointing_enable", None)
-            or policy.gradient_checkpointing_enable
-        )()
+        policy.activation_checkpointing_enable()
     critic, critic_params = None, []
     if a.algo == "ppo":
         critic = (make_lora_critic(policy) if a.lora else ppo.make_critic(policy)).to(device)
@@ -122,7 +119,8 @@ def load_policy(a, source, device, env_kwargs):
         from peft import PeftModel
 
         base, tokenizer, prompt = load_policy(a, saved["lora_base"], device, env_kwargs)
-        model = PeftModel.from_pretrained(base, folder, is_trainable=True)
+        with quiet_peft():
+            model = PeftModel.from_pretrained(base, folder, is_trainable=True)
         if a.algo == "ppo" and os.path.isdir(os.path.join(folder, "critic")):
             model.load_adapter(
                 os.path.join(folder, "critic"), adapter_name="critic", is_trainable=True
@@ -285,6 +283,8 @@ def smollm2_warm_start(env_name, env_kwargs=None, seed=0, cache_dir=SMOLLM2_CACH
                {"env": env_name, "env_kwargs": env_kwargs or {}, **settings,
                 "seconds": time.time() - began, "losses": losses})
     print(f"warm start built in {time.time() - began:.0f} s")
+    if os.path.isfile(os.path.join(folder, "warm_start.json")):  # what every later run reads:
+        return load_hf_files(folder, None)  # built or loaded, a run computes alike (tiny._build)
     return model.eval(), tokenizer
 
 
@@ -367,11 +367,22 @@ def save_policy(run, folder):
 # --------------------------------------------------------------------------------------------- LoRA
 
 
+@contextlib.contextmanager
+def quiet_peft():
+    """peft asks transformers for a name transformers deprecates (is_gradient_checkpointing): a
+    warning for peft's authors, not for the user of a run."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "`is_gradient_checkpointing` is deprecated",
+                                FutureWarning)
+        yield
+
+
 def add_lora(model, a):
     """Wrap the policy in LoRA adapters (peft): "default" for the policy and, for PPO, "critic"
     for the critic."""
     from peft import LoraConfig, get_peft_model
 
+    check_lora(model, a)  # peft's own refusal is a traceback
     targets = a.lora_targets if a.lora_targets == "all-linear" else a.lora_targets.split(",")
     config = dict(
         r=a.lora,
@@ -381,9 +392,10 @@ def add_lora(model, a):
         bias="none",
         task_type="CAUSAL_LM",
     )
-    peft_model = get_peft_model(model, LoraConfig(**config))
-    if a.algo == "ppo":
-        peft_model.add_adapter("critic", LoraConfig(**config))
+    with quiet_peft():
+        peft_model = get_peft_model(model, LoraConfig(**config))
+        if a.algo == "ppo":
+            peft_model.add_adapter("critic", LoraConfig(**config))
     peft_model.set_adapter("default")
     return peft_model
 
@@ -404,10 +416,21 @@ def lora_layers(model, targets):
     return layers
 
 
-def check_lora_rank(model, a):
-    """--lora no larger than the largest full rank, min(rows, columns), of the layers it adapts:
-    beyond it every adapter can already learn any update of its layer, and a larger rank only adds
-    parameters (--lora 100000 on the 64-wide tiny policy would write a 1.6 GB checkpoint)."""
+def check_lora(model, a):
+    """--lora-targets names layers of `model` that LoRA can adapt (peft matches a name to the end
+    of a module's), and --lora is a rank they can use: else a ModelError naming what the model
+    has. --lora no larger than the largest full rank, min(rows, columns), of the layers it
+    adapts: beyond it every adapter can already learn any update of its layer, and a larger rank
+    only adds parameters (--lora 100000 on the 64-wide tiny policy would write a 1.6 GB
+    checkpoint)."""
+    targets = [] if a.lora_targets == "all-linear" else a.lora_targets.split(",")
+    missing = [t for t in targets if not lora_layers(model, t)]
+    if missing:
+        known = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules()
+                        if isinstance(m, (torch.nn.Linear, torch.nn.Embedding))})
+        raise ModelError(f"--lora-targets {a.lora_targets}: the policy has no layer named "
+                         f"{', '.join(missing)}; its layers: {', '.join(known[:8])} (or "
+                         f"all-linear)")
     shapes = {name: tuple(m.weight.shape) for name, m in lora_layers(model, a.lora_targets).items()}
     if not shapes:
         return

@@ -48,7 +48,7 @@ import envs
 import rollout
 from plumbing import models
 from plumbing.checkpoints import (CheckpointError, atomic_write, checkpoint_step, drop_garbage,
-                                  last_logged_step, recover_checkpoint, restore, restore_metrics,
+                                  log_steps, recover_checkpoint, restore, restore_metrics,
                                   save_checkpoint)
 from warmstart import tiny
 from plumbing.flags import UsageError, env_kwargs, read_config
@@ -177,9 +177,9 @@ def check_fits(a, policy, tokenizer, prompt):
 
 
 def check_lora_targets(a, policy=None):
-    """--lora-targets names modules of the policy that LoRA can adapt (peft matches a name to the
-    end of a module's), and --lora is a rank they can use (models.check_lora_rank); `policy`
-    None: a Hugging Face model on this machine, its layers built without weights."""
+    """models.check_lora before anything loads or is built: on `policy`, or (None) on a Hugging
+    Face model of this machine, its layers built without weights; a model that cannot be read
+    yet is checked when it loads (models.add_lora)."""
     if not a.lora:
         return
     if policy is None:
@@ -192,15 +192,7 @@ def check_lora_targets(a, policy=None):
                 policy = AutoModelForCausalLM.from_config(config)
         except Exception:  # a model that cannot be loaded (yet): models.load says why
             return
-    targets = [] if a.lora_targets == "all-linear" else a.lora_targets.split(",")
-    missing = [t for t in targets if not models.lora_layers(policy, t)]
-    if missing:
-        known = sorted({n.rsplit(".", 1)[-1] for n, m in policy.named_modules()
-                        if isinstance(m, (torch.nn.Linear, torch.nn.Embedding))})
-        raise UsageError(f"--lora-targets {a.lora_targets}: the policy has no layer named "
-                         f"{', '.join(missing)}; its layers: {', '.join(known[:8])} (or "
-                         f"all-linear)")
-    models.check_lora_rank(policy, a)
+    models.check_lora(policy, a)
 
 
 # ------------------------------------------------------------------------------------------ the run
@@ -390,7 +382,11 @@ def open_folder(a):
 
 def lock_folder(out):
     """An exclusive lock on the run folder for the life of the process: two runs never share one."""
-    handle = open(os.path.join(out, ".lock"), "w")
+    try:
+        handle = open(os.path.join(out, ".lock"), "w")
+    except OSError as e:  # a read-only disk, a folder in the way
+        raise UsageError(f"{out}: cannot write its lock file ({e.strerror or e}); a run goes on "
+                         f"only in a folder it can write") from None
     try:
         fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError:
@@ -406,12 +402,17 @@ def finished(a, ckpt):
     done = checkpoint_step(ckpt) if ckpt else 0
     if a.steps < done:
         raise UsageError(f"--steps {a.steps} is below the {done} steps this run has done")
-    logged = last_logged_step(os.path.join(a.out, "metrics.jsonl"))
+    log = os.path.join(a.out, "metrics.jsonl")
+    steps = log_steps(log)  # inf: a line that is no record
+    logged = max((s for s in steps if s != float("inf")), default=0)
     saved = read_config(a.out, type(a))
+    if not ckpt and saved["save_every"] == 0 and steps and set(steps) == {float("inf")}:
+        raise CheckpointError(f"{log} is damaged (no line of it is a metrics record) and no "
+                              f"checkpoint holds a copy of it (--save-every 0): repair the file, "
+                              f"or start anew (another --out)")
     if not ckpt and logged and saved["save_every"] == 0:
         if logged == a.steps:  # no checkpoint to continue it from, nor a copy of its log
-            drop_garbage(os.path.join(a.out, "metrics.jsonl"),
-                         list(range(0 if saved["val_every"] else 1, logged + 1)))
+            drop_garbage(log, list(range(0 if saved["val_every"] else 1, logged + 1)))
             print(f"{a.out} is complete ({logged} of {a.steps} steps)")
             return True
         raise UsageError(f"--resume {a.out}: its {logged} steps ran with --save-every 0, so no "
@@ -432,9 +433,11 @@ def write_config(a):
 def last_metrics(path):
     last = {}
     if os.path.isfile(path):
-        for line in open(path):
-            with contextlib.suppress(json.JSONDecodeError, TypeError, AttributeError):
-                last.update({k: v for k, v in json.loads(line).items() if not isinstance(v, list)})
+        with open(path) as f:
+            for line in f:
+                with contextlib.suppress(json.JSONDecodeError, TypeError, AttributeError):
+                    last.update({k: v for k, v in json.loads(line).items()
+                                 if not isinstance(v, list)})
     return last
 
 

@@ -96,9 +96,12 @@ def parse_args(argv):
     given = vars(flags.build_parser(Args, defaults=False).parse_args(argv))
     flags.check_named(given)
     flags.check_ignored(a, given)
-    if a.steps < 1 or a.group_size < 2 or a.accumulation < 1:
-        raise flags.UsageError("need --steps >= 1, --group-size >= 2 (GRPO compares rollouts) "
-                               "and --accumulation >= 1")
+    for bad, said in ((a.steps < 1, f"--steps must be >= 1, got {a.steps}"),
+                      (a.group_size < 2, f"--group-size must be >= 2 (GRPO compares rollouts), "
+                                         f"got {a.group_size}"),
+                      (a.accumulation < 1, f"--accumulation must be >= 1, got {a.accumulation}")):
+        if bad:
+            raise flags.UsageError(said)
     # train.py's checks (finite, bounded) on the flags the two share; its defaults elsewhere
     flags.check_args(flags.Args(**{k: getattr(a, k) for k in SHARED}))
     return a

@@ -162,3 +162,18 @@ def test_a_size_given_with_quick_is_used_not_ignored():
         assert arguments.parse(parser, ["--quick"], quick).batch == 4
         assert arguments.parse(parser, ["--quick", "--batch", "8"], quick).batch == 8
         assert arguments.parse(parser, [], quick).batch == 16
+
+
+@pytest.mark.parametrize("script", sorted(f for f in os.listdir(BENCH) if f.endswith(".py")
+                                          and f != "arguments.py"))
+def test_each_scripts_help_says_what_it_does_in_whole_sentences(script, monkeypatch, capsys):
+    """--help opens with the script's first paragraph, ending where its sentence ends (it once
+    stopped mid-sentence: the docstring's first line)."""
+    monkeypatch.setattr(sys, "argv", [script, "--help"])
+    with project_modules_restored():
+        sys.path.insert(0, BENCH)
+        with pytest.raises(SystemExit):
+            load(script).main()
+    text = capsys.readouterr().out
+    said = " ".join(text.split("\n\n")[1].split())  # after the usage lines
+    assert said.endswith("."), said

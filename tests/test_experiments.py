@@ -553,10 +553,9 @@ def archives(tmp_path_factory):
     """Every reported grid's archives and manifest, copied once (a rule may compare with another
     grid's runs), and the first report: what a report may be made from, and nothing else."""
     folder = tmp_path_factory.mktemp("results")
+    experiments.scratch_copy(str(folder), os.path.join(ROOT, "results"))  # report --into's copy
     for grid in REPORTED:
-        shutil.copytree(os.path.join(ROOT, "results", grid, "runs"), folder / grid / "runs")
-        shutil.copy(os.path.join(ROOT, "results", grid, "numbers.json"), folder / grid)
-    shutil.copytree(os.path.join(ROOT, "results", report.FIRST_REPORT), folder / report.FIRST_REPORT)
+        assert (folder / grid / "runs").is_dir() and (folder / grid / "numbers.json").is_file()
     return folder
 
 
@@ -660,3 +659,19 @@ def test_ctrl_c_stops_the_runs_and_archives_only_what_finished(grid, monkeypatch
     assert killed == [runs[1][2]] and "not finished: not archived" in out
     assert "interrupted" in err and "Traceback" not in err
     assert not os.path.exists(os.path.join("results", grid, "runs", "a-s1.jsonl.gz"))
+
+
+def test_report_into_a_scratch_folder_regenerates_there_and_leaves_results_alone(tmp_path, capsys):
+    """`report GRID --into DIR`: the archives copied into DIR and the report made there, equal to
+    the committed one; results/ untouched; a folder with files in it refused in one line."""
+    grid = "smollm2-coords"
+    before = {f: os.path.getmtime(os.path.join(ROOT, "results", grid, f))
+              for f in os.listdir(os.path.join(ROOT, "results", grid))}
+    into = tmp_path / "scratch"
+    assert experiments.main(["report", grid, "--into", str(into)]) == 0
+    assert f"diff -r results {into}" in capsys.readouterr().out
+    assert filecmp.cmp(os.path.join(ROOT, "results", grid, "table.md"), into / grid / "table.md",
+                       shallow=False)
+    assert before == {f: os.path.getmtime(os.path.join(ROOT, "results", grid, f)) for f in before}
+    assert experiments.main(["report", grid, "--into", str(into)]) == 2
+    assert "not an empty folder" in capsys.readouterr().err

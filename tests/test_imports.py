@@ -173,3 +173,58 @@ def test_a_refused_flag_answers_before_torch_is_imported(argv, said):
     out = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True)
     assert (out.returncode, out.stderr, out.stdout) == (2, said + "\n", "[]\n")
 
+
+
+LIGHT = {"plumbing.flags", "plumbing.defaults", "envs", "worlds", "numpy", "scipy", "matplotlib",
+         "tqdm"}  # what an entry point may import before it sets the wait policy: no torch there
+
+
+def loads_torch(module):
+    """Whether importing `module` (a dotted name) may load torch: anything not in the standard
+    library or LIGHT ("arguments", bench's, sets the policy itself)."""
+    top = module.split(".")[0]
+    return not (top in sys.stdlib_module_names or top == "arguments"
+                or any(module == m or module.startswith(m + ".") for m in LIGHT))
+
+
+def test_every_entry_point_lets_openmp_threads_sleep_before_torch_loads():
+    """OpenMP reads OMP_WAIT_POLICY once, when torch loads it: every script that runs from the
+    command line and loads torch as it is imported first calls flags.polite_threads (itself, in
+    flags.before_torch, or by importing bench/arguments.py). Checked on the source of each
+    script git tracks: no top-level import that may load torch before such a call."""
+    tracked = subprocess.run(["git", "ls-files", "*.py"], cwd=ROOT, capture_output=True,
+                             text=True).stdout.split()
+    scripts = [p for p in tracked if not p.startswith("tests/")
+               and "__main__" in open(os.path.join(ROOT, p), encoding="utf-8").read()]
+    assert len(scripts) > 10
+    checked = 0
+    for path in scripts:
+        tree = ast.parse(open(os.path.join(ROOT, path), encoding="utf-8").read())
+        polite = False
+        for node in tree.body:
+            text = ast.unparse(node)
+            if "polite_threads()" in text or "before_torch(" in text or (
+                    isinstance(node, ast.ImportFrom) and node.module == "arguments"):
+                polite = True
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import) else
+                     [f"{node.module}.{a.name}" for a in node.names]
+                     if isinstance(node, ast.ImportFrom) and node.module else [])
+            heavy = [n for n in names if loads_torch(n)]
+            if heavy:
+                checked += 1
+                assert polite, f"{path} imports {heavy[0]} before it sets the wait policy"
+    assert checked > 10  # most scripts load torch as they are imported
+
+
+@pytest.mark.parametrize("given, kept", [(None, "PASSIVE"), ("", "PASSIVE"), ("  ", "PASSIVE"),
+                                         ("ACTIVE", "ACTIVE")])
+def test_an_empty_wait_policy_counts_as_unset(monkeypatch, given, kept):
+    """OMP_WAIT_POLICY= (empty) is no policy to OpenMP, which then spins: polite_threads sets
+    PASSIVE there as where it is unset, and keeps what the user chose."""
+    from plumbing import flags
+    if given is None:
+        monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    else:
+        monkeypatch.setenv("OMP_WAIT_POLICY", given)
+    flags.polite_threads()
+    assert os.environ["OMP_WAIT_POLICY"] == kept

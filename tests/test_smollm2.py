@@ -132,14 +132,16 @@ def test_train_runs_ppo_with_lora_a_kl_reference_a_checkpoint_and_a_resume(tmp_p
 
 
 def test_the_warm_start_is_built_once_then_loaded(smol, tmp_path, capsys):
-    """Behaviour cloning in the real model's prompts (one step here), cached with its record; the
-    second call loads it, unchanged."""
+    """Behaviour cloning in the real model's prompts (one step here), cached with its record, and
+    handed back as a load gives it (nothing of its training left on it); the second call loads
+    it, unchanged."""
     model, _ = models.smollm2_warm_start("bandit", cache_dir=str(tmp_path), steps=1, batch_size=2,
                                          turns=1)
     (folder,) = [f for f in os.listdir(tmp_path) if f.startswith("bandit-")]
     with open(os.path.join(tmp_path, folder, "warm_start.json")) as f:
         record = json.load(f)
     assert record["steps"] == 1 and len(record["losses"]) == 1 and record["losses"][0] > 0
+    assert all(p.grad is None for p in model.parameters())  # what a load gives, not the trained one
     assert "building" in capsys.readouterr().out
     again, _ = models.smollm2_warm_start("bandit", cache_dir=str(tmp_path), steps=1, batch_size=2,
                                          turns=1)

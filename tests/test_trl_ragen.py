@@ -341,6 +341,9 @@ def test_bad_flags_are_one_line_and_exit_code_2(tmp_path, capsys):
                         (small + ["--lr", "inf"], "finite"),
                         (small + ["--clip-high", "inf"], "finite"),
                         (["--steps", "100000000"], "--steps"),
+                        (["--steps", "0"], "--steps must be >= 1, got 0"),  # the one that failed
+                        (["--group-size", "1"], "--group-size must be >= 2 (GRPO compares"),
+                        (["--accumulation", "0"], "--accumulation must be >= 1, got 0"),
                         (["--stepz", "2"], "unrecognized")):
         assert trl_ragen.main(argv + ["--out", str(tmp_path / "x"), "--model", "tiny",
                                       "--no-warm-start"]) == 2, argv

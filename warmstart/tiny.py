@@ -348,4 +348,7 @@ def _build(folder, tokenizer, env_name, env_kwargs, steps, seed, progress, sizes
     if os.path.exists(partial):
         os.remove(partial)
     print(f"warm start built in {time.time() - began:.0f} s")
-    return model.eval()
+    # what every later run reads: the same bits in the same layout, so a run computes alike
+    # whether it built the warm start or loaded it (the model trained in memory did not: on an AMD
+    # EPYC its diagnosis differed from a loaded copy's by 1e-5)
+    return Qwen2ForCausalLM.from_pretrained(folder).eval()
