@@ -12,8 +12,6 @@ positions that matter, a chunk at a time (policy_logprobs, head_logprobs): no [B
 import torch
 import torch.utils.checkpoint
 
-import ppo
-
 
 def policy_logprobs(model, input_ids, mask, with_entropy=False, temperature=1.0,
                     chunk_elements=2 ** 24, dtype=torch.float32, share_prefix=False):
@@ -76,11 +74,18 @@ def prefix_cells(input_ids, at, shared=True):
     cells = [(rows, len(prompt)) for prompt, rows in by_prompt.items() if len(rows) > 1]
     alone = [(rows[0], prompt) for prompt, rows in by_prompt.items() if len(rows) == 1]
     if alone:
-        prompts = [prompt for _, prompt in alone]
-        same = next((i for i in range(min(map(len, prompts)))
-                     if len({p[i] for p in prompts}) > 1), min(map(len, prompts)))
-        cells.append(([b for b, _ in alone], same))
+        cells.append(([b for b, _ in alone], common_prefix([prompt for _, prompt in alone])))
     return [(torch.tensor(rows, device=input_ids.device), n) for rows, n in cells]
+
+
+def common_prefix(rows):
+    """How many first tokens every row (a token-id sequence) shares.
+
+    >>> common_prefix([[1, 2, 3], [1, 2, 4, 5]]), common_prefix([[1, 2]])
+    (2, 2)
+    """
+    shortest = min(map(len, rows))
+    return next((i for i in range(shortest) if len({row[i] for row in rows}) > 1), shortest)
 
 
 def shared_prefix_hidden(decoder, ids, n):
@@ -122,8 +127,24 @@ def head_logprobs(lm, hidden, targets, with_entropy=False, temperature=1.0, chun
 
 
 def _head_logprobs(head, hidden, targets, with_entropy, temperature, dtype):
-    # the log-softmax in float64, as the sampler's: a float32 sum over a large vocabulary drifts
-    # with one sign, and a reply's score would stray from the log-prob it was sampled with
-    logits = head(hidden).double() / temperature                               # [n, V]
-    logp = ppo.token_logprobs(logits, targets).to(dtype)                        # [n]
-    return (logp, ppo.entropy_from_logits(logits).to(dtype)) if with_entropy else (logp,)
+    table = tempered(head(hidden), temperature)                                # [n, V]
+    logp = table.gather(1, targets[:, None])[:, 0].to(dtype)                   # [n]
+    return (logp, entropy(table).to(dtype)) if with_entropy else (logp,)
+
+
+def tempered(logits, temperature=1.0):
+    """log pi = log softmax(logits / temperature) over the vocabulary [..., V], in float64: the
+    one definition of the policy that the sampler draws from (plumbing/sampler.py), the update
+    scores and the diagnosis cross-scores (mi.py). float64, because a float32 sum over a large
+    vocabulary drifts with one sign, and a reply's score would stray from the log-prob it was
+    sampled with.
+
+    >>> tempered(torch.tensor([0.0, 2.0]), 2.0).exp()      # softmax([0, 1]) = [1, e] / (1 + e)
+    tensor([0.2689, 0.7311], dtype=torch.float64)
+    """
+    return torch.log_softmax(logits.double() / temperature, dim=-1)
+
+
+def entropy(table):
+    """H(pi) = -sum_v pi_v log pi_v from a log-softmax table [..., V] -> [...]."""
+    return -(table.exp() * table).sum(-1)

@@ -419,8 +419,8 @@ def cross_scores_plain(model, prompt_ids, reasoning_ids, temperature=1.0):
         for m, z in enumerate(reasoning_ids):
             for j, x in enumerate(prompt_ids):
                 ids = torch.tensor([list(x) + list(z)], device=device)            # [1, P + R]
-                logits = model(input_ids=ids).logits[0, len(x) - 1:-1].double()   # [R, V]
-                logp = torch.log_softmax(logits / temperature, -1)                 # [R, V]
+                logits = model(input_ids=ids).logits[0, len(x) - 1:-1]            # [R, V]
+                logp = logprobs.tempered(logits, temperature)                      # [R, V]
                 scores[m, j] = logp.gather(1, ids[0, len(x):, None]).sum().cpu()
     return scores
 

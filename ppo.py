@@ -331,6 +331,21 @@ class Critic(nn.Module):
         return self.head(hidden.float()).squeeze(-1)                       # [B, T]
 
 
+def explained_variance(values, returns, mask):
+    """1 - Var(returns - values) / Var(returns) over the mask-1 positions: 1 when the critic
+    predicts every return, 0 when it predicts no better than their mean, below 0 when worse --
+    the first number to read when PPO misbehaves (cleanrl and verl log it). nan for returns
+    without spread.
+
+    >>> mask = torch.tensor([1, 1, 0])          # residuals 0, 1: variance 1/4; returns 1, 3: 1
+    >>> explained_variance(torch.tensor([1., 2., 0.]), torch.tensor([1., 3., 5.]), mask)
+    tensor(0.7500)
+    """
+    on = mask.bool()
+    residual, target = (returns - values)[on].float(), returns[on].float()
+    return 1 - residual.var(correction=0) / target.var(correction=0)
+
+
 def make_critic(policy_model):
     """A Critic from a Hugging Face causal LM: a deep copy of `policy_model.get_decoder()` (e.g.
     Qwen2Model) + a zero-initialised head."""

@@ -37,9 +37,8 @@ import mi  # noqa: E402
 import ppo  # noqa: E402
 import rollout  # noqa: E402
 import snr_filter  # noqa: E402
-from plumbing import models, runs, sampler  # noqa: E402
+from plumbing import labels, models, runs, sampler  # noqa: E402
 from plumbing.defaults import MAX_SKIPS, PROBE_SEED_BASE, VAL_SEED_BASE  # noqa: E402
-from warmstart import grounding, templates  # noqa: E402
 
 ANALYSIS_KL_COEF = 1e-3  # Fig. 4's KL coefficient without --kl-coef (the paper's analysis runs)
 AGGREGATION = {"ppo": "token-mean", "grpo": "seq-mean-token-mean",
@@ -126,6 +125,7 @@ def update_policy(run, episodes, rewards, shuffle):
     out = {k: float(np.mean(v)) for k, v in logs.items() if k != "loss"}
     out["token_entropy"] = ppo.masked_mean(batch["old_entropy"], batch["mask"]).item()
     out["optimizer_steps"] = len(logs["grad_norm"])  # one grad_norm per optimiser step
+    out["tokens_trained"] = a.epochs * int(batch["lengths"].sum())  # through the model, per pass
     return {**out, **batch["checks"]}
 
 
@@ -177,7 +177,8 @@ def rollout_stats(episodes, rewards):
             "reward_std": rewards.std().item() if rewards.numel() > 1 else 0.0,
             "response_length": float(np.mean([n for e in episodes for n in e.response_lengths])),
             "turns": float(np.mean([e.turns for e in episodes])),
-            "cut_frac": float(np.mean([e.cut for e in episodes]))}
+            "cut_frac": float(np.mean([e.cut for e in episodes])),
+            "tokens_sampled": int(sum(sum(e.response_lengths) for e in episodes))}
 
 
 def diagnose(run, episodes, rng):
@@ -192,7 +193,7 @@ def diagnose(run, episodes, rng):
                           [e.group for e in picked], **scoring(run))
     out["mi_zscore_ema"], run.state["std_ema"] = mi.mi_zscore_ema(out, run.state["std_ema"])
     keys = mi.DIAGNOSIS_KEYS + ("diagnosis_logprob_diff",)
-    return {**{k: out[k] for k in keys if k in out}, **labels(run, picked, episodes)}
+    return {**{k: out[k] for k in keys if k in out}, **labels.labels(run, picked, episodes)}
 
 
 def probe(run):
@@ -208,12 +209,10 @@ def probe(run):
     with torch.random.fork_rng(devices=[run.device] if run.device.type == "cuda" else []):
         torch.manual_seed(a.seed)
         episodes = collect_rollouts(run, seeds, a.probe_samples, max_turns=1)
-    copies = (grounding.copy_ids(run.tokenizer, a.env, runs.env_kwargs(a), seeds)
-              if a.observation == "coords" and a.env == "frozenlake" else None)
     with run.ctx:
-        out = mi.probe(run.policy, [e.first for e in episodes], a.probe_samples, copies=copies,
-                       **scoring(run))
-    out.update(labels(run, episodes, episodes), **reasonings(run, episodes))
+        out = mi.probe(run.policy, [e.first for e in episodes], a.probe_samples,
+                       copies=labels.copies(run, seeds), **scoring(run))
+    out.update(labels.labels(run, episodes, episodes), **labels.texts(run, episodes))
     return {"probe_" + k: v for k, v in out.items() if not k.endswith("upper_bound")}
 
 
@@ -224,27 +223,6 @@ def scoring(run):
     a = run.args
     return dict(temperature=a.temperature, batch_size=None, pad_id=run.pad_id,
                 retokenize=run.tokenizer if a.retokenize else None)
-
-
-def labels(run, episodes, inputs):
-    """What the diagnosed reasonings (`episodes`' first turns) are, exactly: for the tiny policy
-    the share that are templates of --template-kind (warmstart/templates.py); for a real model on
-    FrozenLake the shares that state their own input's way, another's (of the groups of `inputs`),
-    or neither (warmstart/grounding.py)."""
-    a = run.args
-    if "system" in run.prompt:  # the tiny policy's prompt (a real model's has no system piece)
-        return {"template_share": templates.share_of(episodes, a.env, a.template_kind)}
-    if a.env != "frozenlake":  # only FrozenLake has a way to label
-        return {}
-    seeds = {e.group: e.seed for e in inputs}
-    ways = {g: grounding.input_way(a.env, runs.env_kwargs(a), seed) for g, seed in seeds.items()}
-    return grounding.shares(episodes, ways)
-
-
-def reasonings(run, episodes):
-    """A real model's first reasonings as text, to read what its reasoning says over a run (the
-    tiny policy's are known from its demonstrations: not logged)."""
-    return {} if "system" in run.prompt else {"reasonings": [e.first.reasoning for e in episodes]}
 
 
 def decompose_gradients(run, episodes, rewards):
@@ -299,7 +277,23 @@ def before_update(run, episodes, rewards, reference=False):
         per_episode = grpo.group_advantages(rewards, normalize_std=a.algo == "grpo").reshape(-1)
         batch["advantages"] = grpo.episode_advantages_to_tokens(
             per_episode.to(batch["mask"].device), batch["mask"])
+    batch["checks"].update(value_stats(batch))
     return batch
+
+
+def value_stats(batch):
+    """What practitioners read first when PPO misbehaves, over the policy tokens: the advantages'
+    mean and spread and, with a critic, its values', the returns' and the share of the returns'
+    variance the values explain (ppo.explained_variance)."""
+    on, out = batch["mask"].bool(), {}
+    for name, key in (("advantage", "advantages"), ("value", "old_values"), ("return", "returns")):
+        if key in batch:
+            x = batch[key][on].float()
+            out[f"{name}_mean"], out[f"{name}_std"] = x.mean().item(), x.std(correction=0).item()
+    if "returns" in batch:
+        out["explained_variance"] = ppo.explained_variance(batch["old_values"], batch["returns"],
+                                                           batch["mask"]).item()
+    return out
 
 
 def old_policy(run, batch):

@@ -158,7 +158,7 @@ class Args:
     val_every: int = arg(10, "validation before training, every N steps, at the end (0 = never)")
     val_seeds: int = arg(64, "held-out validation seeds (one rollout each)")
     val_temperature: float = arg(0.5, "validation sampling temperature, >= 0.001 or 0 (greedy)")
-    save_every: int = arg(1, "checkpoint every N steps (1: a kill loses at most one step)")
+    save_every: int = arg(None, "checkpoint every N steps (1; a GPU's over 2 GB: 10; 0: never)")
     seed: int = arg(0, "seed of env seeds, sampling and shuffling")
     out: str = arg(None, "run folder (runs/<env>-<algo>-<filter>-<time>)")
     resume: str = arg(None, "run folder to continue from its checkpoint (--steps may extend it)")
@@ -352,7 +352,8 @@ def check_args(a):
     need(a.val_seeds >= 1, "--val-seeds must be >= 1")
     for name in ("mi_every", "val_every", "grad_decomp_every", "save_every"):
         value = getattr(a, name)
-        need(value >= 0, f"--{name.replace('_', '-')} must be >= 0 (0 = never), got {value}")
+        need(value is None or value >= 0, f"--{name.replace('_', '-')} must be >= 0 (0 = never), "
+             f"got {value}")
     need(a.lora >= 0 and (a.lora_alpha is None or a.lora_alpha > 0),
          "--lora must be >= 0, --lora-alpha > 0")
     need(a.report_to in REPORT_TO, f"--report-to must be one of {', '.join(REPORT_TO)}")

@@ -16,7 +16,6 @@ import importlib.util
 import json
 import os
 import shutil
-import socket
 import time
 import warnings
 
@@ -140,9 +139,10 @@ def real_prompt(env_name, observation):
 
 
 def load_hf(source, attn_implementation=None):
-    """A Hugging Face causal LM and its tokenizer from a folder or hub id. Without a network it
-    fails at once (no retries) unless the id is in the local cache; a name close to 'tiny' is taken
-    for a typo."""
+    """A Hugging Face causal LM and its tokenizer from a folder or hub id. A hub id is read from
+    the local cache when it is there (no network asked); otherwise huggingface_hub fetches it as
+    the user has it set up (HF_ENDPOINT for a mirror, HF_HUB_OFFLINE, proxies), and a model it
+    cannot give is one line. A name close to 'tiny' is taken for a typo."""
     folder = os.path.expanduser(source)
     local = source.startswith((".", "/", "~")) or os.path.exists(folder)
     if local and not os.path.isdir(folder):
@@ -152,16 +152,24 @@ def load_hf(source, attn_implementation=None):
             raise ModelError(
                 f"--model {source}: not a folder or hub id; did you mean --model tiny?"
             )
-        if not hub_reachable():
-            try:  # a hub id is usable without a network when it is in the local cache
-                return load_hf_files(source, attn_implementation, local_files_only=True)
-            except (OSError, ValueError):
-                raise ModelError(
-                    f"--model {source}: not in the local Hugging Face cache, and the hub cannot "
-                    f"be reached (no network, or HF_HUB_OFFLINE is set)"
-                ) from None
+        try:  # in the local cache: no network asked
+            return load_hf_files(source, attn_implementation, local_files_only=True)
+        except (OSError, ValueError):
+            pass
+        from huggingface_hub import constants
+        if constants.HF_HUB_OFFLINE:
+            raise ModelError(f"--model {source}: not in the local Hugging Face cache, and "
+                             f"HF_HUB_OFFLINE is set")
+        print(f"--model {source}: not in the local Hugging Face cache; fetching it from "
+              f"{constants.ENDPOINT}")
+        try:
+            return load_hf_files(source, attn_implementation)
+        except Exception as e:  # no network, no such repository, a gated one: one line
+            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise ModelError(f"--model {source}: not in the local Hugging Face cache, and the "
+                             f"hub did not give it ({first})") from None
     try:
-        return load_hf_files(folder if local else source, attn_implementation)
+        return load_hf_files(folder, attn_implementation)
     # a missing, truncated or foreign file: whatever the loader raises, one line
     except Exception as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
@@ -312,16 +320,6 @@ def _stamped(folder, stamp):
         with open(os.path.join(folder, "source.json")) as f:
             return json.load(f) == stamp
     except (OSError, ValueError):
-        return False
-
-
-def hub_reachable(timeout=3.0):
-    if os.environ.get("HF_HUB_OFFLINE", "0") not in ("0", "", "false", "False"):
-        return False
-    try:
-        socket.create_connection(("huggingface.co", 443), timeout=timeout).close()
-        return True
-    except OSError:
         return False
 
 
@@ -494,7 +492,8 @@ def reference(run):
 
 def gpu_memory_settings(a, policy, device):
     """--micro-batch, --grad-checkpointing and --rollout-batch when not given, for the GPU's
-    memory, said aloud."""
+    memory, said aloud; a run that cannot fit is refused here, before the critic and the
+    reference are made and any rollout starts (memory_plan)."""
     total = torch.cuda.get_device_properties(device).total_memory
     n_all = sum(p.numel() for p in policy.parameters())
     n_train = sum(p.numel() for p in policy.parameters() if p.requires_grad)
@@ -505,21 +504,53 @@ def gpu_memory_settings(a, policy, device):
           f"--rollout-batch {a.rollout_batch} for transcripts up to {longest} tokens")
 
 
+CHECKPOINT_SMALL = 2 * 2 ** 30  # bytes: a checkpoint this small is written every step
+CHECKPOINT_EVERY = 10  # steps between larger checkpoints (on a GPU)
+
+
+def checkpoint_every(device, n_trained):
+    """Steps between checkpoints when --save-every is not given: every step on a CPU and for a
+    small checkpoint (LoRA adapters, SmolLM2); on a GPU a large one (what trains in float32 and
+    AdamW's two moments: 12 bytes a trained parameter, 0.5B PPO's policy and critic about 12 GB)
+    every CHECKPOINT_EVERY steps. A kill then loses the steps since the last checkpoint, which
+    --resume runs again exactly as they ran."""
+    size = 12 * n_trained
+    every = 1 if device.type != "cuda" or size < CHECKPOINT_SMALL else CHECKPOINT_EVERY
+    if device.type == "cuda":
+        print(f"checkpoints: every {every} step{'s' if every > 1 else ''} ({size / 1e9:.1f} GB "
+              f"each; a kill loses at most {every - 1} steps, which --resume runs again "
+              f"exactly; --save-every chooses)")
+    return every
+
+
+def resident_bytes(a, n_all, n_train):
+    """What stays in GPU memory through a run: the fp32 weights (a second copy for PPO's critic
+    and for a KL reference, unless LoRA lets both share the base), and the gradients and AdamW's
+    two moments of what trains (the critic's too)."""
+    models = 2 if a.algo == "ppo" else 1
+    copies = 1 if a.lora else models + (1 if a.kl_coef or a.grad_decomp_every else 0)
+    return 4 * n_all * copies + models * 12 * n_train
+
+
+def lora_count(cfg, rank):
+    """The parameters of rank-`rank` LoRA adapters on every linear layer of a Llama-layout
+    decoder (q, k, v, o, gate, up, down), from its shapes: rank x (inputs + outputs) each."""
+    h, i = cfg.hidden_size, cfg.intermediate_size
+    kv = cfg.num_key_value_heads * (h // cfg.num_attention_heads)
+    return cfg.num_hidden_layers * rank * (4 * h + 2 * (h + kv) + 3 * (h + i))
+
+
 def memory_plan(a, cfg, n_all, n_train, total, budget=0.85):
     """(micro_batch, grad_checkpointing, rollout_batch, longest) for `budget` of `total` bytes at
     the worst-case transcript length `longest`, estimated from the model's shapes; settings the user
-    gave are kept.
+    gave are kept. A ModelError when nothing fits: what would (cannot_fit).
 
-    Always resident: fp32 weights and the AdamW state of what trains (x2 for PPO's critic; + a
-    reference copy). The update adds gradients and the bf16 activations of one micro-batch: the
+    Always resident: resident_bytes. The update adds the bf16 activations of one micro-batch: the
     largest micro-batch (up to the mini-batch) that fits, without checkpointing when 4 sequences fit
     that way (checkpointing costs ~30% more compute). Rollouts add the bf16 key/value cache of the
     episodes sampled at once: as many whole groups as fit.
     """
-    models = 2 if a.algo == "ppo" else 1
-    reference = (a.kl_coef or a.grad_decomp_every) and not a.lora
-    resident = models * (4 * n_all + 8 * n_train) + (4 * n_all if reference else 0)
-    free = budget * total - resident
+    free = budget * total - resident_bytes(a, n_all, n_train)
     # prompt + turns x (reply + observation), tokens
     longest = 400 + a.max_turns * (a.max_new_tokens + 300)
     # bytes a layer keeps for backward per token under bf16 autocast: the fp32 residual stream and
@@ -531,13 +562,15 @@ def memory_plan(a, cfg, n_all, n_train, total, budget=0.85):
         # layer inputs
         True: longest * (cfg.num_hidden_layers * cfg.hidden_size * 4 + per_token),
     }
-    grads = models * 4 * n_train
     micro, ckpt = a.micro_batch, a.grad_checkpointing
     for option in [ckpt] if ckpt is not None else [False, True]:
-        fit = int((free - grads) // per_seq[option])
+        fit = int(free // per_seq[option])
         if fit >= min(4, a.mini_batch_size) or micro is not None or option or ckpt is not None:
             micro, ckpt = micro or max(1, min(fit, a.mini_batch_size)), option
             break
+    # what the user chose is theirs to try; what the plan chooses must fit
+    if free < 0 or a.micro_batch is None and free < micro * per_seq[ckpt]:
+        raise ModelError(cannot_fit(a, cfg, n_all, n_train, total, budget))
     kv_heads, head_dim = cfg.num_key_value_heads, cfg.hidden_size // cfg.num_attention_heads
     # the sampler's cache: every turn's slots (its widest new prompt, then max_new_tokens) with
     # room rounded up to sampler.ROOM, in bf16; and a step's float64 tables over the vocabulary
@@ -545,7 +578,35 @@ def memory_plan(a, cfg, n_all, n_train, total, budget=0.85):
     kv_per_seq = ((longest + sampler.ROOM) * cfg.num_hidden_layers * 2 * kv_heads * head_dim * 2
                   + 5 * 8 * cfg.vocab_size)
     episodes = a.groups * a.group_size
-    # autocast's bf16 weight copies: 2 n_all
+    # the sampler's bf16 weight copies: 2 n_all
     fit = min(episodes, int((free - 2 * n_all) // kv_per_seq))
     at_once = a.rollout_batch or max(a.group_size, fit // a.group_size * a.group_size)
+    if a.rollout_batch is None and free - 2 * n_all < at_once * kv_per_seq:
+        raise ModelError(cannot_fit(a, cfg, n_all, n_train, total, budget))
     return micro, ckpt, at_once, longest
+
+
+def cannot_fit(a, cfg, n_all, n_train, total, budget):
+    """The line that refuses a run whose weights, optimiser state and one sequence's update or
+    one group's rollouts do not fit `budget` of the GPU: what it needs, and what would fit."""
+    need = resident_bytes(a, n_all, n_train)
+    options = []
+    for flag, change, trained in (("--lora 16", dict(lora=16), lora_count(cfg, 16)),
+                                  ("--algo grpo (no critic)", dict(algo="grpo"), n_train),
+                                  ("--lora 16 --algo grpo", dict(lora=16, algo="grpo"),
+                                   lora_count(cfg, 16))):
+        other = dataclasses.replace(a, **change, micro_batch=None, grad_checkpointing=None,
+                                    rollout_batch=None)
+        if (a.lora, a.algo) != (other.lora, other.algo):
+            try:
+                memory_plan(other, cfg, n_all, trained, total, budget)
+                options.append(flag)
+            except ModelError:
+                pass
+    options = [o for o in options if o.count("--") == 1] or options  # one change, if one does
+    fits = (f"what fits: {' or '.join(options)}" if options else
+            "neither --lora 16 nor --algo grpo fits: a smaller model")
+    return (f"{n_all / 1e9:.1f}B parameters, --algo {a.algo}{f' --lora {a.lora}' if a.lora else ''}: "
+            f"{need / 2 ** 30:.0f} GiB stay resident (weights, gradients, AdamW), and with one "
+            f"sequence of the update and one group of rollouts this does not fit {budget:.0%} of "
+            f"the GPU's {total / 2 ** 30:.0f} GiB; {fits}")

@@ -29,6 +29,7 @@ RNG states) and the figures. What a run guarantees:
 import contextlib
 import dataclasses
 import fcntl
+import functools
 import hashlib
 import importlib.util
 import json
@@ -247,6 +248,9 @@ def start(a):
                 lock.close()
                 return None
         run = load_run(a, device, ckpt or a.model)
+        if a.save_every is None:
+            trained = sum(p.numel() for p in run.policy_params + run.critic_params)
+            a.save_every = models.checkpoint_every(device, trained)
         if a.model != "tiny":
             check_fits(a, run.policy, run.tokenizer, run.prompt)
         if not a.resume:  # made only now: a start killed while the models load leaves no folder
@@ -445,6 +449,7 @@ def record(run, m):
     """Step 7's bookkeeping: the metrics line (flushed), a checkpoint when due, the progress bar."""
     if run.device.type == "cuda":
         m["gpu_peak_gb"] = torch.cuda.max_memory_allocated() / 2 ** 30
+    m.update(throughput(run, m))
     run.log.write(json_line(m) + "\n")
     run.log.flush()
     if run.tracker is not None:
@@ -458,6 +463,54 @@ def record(run, m):
     if run.bar is not None:
         run.bar.update(1)
         run.bar.set_postfix_str(progress(run.last))
+
+
+def throughput(run, m):
+    """A step's speed as practitioners read it: tokens sampled a second over the rollouts, and
+    the update's model-FLOPs utilisation (mfu): its model FLOPs (update_flops) a second over
+    what a large matrix product reaches on this device in the update's dtype (peak_flops)."""
+    out = {}
+    if m.get("tokens_sampled") and m.get("time_rollout"):
+        out["tokens_per_s"] = m["tokens_sampled"] / m["time_rollout"]
+    if m.get("tokens_trained") and m.get("time_update"):
+        peak = peak_flops(run.device.type, run.args.dtype, torch.get_num_threads())
+        out["mfu"] = update_flops(run, m["tokens_trained"]) / m["time_update"] / peak
+    return out
+
+
+def update_flops(run, tokens):
+    """Model FLOPs of an update that passes `tokens` tokens through the model (the kept
+    transcripts, every epoch), N the policy's parameters: 2N a token forward, 4N forward and
+    backward where only LoRA's adapters train (the frozen weights need no gradient of their
+    own), 6N where every weight trains; the same again for PPO's critic, and 2N for each pass
+    without gradients before it (old log-probs where the sampler's cannot be taken, the KL
+    reference, the critic's values). Attention's own products (about 12 L d T a token) are left
+    out, as in the usual count."""
+    a = run.args
+    n = sum(p.numel() for p in run.policy.parameters())
+    trains = 4 if a.lora else 6
+    per_token = trains + (trains + 2 if run.critic is not None else 0)
+    per_token += 2 * (a.dtype != "float32" or a.sample_dtype != "float32") + 2 * bool(a.kl_coef)
+    return per_token * n * tokens
+
+
+@functools.lru_cache(maxsize=None)
+def peak_flops(device_type, dtype, threads):
+    """FLOPs a second a large matrix product reaches on this device in `dtype` (the best of 3):
+    the measure MFU is read against (a hardware fact, measured once a process)."""
+    size = 4096 if device_type == "cuda" else 768
+    kind = torch.bfloat16 if dtype == "bfloat16" else torch.float32
+    x = torch.randn(size, size, device=device_type, dtype=kind)
+    best = float("inf")
+    for _ in range(3):
+        if device_type == "cuda":
+            torch.cuda.synchronize()
+        t = time.perf_counter()
+        x @ x
+        if device_type == "cuda":
+            torch.cuda.synchronize()
+        best = min(best, time.perf_counter() - t)
+    return 2 * size ** 3 / best
 
 
 def json_line(record):

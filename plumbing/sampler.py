@@ -41,6 +41,7 @@ import weakref
 import torch
 import torch.nn.functional as F
 
+import logprobs
 import rollout
 
 LLAMA_LAYOUT = ("llama", "qwen2", "qwen3")  # decoders `forward` runs; others are refused
@@ -101,16 +102,15 @@ def draw(probs):
 def sample(logits, temperature, top_p):
     """The next token of each row from its logits [B, V] -> (token [B], its log-prob [B], the
     distribution's entropy [B], finite [B]), all of the tempered full distribution; temperature 0
-    is greedy (the log-probs then at temperature 1). The log-softmax in float64, as logprobs.py
-    scores: float32 sums over a large vocabulary drift."""
-    table = torch.log_softmax(logits.double() / (temperature or 1.0), dim=-1)  # [B, V]
+    is greedy (the log-probs then at temperature 1). The same float64 table logprobs.py scores
+    with (logprobs.tempered)."""
+    table = logprobs.tempered(logits, temperature or 1.0)                      # [B, V]
     probs = table.exp()                                                        # [B, V]
     if temperature == 0:
         token, finite = table.argmax(-1), torch.isfinite(table).all(-1)        # [B]
     else:
         token, finite = draw(probs if top_p == 1.0 else nucleus(probs, top_p))  # [B]
-    entropy = -(probs * table).sum(-1)                                         # [B]
-    return token, table.gather(1, token[:, None])[:, 0], entropy, finite
+    return token, table.gather(1, token[:, None])[:, 0], logprobs.entropy(table), finite
 
 
 # --------------------------------------------------------------------- the cache and the decoder
@@ -364,7 +364,8 @@ def hf_policy(model, tokenizer, max_new_tokens, temperature=1.0, top_p=1.0, chec
         rows = _continued_rows(last["rows"], prompt_ids, keys)
         if rows is None:  # start afresh: what prompts share is encoded once, then copied
             distinct = [list(p) for p in dict.fromkeys(map(tuple, prompt_ids))]
-            shared = _shared_prefix(distinct)  # the system prompt, the template's first tokens
+            # the system prompt, the template's first tokens: all but each prompt's last token
+            shared = min(logprobs.common_prefix(distinct), min(map(len, distinct)) - 1)
             cache = new_cache(lm, 1, device)
             if shared:
                 encode([distinct[0][:shared]], [0])
@@ -384,7 +385,7 @@ def hf_policy(model, tokenizer, max_new_tokens, temperature=1.0, top_p=1.0, chec
         step = graphed_step(lm, cache, B) if device.type == "cuda" else None
         step = step or functools.partial(decode_step, lm)
         tokens = torch.full((B, max_new_tokens), pad, dtype=torch.long, device=device)  # [B, N]
-        logprobs = torch.zeros(B, max_new_tokens, dtype=torch.float64, device=device)  # [B, N]
+        logps = torch.zeros(B, max_new_tokens, dtype=torch.float64, device=device)  # [B, N]
         entropies = torch.zeros(B, max_new_tokens, dtype=torch.float64, device=device)  # [B, N]
         fed = torch.zeros(B, max_new_tokens, dtype=torch.bool, device=device)  # [B, N]
         running = torch.ones(B, dtype=torch.bool, device=device)               # [B]
@@ -392,7 +393,7 @@ def hf_policy(model, tokenizer, max_new_tokens, temperature=1.0, top_p=1.0, chec
         stop = torch.tensor(stop_ids, device=device)
         slot = torch.tensor([cache.slot], device=device)  # [1], moved on the device
         for t in range(max_new_tokens):
-            token, logprobs[:, t], entropies[:, t], ok = sample(logits, temperature, top_p)
+            token, logps[:, t], entropies[:, t], ok = sample(logits, temperature, top_p)
             tokens[:, t] = torch.where(running, token, pad)
             finite &= ok | ~running
             fed[:, t] = running  # this token enters the cache for the rows that were running
@@ -409,12 +410,12 @@ def hf_policy(model, tokenizer, max_new_tokens, temperature=1.0, top_p=1.0, chec
             raise RuntimeError("probability tensor contains a number that is not finite")
         fed[:, n - 1] = False  # the last token sampled was not fed (the loop ends before it)
         tokens, fed = tokens[:, :n].cpu().tolist(), fed[:, :n].cpu().tolist()  # [B, n]
-        logprobs = logprobs[:, :n].cpu().tolist()  # [B, n], float64 as mi.cross_scores
+        logps = logps[:, :n].cpu().tolist()  # [B, n], float64 as mi.cross_scores
         entropies = entropies[:, :n].float().cpu().tolist()                    # [B, n]
         last.update(cache=cache, rows={
             key: (b, p + [t for t, f in zip(row, on) if f])
             for b, (key, p, row, on) in enumerate(zip(keys, prompt_ids, tokens, fed))})
-        return as_generations(tokens, logprobs, stop_ids, entropies)
+        return as_generations(tokens, logps, stop_ids, entropies)
 
     return policy
 
@@ -423,15 +424,6 @@ def looks_alive(still, finite):
     """The loop's one look at the device: some row still running and every distribution finite
     (a non-finite one ends the loop and is raised after it)."""
     return bool(still.any() & finite.all())
-
-
-def _shared_prefix(prompts):
-    """How many first tokens every prompt shares, leaving each at least one of its own (its last
-    token's logits are the first reply token's distribution): _shared_prefix([[1, 2, 3], [1, 2,
-    4, 5]]) == 2, _shared_prefix([[1, 2]]) == 1."""
-    shortest = min(len(p) for p in prompts)
-    same = next((i for i in range(shortest) if len({p[i] for p in prompts}) > 1), shortest)
-    return min(same, shortest - 1)
 
 
 def _continued_rows(remembered, prompt_ids, keys):

@@ -76,8 +76,8 @@ MUTANTS = [
       ROLLOUT + "test_collate_right_pads"),
     # ------------------------------------------------------------------------------- sampler.py
     m("sampling-temperature-ignored", "plumbing/sampler.py", "sample",
-      "table = torch.log_softmax(logits.double() / (temperature or 1.0), dim=-1)",
-      "table = torch.log_softmax(logits.double(), dim=-1)",
+      "table = logprobs.tempered(logits, temperature or 1.0)",
+      "table = logprobs.tempered(logits, 1.0)",
       SAMPLER + "test_sampling_logprobs_equal_a_forward_pass[0.7-0.5-cpu]"),
     m("the-loop-looks-at-the-device-every-step", "plumbing/sampler.py", "hf_policy",
       "(t + 1) % every == 0 and not looks_alive(still, finite)",
@@ -225,12 +225,12 @@ MUTANTS = [
       "if False:",
       RUNS + "test_recovery_picks_the_newest_complete_checkpoint"),
     # -------------------------------------------------------------------------------- models.py
-    m("offline-hub-asked-anyway", "plumbing/models.py", "hub_reachable",
-      'if os.environ.get("HF_HUB_OFFLINE", "0") not in ("0", "", "false", "False"):', "if False:",
-      RUNS + "test_bad_arguments_print_one_line_exit_2_and_leave_nothing"
-             "[argv18-not in the local Hugging Face cache]"),
+    m("a-cached-model-fetched-from-the-hub-anyway", "plumbing/models.py", "load_hf",
+      "return load_hf_files(source, attn_implementation, local_files_only=True)",
+      "return load_hf_files(source, attn_implementation)",
+      RUNS + "test_a_hub_model_comes_from_the_cache_or_as_huggingface_hub_fetches_it"),
     m("update-scores-at-temperature-1", "logprobs.py", "_head_logprobs",
-      "logits = head(hidden).double() / temperature", "logits = head(hidden).double()",
+      "table = tempered(head(hidden), temperature)", "table = tempered(head(hidden), 1.0)",
       TRAIN + "test_policy_logprobs_score_the_policy_at_its_sampling_temperature"),
     m("checkpointing-whatever-the-memory", "plumbing/models.py", "memory_plan",
       "for option in [ckpt] if ckpt is not None else [False, True]:",

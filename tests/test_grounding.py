@@ -8,7 +8,7 @@ import pytest
 import envs
 import rollout
 import train
-from plumbing import flags
+from plumbing import flags, labels
 from warmstart import demos, grounding, templates, tiny
 
 OWN, OTHERS = (2, 1), {(1, 1), (0, -2)}
@@ -101,13 +101,13 @@ def test_the_shares_a_real_models_run_logs_are_exact():
     episodes = rollout.play(writer, tokenizer, "frozenlake", seeds, 4, max_turns=1,
                             user=rollout.with_coordinates("frozenlake"))
     real = types.SimpleNamespace(args=flags.Args(env="frozenlake", model="smollm2"), prompt={})
-    assert train.labels(real, episodes, episodes) == {
+    assert labels.labels(real, episodes, episodes) == {
         "grounded_share": 3 / 8, "borrowed_share": 1 / 8, "ungrounded_share": 4 / 8}
-    assert train.labels(real, episodes[:4], episodes) == {  # the other group still counts
+    assert labels.labels(real, episodes[:4], episodes) == {  # the other group still counts
         "grounded_share": 2 / 4, "borrowed_share": 1 / 4, "ungrounded_share": 1 / 4}
     tiny_run = types.SimpleNamespace(args=flags.Args(env="frozenlake", model="tiny"),
                                      prompt=tiny.prompts("frozenlake"))
-    assert set(train.labels(tiny_run, episodes, episodes)) == {"template_share"}
+    assert set(labels.labels(tiny_run, episodes, episodes)) == {"template_share"}
 
 
 def test_a_real_models_templates_copy_its_cells_or_none_and_leave_the_answer_the_solvers():

@@ -228,3 +228,23 @@ def test_an_empty_wait_policy_counts_as_unset(monkeypatch, given, kept):
         monkeypatch.setenv("OMP_WAIT_POLICY", given)
     flags.polite_threads()
     assert os.environ["OMP_WAIT_POLICY"] == kept
+
+
+def test_every_folder_readme_lists_the_files_git_tracks_there():
+    """A reader finds every module of a folder in its README's table (`name.py` in backticks), and
+    every results/ folder in results/README.md."""
+    tracked = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True,
+                             text=True).stdout.split()
+    folders = sorted({p.split("/")[0] for p in tracked if p.count("/") == 1 and p.endswith(".py")}
+                     - {"tests"})
+    assert len(folders) >= 7
+    for folder in folders:
+        text = open(os.path.join(ROOT, folder, "README.md"), encoding="utf-8").read()
+        for path in tracked:
+            name = path.split("/")[-1]
+            if path.startswith(folder + "/") and path.count("/") == 1 and name.endswith(".py") \
+                    and name != "__init__.py":
+                assert f"`{name}`" in text, f"{folder}/README.md does not name {name}"
+    results = open(os.path.join(ROOT, "results", "README.md"), encoding="utf-8").read()
+    for name in {p.split("/")[1] for p in tracked if p.startswith("results/") and p.count("/") > 1}:
+        assert f"`{name}`" in results, f"results/README.md does not name {name}"

@@ -17,7 +17,9 @@ import time
 import pytest
 import torch
 
+import logprobs
 import train
+from conftest import tiny_qwen2
 from plumbing import checkpoints, flags, models, runs
 from warmstart import tiny
 
@@ -826,13 +828,53 @@ def test_evaluating_a_checkpoint_is_one_command(tmp_path, capsys, monkeypatch):
     assert tok.decode(tok.encode(text, add_special_tokens=False)) == text
 
 
+def test_a_hub_model_comes_from_the_cache_or_as_huggingface_hub_fetches_it(monkeypatch, capsys):
+    """A hub id: from the local cache without asking the network; otherwise whether and where to
+    go online is huggingface_hub's (HF_ENDPOINT for a mirror, proxies; a socket to huggingface.co
+    once decided it, and refused every user behind a proxy); a model it cannot give is one line.
+    The loader is a stand-in that records how it was asked: no network in the tests."""
+    from huggingface_hub import constants
+    asked, cached = [], {"org/cached"}
+
+    def load(source, attn, local_files_only=False):
+        asked.append((source, local_files_only))
+        if source in cached or (not local_files_only and source == "org/mirrored"):
+            return "model", "tokenizer"
+        raise OSError("not there")
+
+    monkeypatch.setattr(models, "load_hf_files", load)
+    monkeypatch.setattr(socket, "create_connection", lambda *a, **k: (_ for _ in ()).throw(
+        OSError("no route to huggingface.co: only a proxy")))
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(constants, "ENDPOINT", "https://mirror.example")
+    assert models.load_hf("org/cached") == ("model", "tokenizer") and asked == [("org/cached", True)]
+    assert models.load_hf("org/mirrored") == ("model", "tokenizer")
+    assert asked[1:] == [("org/mirrored", True), ("org/mirrored", False)]
+    assert "fetching it from https://mirror.example" in capsys.readouterr().out
+    with pytest.raises(models.ModelError, match="the hub did not give it \\(not there\\)"):
+        models.load_hf("org/nowhere")
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    with pytest.raises(models.ModelError, match="not in the local Hugging Face cache, and HF_HUB_OFFLINE"):
+        models.load_hf("org/nowhere")
+    assert asked[-1] == ("org/nowhere", True)  # offline: the cache only
+
+
 # --------------------------------------------------------------------------------------- GPU memory
 
-def test_memory_plan_fits_the_budget_and_prefers_no_checkpointing():
+# Qwen2.5's published shapes: hidden, intermediate, layers, heads, key/value heads; parameters
+QWEN = {"0.5b": (896, 4864, 24, 14, 2, 494_032_768), "1.5b": (1536, 8960, 28, 12, 2, 1_543_714_304),
+        "3b": (2048, 11008, 36, 16, 2, 3_085_938_688)}
+
+
+def qwen_config(size):
     from transformers import Qwen2Config
-    # Qwen2.5-0.5B's shapes
-    qwen05 = Qwen2Config(hidden_size=896, intermediate_size=4864, num_hidden_layers=24)
-    n = 494_000_000
+    h, i, layers, heads, kv, n = QWEN[size]
+    return Qwen2Config(hidden_size=h, intermediate_size=i, num_hidden_layers=layers,
+                       num_attention_heads=heads, num_key_value_heads=kv, vocab_size=151_936), n
+
+
+def test_memory_plan_fits_the_budget_and_prefers_no_checkpointing():
+    qwen05, n = qwen_config("0.5b")
     a = train.Args(max_new_tokens=400)
     mb24, ckpt24, roll24, longest = models.memory_plan(a, qwen05, n, n, 24 * 2 ** 30)
     mb80, ckpt80, roll80, _ = models.memory_plan(a, qwen05, n, n, 80 * 2 ** 30)
@@ -846,6 +888,63 @@ def test_memory_plan_fits_the_budget_and_prefers_no_checkpointing():
     given = dataclasses.replace(a, micro_batch=3, grad_checkpointing=False, rollout_batch=32)
     # the user's choice stays
     assert models.memory_plan(given, qwen05, n, n, 24 * 2 ** 30)[:3] == (3, False, 32)
+
+
+@pytest.mark.parametrize("size, algo, lora, gib, fits", [
+    ("0.5b", "ppo", 0, 24, True), ("0.5b", "grpo", 0, 24, True), ("1.5b", "ppo", 0, 80, True),
+    ("3b", "ppo", 16, 80, True), ("3b", "ppo", 16, 24, True), ("3b", "grpo", 0, 80, True),
+    ("3b", "ppo", 0, 80, False), ("1.5b", "ppo", 0, 24, False), ("3b", "grpo", 0, 24, False)])
+def test_what_cannot_fit_the_gpu_is_refused_naming_what_would(size, algo, lora, gib, fits):
+    """The memory plan with Qwen2.5's published shapes at the main command's 400 tokens a turn:
+    3B PPO without LoRA needs about 99 GB resident (fp32 weights of actor and critic, their
+    gradients and AdamW moments), more than 80 GB: one line (a ModelError: exit 2 before the critic
+    is made or a rollout starts) that names what fits; 0.5B PPO and 3B LoRA are accepted."""
+    cfg, n = qwen_config(size)
+    a = train.Args(algo=algo, lora=lora, max_new_tokens=400)
+    trained = models.lora_count(cfg, lora) if lora else n
+    if fits:
+        micro, _, rollout_batch, _ = models.memory_plan(a, cfg, n, trained, gib * 2 ** 30)
+        assert micro >= 1 and rollout_batch >= a.group_size
+    else:
+        with pytest.raises(models.ModelError) as e:
+            models.memory_plan(a, cfg, n, trained, gib * 2 ** 30)
+        said = str(e.value)
+        assert "\n" not in said and f"{gib} GiB" in said and "what fits: --lora 16" in said, said
+    if (size, algo, lora) == ("3b", "ppo", 0):
+        assert models.resident_bytes(a, n, n) / 1e9 == pytest.approx(98.7, abs=0.1)
+
+
+def test_a_large_checkpoint_on_a_gpu_is_written_every_ten_steps(capsys):
+    """--save-every, not given: every step on a CPU and for LoRA's adapters; on a GPU, 0.5B PPO's
+    policy and critic (12 bytes a trained parameter: about 12 GB) every 10 steps, saying what a
+    kill loses."""
+    n = QWEN["0.5b"][-1]
+    assert models.checkpoint_every(torch.device("cpu"), 2 * n) == 1
+    assert models.checkpoint_every(torch.device("cuda"), 2 * models.lora_count(qwen_config("3b")[0],
+                                                                               16)) == 1
+    assert models.checkpoint_every(torch.device("cuda"), 2 * n) == 10
+    assert "(11.9 GB each; a kill loses at most 9 steps" in capsys.readouterr().out
+
+
+def test_lora_adapters_get_the_same_gradients_under_activation_checkpointing():
+    """The memory plan turns activation checkpointing on: LoRA's adapters must still receive
+    their gradients (reentrant checkpointing with frozen inputs once gave them none in peft's
+    users' runs), and the same as without it."""
+    a = train.Args(lora=4, algo="grpo", lora_alpha=8.0)
+    ids = torch.randint(0, 40, (2, 12), generator=torch.Generator().manual_seed(0))
+    grads = []
+    for checkpointing in (False, True):
+        model = models.add_lora(tiny_qwen2(40, seed=1), a)
+        if checkpointing:
+            model.activation_checkpointing_enable()
+        model.train()
+        logp, _ = logprobs.policy_logprobs(model, ids, torch.ones(2, 11))
+        logp.sum().backward()
+        grads.append({k: p.grad for k, p in model.named_parameters() if p.requires_grad})
+    assert grads[0] and all(g is not None for g in grads[1].values())
+    assert all(g.abs().max() > 0 for k, g in grads[1].items() if "lora_B" in k)  # (A's: 0 at B = 0)
+    for k, g in grads[0].items():
+        torch.testing.assert_close(grads[1][k], g, rtol=1e-5, atol=1e-7)
 
 
 @pytest.mark.parametrize("lora", [[], ["--lora", "4"]])

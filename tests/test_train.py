@@ -679,3 +679,34 @@ def test_the_algorithms_are_those_the_loop_aggregates():
     algo = next(f for f in dataclasses.fields(flags.Args) if f.name == "algo")
     assert algo.metadata["choices"] == tuple(train.AGGREGATION)
 
+
+
+def test_a_ppo_run_logs_what_practitioners_read_first(tmp_path):
+    """Every updated step's record holds the critic's explained variance, the values', returns'
+    and advantages' mean and spread over the policy tokens (from the batch the update used), the
+    tokens sampled a second and the update's model-FLOPs utilisation against this machine's own
+    matrix products (a share: between 0 and 1)."""
+    out = str(tmp_path / "run")
+    assert train.main(SMALL + ["--env", "frozenlake", "--filter", "none", "--steps", "1", "--mi-every", "0",
+                               "--val-every", "0", "--out", out]) == 0
+    (step,) = records(out)
+    keys = ["explained_variance", "tokens_per_s", "mfu", "tokens_sampled", "tokens_trained"]
+    keys += [f"{x}_{s}" for x in ("value", "return", "advantage") for s in ("mean", "std")]
+    assert set(keys) <= set(step), set(keys) - set(step)
+    assert step["explained_variance"] is None or step["explained_variance"] <= 1
+    assert 0 < step["mfu"] < 1 and step["tokens_per_s"] > 0
+    assert step["tokens_sampled"] == round(step["response_length"] * step["turns"] * 12)  # 3 x 4 episodes
+
+
+def test_the_update_flops_are_the_stated_count():
+    """runs.update_flops: 6N a token for PPO's policy and again for its full critic, plus 2N for the
+    critic's values before the update; 4N for LoRA's; 2N more for a KL reference and for old
+    log-probs rescored under bfloat16."""
+    import types
+    policy = torch.nn.Linear(10, 10)  # 110 parameters
+    run = types.SimpleNamespace(policy=policy, critic=object(), args=flags.Args(dtype="float32", sample_dtype="float32"))
+    assert runs.update_flops(run, 3) == (6 + 8) * 110 * 3
+    run.args = flags.Args(dtype="bfloat16", sample_dtype="bfloat16", lora=4, kl_coef=0.1)
+    assert runs.update_flops(run, 3) == (4 + 6 + 2 + 2) * 110 * 3
+    run.critic = None
+    assert runs.update_flops(run, 1) == (4 + 2 + 2) * 110
