@@ -94,7 +94,7 @@ def shared_prefix_hidden(decoder, ids, n):
     copied to every row (a copy autograd sums back: the prefix's gradient is the sum over the
     rows, exactly as if each row had run it; the idea of "Prefix Grouper", arXiv 2506.05433)."""
     if n == 0:
-        return decoder(input_ids=ids).last_hidden_state
+        return decoder(input_ids=ids, use_cache=False).last_hidden_state
     cache = decoder(input_ids=ids[:1, :n], use_cache=True).cache
     cache.batch_repeat_interleave(len(ids))
     return decoder(input_ids=ids[:, n:], cache=cache, use_cache=True).last_hidden_state
