@@ -639,7 +639,8 @@ GRIDS["smollm2-templates"] = dict(
            "grpo", "--lora", "16", "--lr", "2e-4", "--filter", "none", "--groups", "2",
            "--group-size", "2", "--max-turns", "2", "--max-new-tokens", "40", "--mi-samples", "4",
            "--probe-prompts", "16", "--probe-samples", "8"],
-    common=["--mi-every", "1", "--val-every", "0", "--threads", "2", "--no-plot"],
+    common=["--mi-every", "1", "--val-every", "0", "--threads", "2", "--dtype", "float32",
+            "--no-plot"],  # float32 on every CPU, as the builds were (pinned before any run)
     world="frozenlake", settings=real_template_settings(), seeds=SEEDS, steps=1, table_steps=[1],
     seconds={s: 300.0 + (0 if s.endswith("s0") else 1260.0 / 5)
              for s in real_template_settings()},
