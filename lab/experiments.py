@@ -25,7 +25,7 @@ import time
 from plumbing.flags import polite_threads
 
 polite_threads()  # before anything loads torch (and for the train.py runs it starts)
-from lab import calibration, report  # noqa: E402
+from lab import calibration, real_templates, report  # noqa: E402
 from lab.grids import BUCKET, GRIDS, RESULTS, describe, done, estimate_hours, runs_of
 from plumbing.flags import Parser, UsageError
 from plumbing.plots import read_jsonl
@@ -87,10 +87,11 @@ def run(name, jobs, only=None):
 
 
 def write_report(name, results=RESULTS, with_figures=True, force=False):
-    """The grid's report: report.report's curves and verdicts, or for a calibration (one policy a
-    run, measured once) calibration.write_report's tables."""
+    """The grid's report: report.report's curves and verdicts, or for a grid of policies measured
+    once (a run a policy) its own tables: calibration.write_report, real_templates'."""
     kind = GRIDS[name].get("kind")
-    writer = calibration.write_report if kind == "calibration" else report.report
+    writer = {"calibration": calibration.write_report,
+              "real-templates": real_templates.write_report}.get(kind, report.report)
     return writer(name, results=results, with_figures=with_figures, force=force)
 
 

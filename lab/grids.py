@@ -567,8 +567,13 @@ GRIDS["smollm2-coords"] = dict(
 # probe_work_*) is logged beside the plain one.
 # Rules, per family over its 5 shares x 5 seeds (ALPHA = 0 in both): Spearman of a dial with the
 # grounded share, its 95% interval from resampling the seeds within each share (one build a share:
-# the spread between builds is not in it). "tracks": the interval lies above 0.8; "level": inside
-# +-0.3; "falls": below 0 (the dial rises as the share falls). Decided before the builds.
+# the spread between builds is not in it). "tracks": the interval lies above 0.8; "falls": below
+# the rule's threshold (the dial rises as the share falls). Decided before the builds. "level"
+# was registered as the interval inside +-0.3; amended before the first diagnosis run, after a
+# check on made-up archives (tests/test_experiments.py) showed that a Spearman interval over 25
+# points is about +-0.4 wide for pure noise, so it could never hold: "level" is now the change of
+# the dial's mean from ALPHA 0 to ALPHA 1 within +-10% of its ALPHA-0 mean (a 95% Welch interval
+# over the 5 seeds of each), the Spearman reported beside it.
 # Estimate: 9 builds x 21 min (2 threads; ALPHA = 0 shared) + 45 diagnoses x about 5 min, one at a
 # time with 2 threads: about 7 h of the 2-core machine.
 REAL_KINDS = ("pool", "borrowed")
@@ -578,6 +583,7 @@ REAL_DIALS = REAL_WHOLE + REAL_WORK + (
     "probe_reasoning_entropy_seq", "probe_conditional_entropy_seq", "probe_reasoning_entropy",
     "probe_conditional_entropy", "token_entropy", "probe_action_mi", "response_length")
 REAL_TRACKS, REAL_BAND = 0.8, 0.3
+REAL_CHANGE = 0.1  # a level dial: its change from ALPHA 0 to 1 within this share of its value at 0
 
 
 def real_template_settings():
@@ -603,16 +609,17 @@ def real_template_rules():
                 kind=plain, family=kind, metric=metric,
                 text=f"{kind}: {metric} (the whole reasoning) " + (
                     f"tracks the grounded share: Spearman above {REAL_TRACKS}" if kind == "pool"
-                    else f"is blind to the borrowed way, the copy carrying its MI: |Spearman| "
-                         f"within {REAL_BAND}")))
+                    else f"is blind to the borrowed way, the copy carrying its MI: its change "
+                         f"from ALPHA 0 to 1 within +-{REAL_CHANGE:.0%} of its value at 0")))
         for metric in REAL_WORK:
             rules.append(dict(kind="tracks", family=kind, metric=metric,
                               text=f"{kind}: {metric} (after the copy) tracks the grounded share: "
                                    f"Spearman above {REAL_TRACKS}"))
         if kind == "pool":
             rules.append(dict(kind="level", family=kind, metric="probe_reasoning_entropy_seq",
-                              text=f"pool: H(Z), level by construction, does not track the "
-                                   f"grounded share: |Spearman| within {REAL_BAND}"))
+                              text=f"pool: H(Z), level by construction, stays level: its change "
+                                   f"from ALPHA 0 to 1 within +-{REAL_CHANGE:.0%} of its value at "
+                                   f"0"))
         else:
             rules.append(dict(kind="falls", family=kind, metric="probe_conditional_entropy_seq",
                               threshold=0.0,

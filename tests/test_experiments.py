@@ -675,3 +675,50 @@ def test_report_into_a_scratch_folder_regenerates_there_and_leaves_results_alone
     assert before == {f: os.path.getmtime(os.path.join(ROOT, "results", grid, f)) for f in before}
     assert experiments.main(["report", grid, "--into", str(into)]) == 2
     assert "not an empty folder" in capsys.readouterr().err
+
+
+def test_the_real_templates_report_decides_its_rules_on_archives_whose_answer_is_known(tmp_path,
+                                                                                      monkeypatch):
+    """lab/real_templates.py on made-up archives of the registered smollm2-templates grid: a plain
+    MI that falls with the grounded share in the pool family and stays level (noise only) in the
+    borrowed one, a work MI that falls in both, H(Z|X) that rises in the borrowed one. Every rule
+    holds, and the decision to log the work MI everywhere follows; with the work MI flat in one
+    family that decision is not 'holds'."""
+    import random as rnd
+    from lab import real_templates
+    monkeypatch.setattr(real_templates, "RESAMPLES", 200)  # the intervals of a test, not a report
+
+    def write(results, flat_work):
+        rng = rnd.Random(0)
+        for setting, seed, folder, _ in grids.runs_of("smollm2-templates"):
+            _, alpha = real_templates.family_of(setting)
+            borrowed = setting.startswith("borrowed")
+            grounded = 0.9 * (1 - alpha) + rng.gauss(0, 0.02)
+            noise = rng.gauss(0, 0.05)
+            work = 0.1 + noise if flat_work and borrowed else 2.0 * grounded + noise
+            plain = 1.0 if borrowed else grounded / 0.9  # 1 at ALPHA 0, level where borrowed
+            record = {"step": 1, "probe_grounded_share": grounded,
+                      "probe_mi_estimate": 2.5 * plain + noise, "probe_mi_seq_estimate": 2.7 * plain + noise,
+                      "probe_retrieval_acc": 0.95 * plain + noise / 10,
+                      "probe_work_mi_estimate": work, "probe_work_mi_seq_estimate": work,
+                      "probe_work_retrieval_acc": work / 2,
+                      "probe_reasoning_entropy_seq": 6.0 + noise,
+                      "probe_conditional_entropy_seq": 4.0 - 3 * grounded + noise,
+                      "probe_reasonings": [" Let me think."] * 4}
+            path = report.archive_path("smollm2-templates", folder, str(results))
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            with gzip.open(path, "wt") as f:
+                f.write(json.dumps(record) + "\n")
+
+    write(tmp_path / "known", flat_work=False)
+    experiments.write_report("smollm2-templates", results=str(tmp_path / "known"), with_figures=False)
+    numbers = json.load(open(tmp_path / "known" / "smollm2-templates" / "numbers.json"))
+    verdicts = {d["text"]: d["verdict"] for d in numbers["decisions"]}
+    assert len(verdicts) == len(grids.GRIDS["smollm2-templates"]["decide"])
+    assert set(verdicts.values()) == {"holds"}, verdicts
+    assert "| pool | 0.5 |" in open(tmp_path / "known" / "smollm2-templates" / "table.md").read()
+    write(tmp_path / "flat", flat_work=True)
+    experiments.write_report("smollm2-templates", results=str(tmp_path / "flat"), with_figures=False)
+    numbers = json.load(open(tmp_path / "flat" / "smollm2-templates" / "numbers.json"))
+    last = numbers["decisions"][-1]
+    assert last["kind"] == "verdict" and last["verdict"] != "holds"

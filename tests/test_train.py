@@ -19,6 +19,7 @@ import ppo
 import rollout
 import snr_filter
 import train
+from conftest import CLOCK
 from plumbing import flags, models, runs, sampler
 from warmstart import templates, tiny
 
@@ -657,8 +658,8 @@ def test_the_probe_set_leaves_training_unchanged_and_repeats_itself(tmp_path):
         assert r["probe_action_mi"] <= math.log(3) + 1e-9
     # the probe samples on a forked stream: everything else is logged exactly as without it
     for r_off, r_on in zip(off, on):
-        assert {k: v for k, v in r_on.items() if not k.startswith(("probe_", "time_"))} == {
-            k: v for k, v in r_off.items() if not k.startswith("time_")}
+        assert {k: v for k, v in r_on.items() if not k.startswith(("probe_",) + CLOCK)} == {
+            k: v for k, v in r_off.items() if not k.startswith(CLOCK)}
     # the same prompts and the same sampling noise at every diagnosis: an unchanged policy gives
     # the same numbers, even after the training stream has moved on between two diagnoses
     run = make_run(tmp_path, env="frozenlake", probe_prompts=2, probe_samples=3)

@@ -259,6 +259,16 @@ def _locked(path, waiting):
         yield
 
 
+def in_memory(model):
+    """The model with its weights in memory of its own: from_pretrained maps the safetensors file,
+    and weights still read from a cache file that another process rewrites in place change under
+    the run, or stop it (a bus error, seen when a damaged cache entry was rebuilt)."""
+    with torch.no_grad():
+        for p in model.parameters():
+            p.data = p.data.clone()
+    return model
+
+
 def _load_cached(folder):
     """(model, None) when the folder holds an intact warm start; (None, problem) when it holds a
     damaged one; (None, None) when there is none."""
@@ -272,7 +282,7 @@ def _load_cached(folder):
         bad = [name for name in CHECKED_FILES if found[name] != expected.get(name)]
         if bad:
             return None, f"{', '.join(bad)} differ from the checksums written at build time"
-        return Qwen2ForCausalLM.from_pretrained(folder).eval(), None
+        return in_memory(Qwen2ForCausalLM.from_pretrained(folder)).eval(), None
     except (OSError, ValueError, KeyError, TypeError, RuntimeError) as e:
         return None, str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
 
@@ -351,4 +361,4 @@ def _build(folder, tokenizer, env_name, env_kwargs, steps, seed, progress, sizes
     # what every later run reads: the same bits in the same layout, so a run computes alike
     # whether it built the warm start or loaded it (the model trained in memory did not: on an AMD
     # EPYC its diagnosis differed from a loaded copy's by 1e-5)
-    return Qwen2ForCausalLM.from_pretrained(folder).eval()
+    return in_memory(Qwen2ForCausalLM.from_pretrained(folder)).eval()
