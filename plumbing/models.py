@@ -21,6 +21,7 @@ import warnings
 
 import torch
 
+import envs
 import ppo
 import rollout
 from plumbing import sampler
@@ -255,6 +256,7 @@ def smollm2_warm_start(env_name, env_kwargs=None, seed=0, cache_dir=SMOLLM2_CACH
     finished build and records its losses and time. An interrupted build starts over. The model
     comes back on the CPU either way."""
     settings = {**SMOLLM2_WARM_START[observation], **settings, "seed": seed}
+    env_kwargs = changed_settings(env_name, env_kwargs)
     if observation != "grid":  # the bare grid's builds keep the folders they had
         settings["observation"] = observation
     if template_prior:  # only then: without a prior the key, and the folder, are as before
@@ -294,6 +296,17 @@ def smollm2_warm_start(env_name, env_kwargs=None, seed=0, cache_dir=SMOLLM2_CACH
     if os.path.isfile(os.path.join(folder, "warm_start.json")):  # what every later run reads:
         return load_hf_files(folder, None)  # built or loaded, a run computes alike (tiny._build)
     return model.eval(), tokenizer
+
+
+def changed_settings(env_name, env_kwargs):
+    """The world's settings that differ from its defaults: a warm start is keyed by the world as it
+    is, however its settings were spelled ({} and train.py's {"size": 4, "success_rate": 1.0} are
+    the same lake, one warm start)."""
+    import inspect
+
+    defaults = inspect.signature(envs.ENVS[env_name]).parameters
+    return {k: v for k, v in (env_kwargs or {}).items()
+            if k not in defaults or defaults[k].default != v}
 
 
 def save_aside(model, tokenizer, folder, record, content):

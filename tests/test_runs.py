@@ -308,6 +308,7 @@ def test_every_logged_key_is_in_the_readmes_table_and_every_row_is_logged(tmp_pa
     # pass that only bf16 runs (in float32 the old log-probs are the sampler's), and what only a
     # real model logs: the labels of its reasoning and the reasonings themselves
     real = {f"{p}{k}_share" for p in ("", "probe_") for k in ("grounded", "borrowed", "ungrounded")}
+    real |= {k for k in documented if k.startswith("probe_work_")}  # reading coordinates only
     assert set(documented) - logged == {"gpu_peak_gb", "rollout_logprob_diff", "probe_reasonings"} | real
 
 

@@ -215,7 +215,8 @@ def test_a_template_prior_gets_its_own_warm_start_and_none_keeps_the_folder_it_h
                                                                                    monkeypatch):
     """A template prior is part of the warm start's key (each share and kind its own build, taught
     on its templates); at prior 0 the key is the one before priors existed, so the coordinates
-    warm start every earlier run used is the same cache entry. Behaviour cloning is replaced by a
+    warm start every earlier run used is the same cache entry, whether the lake's default
+    settings were spelled out (as train.py does) or not. Behaviour cloning is replaced by a
     recorder here: the folders and what they are taught, not the training, are under test."""
     from warmstart import demos, templates, tiny
 
@@ -226,6 +227,7 @@ def test_a_template_prior_gets_its_own_warm_start_and_none_keeps_the_folder_it_h
     models.smollm2_warm_start("frozenlake", **build)
     before = set(os.listdir(tmp_path))
     models.smollm2_warm_start("frozenlake", template_prior=0.0, template_kind="borrowed", **build)
+    models.smollm2_warm_start("frozenlake", {"size": 4, "success_rate": 1.0}, **build)  # train.py's
     assert set(os.listdir(tmp_path)) == before and len(taught) == 1  # loaded, not built again
     for kind in templates.REAL_TEMPLATE_KINDS:
         models.smollm2_warm_start("frozenlake", template_prior=0.5, template_kind=kind, **build)
