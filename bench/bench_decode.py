@@ -210,8 +210,9 @@ def measure(name, dtype, earlier, repeats, sizes, device):
 
 def main(argv=None):
     p = Parser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", default=None, help="comma-separated: tiny, smollm2, qwen0.5b (a GPU's "
-                   "random Qwen2.5-0.5B shapes); default tiny,smollm2 (GPU: smollm2,qwen0.5b)")
+    p.add_argument("--model", default=None,
+                   help="comma-separated: tiny, smollm2, qwen0.5b (a GPU's random Qwen2.5-0.5B "
+                        "shapes); default tiny,smollm2 (GPU: smollm2,qwen0.5b)")
     p.add_argument("--dtype", choices=("float32", "bfloat16", "auto"), default="auto",
                    help="auto: float32, and bfloat16 too where the device computes it fast")
     p.add_argument("--commit", default=BEFORE, help="the earlier sampler's commit")

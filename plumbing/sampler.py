@@ -45,7 +45,7 @@ import logprobs
 import rollout
 
 LLAMA_LAYOUT = ("llama", "qwen2", "qwen3")  # decoders `forward` runs; others are refused
-ROOM = 256  # the cache grows in steps of this many slots: few distinct shapes for the compiler
+ROOM = 256  # the cache grows by this many slots at a time: few reallocations, few shapes
 
 
 def as_generations(tokens, logprobs, stop_ids, entropies=None):
@@ -192,7 +192,7 @@ def forward(lm, cache, ids, positions, slots, end):
     cos, sin = body.rotary_emb(x, positions)                                   # [B, W, d]
     upto = torch.arange(end, device=ids.device)                                # [S]
     mask = (cache.valid[:, None, :end] & (upto <= slots[:, None])) | (upto == slots[:, None])
-    for i, layer in enumerate(body.layers):                                    # mask [B, W, S]
+    for i, layer in enumerate(body.layers):                                    # (mask [B, W, S])
         attn = layer.self_attn
         d = attn.head_dim
         h = layer.input_layernorm(x)                                           # [B, W, D]
@@ -215,8 +215,9 @@ def forward(lm, cache, ids, positions, slots, end):
                                              scale=attn.scaling)               # [B, H_kv, gW, d]
         out = out.reshape(B, H, W, d).transpose(1, 2).reshape(B, W, H * d)     # [B, W, H d]
         x = x + project(attn.o_proj, out)
-        h, mlp = layer.post_attention_layernorm(x), layer.mlp
-        x = x + project(mlp.down_proj, mlp.act_fn(project(mlp.gate_proj, h)) * project(mlp.up_proj, h))
+        h, mlp = layer.post_attention_layernorm(x), layer.mlp                  # SwiGLU:
+        x = x + project(mlp.down_proj,
+                        mlp.act_fn(project(mlp.gate_proj, h)) * project(mlp.up_proj, h))
     return body.norm(x[:, -1])                                                 # [B, D]
 
 
