@@ -227,16 +227,19 @@ def most(trainer, n):
 
 
 @contextlib.contextmanager
-def full_parameters(trainer):
+def full_parameters(trainer, every_layer=False):
     """The trainer's model with its full parameters, as TRL's own generation gets it: ZeRO-3's
     shards gathered (unwrap_model_for_generation), FSDP's root module summoned
     (summon_full_params; FSDP's inner layers gather theirs in each forward pass, from every
-    process at once)."""
+    process at once). every_layer: every FSDP layer summoned too, and ZeRO-3's shards gathered
+    whatever ds3_gather_for_generation says, for code that runs the layers without their forward
+    passes (the sampler)."""
     from trl.models import unwrap_model_for_generation
     wrapped, args = trainer.model_wrapped, trainer.args
-    with unwrap_model_for_generation(wrapped, trainer.accelerator, args.ds3_gather_for_generation,
-                                     None, args.gradient_checkpointing_kwargs) as model, \
-            trainer._dist.summon_full_params(wrapped, recurse=False):
+    gather = every_layer or args.ds3_gather_for_generation
+    with unwrap_model_for_generation(wrapped, trainer.accelerator, gather, None,
+                                     args.gradient_checkpointing_kwargs) as model, \
+            trainer._dist.summon_full_params(wrapped, recurse=every_layer):
         yield model
 
 
@@ -255,11 +258,7 @@ def sampling_model(trainer):
         while n := most(trainer, 0):
             vllm_generate(trainer, [], n)
         return
-    from trl.models import unwrap_model_for_generation
-    wrapped = trainer.model_wrapped
-    with unwrap_model_for_generation(wrapped, trainer.accelerator, True, None,
-                                     trainer.args.gradient_checkpointing_kwargs) as model, \
-            trainer._dist.summon_full_params(wrapped, recurse=True):
+    with full_parameters(trainer, every_layer=True) as model:
         yield model
 
 
