@@ -13,6 +13,7 @@ import dataclasses
 import difflib
 import hashlib
 import importlib.util
+import io
 import json
 import os
 import shutil
@@ -229,8 +230,11 @@ def load_smollm2(cache_dir=SMOLLM2_CACHE):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     folder, name = os.path.split(gguf)
-    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
-    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
+    # transformers draws a progress bar on stderr while it converts; the conversion happens once,
+    # and a refusal found after it (a LoRA target the model lacks) stays the one line on stderr
+    with contextlib.redirect_stderr(io.StringIO()):
+        tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+        model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
     # the weights are plain floats now: forget the quantiser, which refuses to save them
     model.hf_quantizer, model.config.quantization_config = None, None
     del model.config.quantization_config
