@@ -225,21 +225,37 @@ def load_smollm2(cache_dir=SMOLLM2_CACHE):
             return load_hf_files(cache_dir, None)
     except Exception:  # noqa: BLE001 -- a damaged cache: made again below
         pass
-    if os.path.isdir(cache_dir):  # stale (another file's) or damaged: made again
-        shutil.rmtree(cache_dir, ignore_errors=True)
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    # two processes started together (a grid, a test suite's workers) convert once: the second
+    # waits for the first's copy
+    with _lock_if_writable(cache_dir + ".lock", "waiting for another process's copy of SmolLM2"):
+        if _stamped(cache_dir, stamp):
+            return load_hf_files(cache_dir, None)
+        if os.path.isdir(cache_dir):  # stale (another file's) or damaged: made again
+            shutil.rmtree(cache_dir, ignore_errors=True)
+        from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    folder, name = os.path.split(gguf)
-    # transformers draws a progress bar on stderr while it converts; the conversion happens once,
-    # and a refusal found after it (a LoRA target the model lacks) stays the one line on stderr
-    with contextlib.redirect_stderr(io.StringIO()):
-        tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
-        model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
-    # the weights are plain floats now: forget the quantiser, which refuses to save them
-    model.hf_quantizer, model.config.quantization_config = None, None
-    del model.config.quantization_config
-    save_aside(model, tokenizer, cache_dir, "source.json", stamp)
+        folder, name = os.path.split(gguf)
+        # transformers draws a progress bar on stderr while it converts; the conversion happens
+        # once, and a refusal found after it (a LoRA target the model lacks) stays the one line
+        with contextlib.redirect_stderr(io.StringIO()):
+            tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+            model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
+        # the weights are plain floats now: forget the quantiser, which refuses to save them
+        model.hf_quantizer, model.config.quantization_config = None, None
+        del model.config.quantization_config
+        save_aside(model, tokenizer, cache_dir, "source.json", stamp)
     return model, tokenizer
+
+
+def _lock_if_writable(path, waiting):
+    """tiny's lock on the file `path`; on a disk where it cannot be made, no lock (nothing is
+    saved there either)."""
+    try:
+        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+        open(path, "a").close()
+    except OSError:
+        return contextlib.nullcontext()
+    return tiny._locked(path, waiting)
 
 
 # its warm start: a pretrained 135M model at temperature 1 almost never writes the answer format
