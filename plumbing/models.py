@@ -220,16 +220,14 @@ def load_smollm2(cache_dir=SMOLLM2_CACHE):
     and swapped in, and load from there in well under a second."""
     gguf = smollm2_gguf()
     stamp = {"gguf": SMOLLM2_FILE, "bytes": os.path.getsize(gguf)}
-    try:
-        if _stamped(cache_dir, stamp):
-            return load_hf_files(cache_dir, None)
-    except Exception:  # noqa: BLE001 -- a damaged cache: made again below
-        pass
     # two processes started together (a grid, a test suite's workers) convert once: the second
-    # waits for the first's copy
+    # waits for the first's copy, then loads it
     with _lock_if_writable(cache_dir + ".lock", "waiting for another process's copy of SmolLM2"):
-        if _stamped(cache_dir, stamp):
-            return load_hf_files(cache_dir, None)
+        try:
+            if _stamped(cache_dir, stamp):
+                return load_hf_files(cache_dir, None)
+        except Exception:  # noqa: BLE001 -- a damaged cache: made again below
+            pass
         if os.path.isdir(cache_dir):  # stale (another file's) or damaged: made again
             shutil.rmtree(cache_dir, ignore_errors=True)
         from transformers import AutoModelForCausalLM, AutoTokenizer
