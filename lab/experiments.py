@@ -161,6 +161,10 @@ def main(argv=None):
     if args.command == "run" and not args.grids:
         return fail(f"name the grids to run (hours each: python -m lab.experiments list): "
                     f"{', '.join(GRIDS)}")
+    closed = [g for g in args.grids if args.command == "run" and GRIDS[g].get("closed")]
+    if closed:
+        return fail(f"{closed[0]} is {GRIDS[closed[0]]['closed']}; its report stands on the "
+                    f"archived runs")
     for name in args.grids if args.only is not None else ():
         if not any(args.only in setting for setting in GRIDS[name]["settings"]):
             return fail(f"--only {args.only}: no setting of {name} has it in its name; its "

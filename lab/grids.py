@@ -653,6 +653,83 @@ GRIDS["smollm2-templates"] = dict(
              for s in real_template_settings()},
     decide=real_template_rules())
 
+# Amendment, 2026-11-29, before any middle share (ALPHA 0.25 .. 0.75) was diagnosed: the grid is
+# closed at its two ends (15 of 45 runs). Why: simulated with the report's own interval
+# (real_templates.spearman_interval) and the per-seed spreads seen at the ends, any dial that moves
+# monotonically with the taught share passes a "tracks" rule in 99-100% of draws -- minus the token
+# entropy too, and a dial whose noise runs against the grounded share -- so the middle shares'
+# 6 hours would decide little: the rules test "monotone in ALPHA", not "follows the truth". The
+# rules decided by the ends stay as reported; the others are "not run". What the ends show, read
+# again (RESULTS.md section 15): the pool family's H(Z) rule took the cross-scored H(Z), which holds
+# an MI estimate capped at log 16 while the true I(X;Z) there is about 5.5 nats; at the borrowed end
+# the whole-reasoning MI stays level by the ceiling arithmetic (a copy of the cells saturates it),
+# and entropy (H(Z|X), the token entropy) saw the borrowed template that the whole-reasoning MI
+# could not.
+GRIDS["smollm2-templates"]["closed"] = (
+    "closed on 2026-11-29 at its two ends (15 of 45 runs), before any middle share was diagnosed: "
+    "its Spearman rules pass for any dial monotone in the taught share (lab/grids.py)")
+
+# Does RL itself grow a template on a real model, and does Top-P stop it? (Sec. 2, 4; the paper's
+# central question, asked of SmolLM2.) SmolLM2-135M-Instruct reading FrozenLake's coordinates,
+# warm-started from the pool family's ALPHA = 0.25 build (smollm2-templates: a quarter of its
+# demonstration turns reason with a sentence of the template grammar, a rare template), then 40
+# steps of the README's RL (GRPO + LoRA 16, lr 2e-4, KL k3 0.001 towards the warm start, 4 groups x
+# 4 rollouts of 2 turns), without a filter and with Top-P 0.9, 5 seeds paired: a seed's step-1
+# probe is the same sample in both (the probe samples on its own seeded stream before the update).
+# float32 pinned on every CPU. The diagnosis every 10 steps (1, 10, 20, 30, 40: one cadence for
+# every dial), on 8 held-out probe prompts x 8 samples; validation at steps 0, 20 and 40.
+# Truth: probe_template_share, the share of the 64 probe reasonings that are exactly a sentence of
+# the grammar (plumbing/labels.py; membership, so neither a saturated copy nor a wrong way is taken
+# for a template), with the grounded share (and the flipped, borrowed and ungrounded ones) beside it.
+# Rules, written before the first run:
+#   R1  without a filter the template share changes from step 1 to step 40: the paired 95% t
+#       interval (4 df) of (step 40 - step 1) over the 5 seeds -- "holds": it rises, "contradicted":
+#       it falls, else undecided;
+#   R2  at step 40 Top-P's template share is below no filter's, paired by seed.
+# Every dial (probe MI and work MI, per token and summed, H(Z), H(Z|X), the token entropy, retrieval)
+# is logged at each diagnosis and reported beside the truth: which of them moved, and which first.
+# Caveats, registered with it: (1) in the demonstrations a template turn still took the solver's
+# move, so a template is not a worse policy by construction: reward selects against a template only
+# as far as the model's answer after it is worse; (2) the probe's standard error of a share at 64
+# samples is about 0.05 (at p = 0.25), so with 5 paired seeds the smallest change these rules can
+# detect is about 0.12 to 0.16; (3) one warm-start build (seed 0): the spread between builds is not
+# in the intervals; (4) if R2 holds, a random subset of Top-P's size (and equal optimiser steps) is
+# the control to run next, to tell the filter's choice from its smaller batch; without R2 holding,
+# that control would have nothing to explain.
+# Estimate: about 100 s a step one thread each two at a time (smollm2-coords), a diagnosis of 64
+# probe samples with the work MI about 300 s, a validation about 100 s: about 95 minutes a run,
+# 10 runs two at a time: about 8 h. Seed-major order, so that a cut grid leaves pairs.
+SMOLLM2_GROW = ["--model", "smollm2", "--observation", "coords", "--env", "frozenlake", "--algo",
+                "grpo", "--lora", "16", "--lr", "2e-4", "--kl-coef", "0.001", "--groups", "4",
+                "--group-size", "4", "--max-turns", "2", "--max-new-tokens", "40",
+                "--mi-samples", "16", "--probe-prompts", "8", "--probe-samples", "8",
+                "--template-prior", "0.25", "--template-kind", "pool"]
+GRIDS["smollm2-grow"] = dict(
+    claim="Does RL itself grow a template on a real model, and does Top-P stop it? SmolLM2-135M-"
+          "Instruct reading FrozenLake's coordinates, from a warm start that reasons with a "
+          "sentence of the template grammar on a quarter of its turns, 40 steps of GRPO without a "
+          "filter and with Top-P, 5 seeds paired. Truth: the exact share of probe reasonings that "
+          "are grammar sentences. A clear null is a result.",
+    flags=SMOLLM2_GROW,
+    common=["--mi-every", "10", "--val-every", "20", "--threads", "1", "--dtype", "float32",
+            "--no-plot"],
+    world="frozenlake", settings={"none": FILTERS["none"], "topp": FILTERS["topp"]},
+    seeds=SEEDS, seed_major=True, steps=40, table_steps=[0, 1, 10, 20, 30, 40],
+    seconds={"none": 140.0, "topp": 140.0},
+    dials=["probe_template_share", "probe_grounded_share", "probe_mi_estimate",
+           "probe_mi_seq_estimate", "probe_work_mi_estimate", "probe_work_mi_seq_estimate",
+           "probe_reasoning_entropy_seq", "probe_conditional_entropy_seq", "token_entropy",
+           "probe_retrieval_acc", "response_length"],
+    decide=[
+        dict(kind="paired", metric="probe_template_share", a=("none", "step", 40),
+             b=("none", "step", 1), sign=1,
+             text="R1: without a filter the template share changes from step 1 to step 40 "
+                  "(holds: it rises; contradicted: it falls)"),
+        dict(kind="paired", metric="probe_template_share", a=("topp", "step", 40),
+             b=("none", "step", 40), sign=-1,
+             text="R2: at step 40 Top-P's template share is below no filter's"),
+    ])
+
 # Whole programme: 2.5 + 1.1 + 1.0 (+ 0.15 warm starts) + 0.3 + 1.1 = about 6.2 h of the 2-core
 # machine (gradients was added after collapse-env had run, before its own runs).
 # Cut to fit: no filter is not rerun at equal optimiser steps; the softmax Top-P variant only at
@@ -680,21 +757,23 @@ ONSET = {"probe_mi_estimate": (-1, 0.01), "val_success": (-1, 0.0625),
          "probe_grounded_share": (-1, 0.088)}  # a share of the 8 x 4 probe samples: at p = 1/2
 TEMPLATE = ["probe_template_share", "template_share"]  # reported where the runs logged them
 # a real model's exact labels (warmstart/grounding.py), reported where the runs logged them
-GROUNDED = ["probe_grounded_share", "probe_borrowed_share", "grounded_share"]
+GROUNDED = ["probe_grounded_share", "probe_flipped_share", "probe_borrowed_share", "grounded_share"]
 
 
 def runs_of(name):
     """[(setting, seed, folder, argv)] of a grid: every setting x seed, with its train.py flags."""
     g = GRIDS[name]
     out = []
-    for setting, flags in g["settings"].items():
-        for seed in g["seeds"]:
-            folder = os.path.join(RUNS, name, f"{setting}-s{seed}")
-            # a seed flag may be the policy's build seed too
-            argv = g["flags"] + flags + g.get("common", COMMON)
-            argv += [x for flag in g.get("seed_flags", []) for x in (flag, str(seed))]
-            argv += ["--seed", str(seed), "--steps", str(g["steps"]), "--out", folder]
-            out.append((setting, seed, folder, argv))
+    pairs = [(setting, seed) for setting in g["settings"] for seed in g["seeds"]]
+    if g.get("seed_major"):  # a cut grid leaves whole pairs of seeds
+        pairs.sort(key=lambda p: g["seeds"].index(p[1]))
+    for setting, seed in pairs:
+        folder = os.path.join(RUNS, name, f"{setting}-s{seed}")
+        # a seed flag may be the policy's build seed too
+        argv = g["flags"] + g["settings"][setting] + g.get("common", COMMON)
+        argv += [x for flag in g.get("seed_flags", []) for x in (flag, str(seed))]
+        argv += ["--seed", str(seed), "--steps", str(g["steps"]), "--out", folder]
+        out.append((setting, seed, folder, argv))
     return out
 
 
@@ -758,5 +837,6 @@ def describe(name):
     lines = [f"{name}: {len(g['settings']) * len(g['seeds'])} runs x {g['steps']} steps, "
              f"about {estimate_hours(name):.1f} h on 2 cores (2 at a time{measured}). "
              f"{g['claim']}"]
+    lines += [f"  {g['closed']}"] if g.get("closed") else []
     lines += [f"  rule: {rule['text']}" for rule in g["decide"]]
     return "\n".join(lines)

@@ -3,9 +3,11 @@ each diagnosed reasoning, so that the estimate can be read against the truth.
 
 - The tiny policy: the share of its first reasonings that are templates of --template-kind
   (warmstart/templates.py), template_share; 0 without a template prior.
-- A real model on FrozenLake: the shares that state their own input's way, another input's, or
-  neither (warmstart/grounding.py), grounded_share, borrowed_share and ungrounded_share; on the
-  probe set also the reasonings as text, to read what they say over a run. Read with coordinates,
+- A real model on FrozenLake: the shares that state their own input's way, a flip of it, another
+  input's, or neither (warmstart/grounding.py), grounded_share, flipped_share, borrowed_share and
+  ungrounded_share, and the share that are exactly a sentence of the template grammar
+  (warmstart/templates.py: membership, whether or not the warm start was taught it),
+  template_share; on the probe set also the reasonings as text, to read what they say over a run. Read with coordinates,
   its reasoning copies cells of its input first: what each prompt's copy is, for the work's MI
   (mi.work_scores).
 
@@ -26,7 +28,8 @@ def labels(run, episodes, inputs):
         return {}
     seeds = {e.group: e.seed for e in inputs}
     ways = {g: grounding.input_way(a.env, env_kwargs(a), seed) for g, seed in seeds.items()}
-    return grounding.shares(episodes, ways)
+    grammar = templates.template_share([e.first.reasoning for e in episodes], templates.COORDS_POOL)
+    return {**grounding.shares(episodes, ways), "template_share": grammar or 0.0}
 
 
 def texts(run, episodes):

@@ -21,7 +21,9 @@ OWN, OTHERS = (2, 1), {(1, 1), (0, -2)}
     (" From (1,0) to (3,1): 1 Down, 1 Right.", "borrowed"),              # another input's way
     (" 0 Up, 2 Left.", "borrowed"),                                      # level reads either way
     (" 1 Down, 1 Right. Then 2 Down, 1 Right.", "borrowed"),             # the first way counts
-    (" From (1,0) to (3,1): 2 Down, 1 Left.", "ungrounded"),             # one sign off: no input's
+    (" From (1,0) to (3,1): 2 Down, 1 Left.", "flipped"),                # one sign off
+    (" From (1,0) to (3,1): 2 Up, 1 Left.", "flipped"),                  # both signs off
+    (" From (1,0) to (3,1): 1 Up, 2 Right.", "ungrounded"),              # counts swapped: no flip
     (" From (1,0) to (3,1): 12 Down, 1 Right.", "ungrounded"),           # a digit too many
     (" From (1,0) to (3,1):", "ungrounded"),                             # the cells, no way
     (" 2 down, 1 right.", "ungrounded"),                                 # not the taught words
@@ -30,6 +32,14 @@ OWN, OTHERS = (2, 1), {(1, 1), (0, -2)}
 ])
 def test_every_reasoning_is_labelled_by_the_first_way_it_states(reasoning, label):
     assert grounding.label(reasoning, OWN, OTHERS) == label
+
+
+def test_a_flip_that_equals_another_inputs_way_is_a_flip_not_a_borrowing():
+    """On a 4x4 lake the ways are few: a sign flip of the own way often equals another input's way
+    by chance. It read its input (the counts are its own), so it is not input-agnostic."""
+    assert grounding.label(" 2 Up, 1 Right.", (2, 1), {(-2, 1)}) == "flipped"
+    assert grounding.label(" 2 Up, 1 Right.", (2, 1), {(1, 1)}) == "flipped"
+    assert grounding.label(" 1 Down, 1 Right.", (2, 1), {(1, 1)}) == "borrowed"
 
 
 def test_a_level_axis_is_the_same_way_whichever_word_it_takes():
@@ -77,8 +87,8 @@ def test_the_demonstrations_work_the_way_out_from_the_coordinates_and_are_ground
 
 def test_the_shares_a_real_models_run_logs_are_exact():
     """train.labels on a real model's FrozenLake episodes: reasonings that state their own way,
-    another group's, or neither give exact shares, and no template_share (which means nothing
-    without a template prior); the tiny policy logs its template share instead."""
+    another group's, a flip of their own, a sentence of the template grammar, or neither give exact
+    shares; the tiny policy logs its template share alone."""
     seeds = [3, 5]
     ways = [grounding.input_way("frozenlake", {}, s) for s in seeds]
     assert ways[0] != ways[1]
@@ -87,8 +97,11 @@ def test_the_shares_a_real_models_run_logs_are_exact():
         rows, cols = way
         return f"{abs(rows)} {'Up' if rows < 0 else 'Down'}, {abs(cols)} {'Left' if cols < 0 else 'Right'}."
 
-    texts = [[say(ways[0]), say(ways[1]), "Go.", say(ways[0])],  # group 0: own, other, neither, own
-             [say(ways[1]), "Go.", "Go.", "Go."]]                # group 1: own, neither x 3
+    flip = say((-ways[1][0], -ways[1][1])) if ways[1] != (0, 0) else None
+    assert flip is not None and (-ways[1][0], -ways[1][1]) != ways[0]
+    # group 0: own, other, neither, own; group 1: own, a flip of its own, a grammar sentence, neither
+    texts = [[say(ways[0]), say(ways[1]), "Go.", say(ways[0])],
+             [say(ways[1]), flip, "Let me think.", "Go."]]
     tokenizer = tiny.build_tokenizer()
     end = rollout.end_of_turn_ids(tokenizer)[0]
     count = iter(range(8))
@@ -102,9 +115,11 @@ def test_the_shares_a_real_models_run_logs_are_exact():
                             user=rollout.with_coordinates("frozenlake"))
     real = types.SimpleNamespace(args=flags.Args(env="frozenlake", model="smollm2"), prompt={})
     assert labels.labels(real, episodes, episodes) == {
-        "grounded_share": 3 / 8, "borrowed_share": 1 / 8, "ungrounded_share": 4 / 8}
+        "grounded_share": 3 / 8, "flipped_share": 1 / 8, "borrowed_share": 1 / 8,
+        "ungrounded_share": 3 / 8, "template_share": 1 / 8}
     assert labels.labels(real, episodes[:4], episodes) == {  # the other group still counts
-        "grounded_share": 2 / 4, "borrowed_share": 1 / 4, "ungrounded_share": 1 / 4}
+        "grounded_share": 2 / 4, "flipped_share": 0.0, "borrowed_share": 1 / 4,
+        "ungrounded_share": 1 / 4, "template_share": 0.0}
     tiny_run = types.SimpleNamespace(args=flags.Args(env="frozenlake", model="tiny"),
                                      prompt=tiny.prompts("frozenlake"))
     assert set(labels.labels(tiny_run, episodes, episodes)) == {"template_share"}

@@ -7,12 +7,18 @@ to work the way out from them (demos.work_out: "From (1,0) to (3,1): 2 Down, 1 R
 FrozenLake a reasoning can be labelled exactly by the first way it states, rows then columns:
 
     grounded    its own input's way: the reasoning read its input
-    borrowed    not its own, but the way of another input of the diagnosed set: input-agnostic in
-                effect, as a template is
+    flipped     its own input's step counts with a direction wrong ("2 Up" for "2 Down"): the
+                input read, the work gone wrong -- not a template, whatever other input it matches
+    borrowed    not its own nor a flip of it, but the way of another input of the diagnosed set:
+                input-agnostic in effect, as a template is
     ungrounded  no way, or one that no input of the set has
 
-The shares over the diagnosed reasonings are logged beside the MI (grounded_share, borrowed_share,
-ungrounded_share; probe_ on the probe set): a real model's analogue of template_share. Only
+A flip is checked before a borrowing: on a 4x4 lake the ways are few, so a flip often equals
+another probe input's way by chance (before the split, 50 of the 52 reasonings labelled borrowed
+at smollm2-templates' ALPHA 0 were such flips).
+
+The shares over the diagnosed reasonings are logged beside the MI (grounded_share, flipped_share,
+borrowed_share, ungrounded_share; probe_ on the probe set): a real model's analogue of template_share. Only
 FrozenLake has a way to label.
 """
 import re
@@ -20,7 +26,7 @@ import re
 import envs
 
 WAY = re.compile(r"(\d+) (Up|Down), (\d+) (Left|Right)")
-LABELS = ("grounded", "borrowed", "ungrounded")
+LABELS = ("grounded", "flipped", "borrowed", "ungrounded")
 
 
 def stated_way(text):
@@ -76,25 +82,31 @@ def copy_ids(tokenizer, env_name, env_kwargs, seeds):
 
 
 def label(reasoning, own, others):
-    """grounded, borrowed or ungrounded (module docstring): `own` the reasoning's input's way,
-    `others` the ways of the other inputs of the diagnosed set.
+    """grounded, flipped, borrowed or ungrounded (module docstring): `own` the reasoning's input's
+    way, `others` the ways of the other inputs of the diagnosed set.
 
     >>> label(" From (1,0) to (3,1): 2 Down, 1 Right.", (2, 1), {(1, 1)})
     'grounded'
+    >>> label(" From (1,0) to (3,1): 2 Up, 1 Right.", (2, 1), {(-2, 1)})
+    'flipped'
     >>> label(" From (1,0) to (3,1): 1 Down, 1 Right.", (2, 1), {(1, 1)})
     'borrowed'
     >>> label(" From (1,0) to (3,1): 3 Up, 1 Left.", (2, 1), {(1, 1)})
     'ungrounded'
     """
     stated = stated_way(reasoning)
-    if stated is not None and stated == own:
+    if stated is None:
+        return "ungrounded"
+    if stated == own:
         return "grounded"
-    return "borrowed" if stated is not None and stated in others else "ungrounded"
+    if tuple(map(abs, stated)) == tuple(map(abs, own)):
+        return "flipped"
+    return "borrowed" if stated in others else "ungrounded"
 
 
 def shares(episodes, ways):
     """The share of the episodes' first reasonings with each label -> {grounded_share,
-    borrowed_share, ungrounded_share}; `ways`: {group: the way of that group's input}, the
+    flipped_share, borrowed_share, ungrounded_share}; `ways`: {group: the way of that group's input}, the
     diagnosed set's inputs."""
     counts = dict.fromkeys(LABELS, 0)
     for e in episodes:
