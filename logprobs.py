@@ -9,6 +9,8 @@ three so that each can import it.
 The transformer body runs once; the output layer W runs only on the hidden states h_t at the
 positions that matter, a chunk at a time (policy_logprobs, head_logprobs): no [B, T, V] tensor.
 """
+import inspect
+
 import torch
 import torch.utils.checkpoint
 
@@ -95,9 +97,22 @@ def shared_prefix_hidden(decoder, ids, n):
     rows, exactly as if each row had run it; the idea of "Prefix Grouper", arXiv 2506.05433)."""
     if n == 0:
         return decoder(input_ids=ids, use_cache=False).last_hidden_state
-    cache = decoder(input_ids=ids[:1, :n], use_cache=True).cache
+    cache = cache_of(decoder(input_ids=ids[:1, :n], use_cache=True))
     cache.batch_repeat_interleave(len(ids))
-    return decoder(input_ids=ids[:, n:], cache=cache, use_cache=True).last_hidden_state
+    return decoder(input_ids=ids[:, n:], use_cache=True,
+                   **{cache_keyword(decoder): cache}).last_hidden_state
+
+
+def cache_keyword(module):
+    """The name under which a Hugging Face model takes its key/value cache: `cache` from
+    transformers 5.24, `past_key_values` before (and a `past_key_values` that 5.24 still reads)."""
+    return "cache" if "cache" in inspect.signature(module.forward).parameters else "past_key_values"
+
+
+def cache_of(output):
+    """The key/value cache a Hugging Face model's output holds, under either name."""
+    cache = output.get("cache")
+    return output.get("past_key_values") if cache is None else cache
 
 
 def _drops_the_cache(lm):
@@ -146,5 +161,10 @@ def tempered(logits, temperature=1.0):
 
 
 def entropy(table):
-    """H(pi) = -sum_v pi_v log pi_v from a log-softmax table [..., V] -> [...]."""
-    return -(table.exp() * table).sum(-1)
+    """H(pi) = -sum_v pi_v log pi_v from a log-softmax table [..., V] -> [...]; a token of log-prob
+    -inf adds 0 (0 log 0 = 0), a nan stays nan.
+
+    >>> entropy(torch.tensor([0.0, -float("inf")])).item() == 0.0
+    True
+    """
+    return -(table.exp() * table.clamp(min=torch.finfo(table.dtype).min)).sum(-1)

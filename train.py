@@ -19,6 +19,7 @@ one-line errors (plumbing/runs.py), loading the models (plumbing/models.py), sam
 key/value cache (plumbing/sampler.py) -- a first reading may skip; what a policy knows before RL
 (its warm start) is in warmstart/.
 """
+import dataclasses
 import sys
 import time
 
@@ -188,12 +189,11 @@ def diagnose(run, episodes, rng):
     a = run.args
     picked = [episodes[i] for i in mi.mi_sample(a.groups, a.group_size, a.mi_samples, rng)]
     prompts = [next(e for e in episodes if e.group == g).first for g in range(a.groups)]
-    with run.ctx:
-        out = mi.diagnose(run.policy, prompts, [e.first for e in picked],
-                          [e.group for e in picked], **scoring(run))
+    samples, gap = sampled_in_float32(run, [e.first for e in picked])
+    out = mi.diagnose(run.policy, prompts, samples, [e.group for e in picked], **scoring(run))
     out["mi_zscore_ema"], run.state["std_ema"] = mi.mi_zscore_ema(out, run.state["std_ema"])
     keys = mi.DIAGNOSIS_KEYS + ("diagnosis_logprob_diff",)
-    return {**{k: out[k] for k in keys if k in out}, **labels.labels(run, picked, episodes)}
+    return {**{k: out[k] for k in keys if k in out}, **gap, **labels.labels(run, picked, episodes)}
 
 
 def probe(run):
@@ -209,11 +209,36 @@ def probe(run):
     with torch.random.fork_rng(devices=[run.device] if run.device.type == "cuda" else []):
         torch.manual_seed(a.seed)
         episodes = collect_rollouts(run, seeds, a.probe_samples, max_turns=1)
-    with run.ctx:
-        out = mi.probe(run.policy, [e.first for e in episodes], a.probe_samples,
-                       copies=labels.copies(run, seeds), **scoring(run))
-    out.update(labels.labels(run, episodes, episodes), **labels.texts(run, episodes))
+    samples, gap = sampled_in_float32(run, [e.first for e in episodes])
+    out = mi.probe(run.policy, samples, a.probe_samples, copies=labels.copies(run, seeds),
+                   **scoring(run))
+    out.update(gap, **labels.labels(run, episodes, episodes), **labels.texts(run, episodes))
     return {"probe_" + k: v for k, v in out.items() if not k.endswith("upper_bound")}
+
+
+def sampled_in_float32(run, firsts):
+    """The diagnosis scores in float32 whatever the run's precision (bfloat16 moves its numbers:
+    bench/README.md), and checks that it scores the very tokens sampled by comparing each
+    reasoning's score under its own prompt with the log-prob it was sampled with
+    (diagnosis_logprob_diff, ~1e-5 in float32). Rollouts sampled in bfloat16 carry bfloat16's
+    rounding in those log-probs: here their replies are replayed through the sampler's loop in
+    float32 (each token given), so that the check compares like with like, and the gap between
+    the two records is logged apart -> (the first turns with the float32 replay's log-probs,
+    {"sampling_precision_gap": the largest gap over reasonings and answers, in nats}; as they were
+    and {} when sampled in float32)."""
+    if run.args.sample_dtype == "float32" or any(f.reasoning_logprob is None for f in firsts):
+        return firsts, {}
+    replies = [f.reasoning_ids + f.answer_ids for f in firsts]
+    policy = sampler.hf_policy(run.policy, run.tokenizer, max(1, max(map(len, replies))),
+                               run.args.temperature)
+    replayed = policy([f.prompt_ids for f in firsts], forced=replies)
+    out, gap = [], 0.0
+    for f, g in zip(firsts, replayed):
+        z, rest = (float(sum(x)) for x in (g.logprobs[:len(f.reasoning_ids)],
+                                           g.logprobs[len(f.reasoning_ids):]))
+        gap = max(gap, abs(z - f.reasoning_logprob), abs(rest - f.answer_logprob))
+        out.append(dataclasses.replace(f, reasoning_logprob=z, answer_logprob=rest))
+    return out, {"sampling_precision_gap": gap}
 
 
 def scoring(run):

@@ -47,7 +47,7 @@ import torch
 
 import envs
 import rollout
-from plumbing import models
+from plumbing import hardware, models
 from plumbing.checkpoints import (CheckpointError, atomic_write, checkpoint_step, drop_garbage,
                                   log_steps, recover_checkpoint, restore, restore_metrics,
                                   save_checkpoint)
@@ -294,15 +294,13 @@ def load_run(a, device, source):
     return run
 
 
-def cpu_computes_bf16():
-    """Whether this CPU multiplies bfloat16 natively (AVX512-BF16 or AMX, in /proc/cpuinfo's
-    flags): there bfloat16 runs faster than float32; without them several times slower."""
+def is_tiny(model):
+    """The tiny policy, by name or as a checkpoint of it (its policy.json says so)."""
     try:
-        with open("/proc/cpuinfo") as f:
-            flags = set(f.read().split())
-    except OSError:
-        return False
-    return bool(flags & {"avx512_bf16", "amx_bf16"})
+        with open(os.path.join(model, "policy.json")) as f:
+            return json.load(f).get("prompt") == "tiny"
+    except (OSError, ValueError, AttributeError):
+        return model == "tiny"
 
 
 def resolve_defaults(a, device):
@@ -311,20 +309,18 @@ def resolve_defaults(a, device):
         a.model = "Qwen/Qwen2.5-0.5B-Instruct" if device.type == "cuda" else "tiny"
         why = "a GPU is present" if device.type == "cuda" else "no GPU found"
         print(f"model: {a.model} ({why}; --model chooses another)")
-    tiny = a.model == "tiny"
+    tiny = is_tiny(a.model)
     if tiny and a.observation != "grid":
         raise UsageError(f"--observation {a.observation} is for a real model: the tiny policy (the "
                          f"default without a GPU) reads its own positions line; add --model smollm2")
     a.lr = a.lr or (1e-4 if tiny else 1e-6)
     a.critic_lr = a.critic_lr or (1e-3 if tiny else 1e-5)
     a.max_new_tokens = a.max_new_tokens or (64 if tiny else 400)
-    if a.dtype is None:  # bfloat16 where the device computes it fast; the tiny policy's width-64
-        # matrices stay float32 (nothing to gain measured, and its results exact across CPUs)
-        fast = device.type == "cuda" or (not tiny and cpu_computes_bf16())
-        a.dtype = "bfloat16" if fast else "float32"
-        if fast and device.type == "cpu":
-            print("precision: bfloat16 (this CPU has AVX512-BF16 or AMX; --dtype float32 "
-                  "chooses otherwise)")
+    if a.dtype is None:  # bfloat16 where the device computes it natively (plumbing/hardware.py)
+        capability = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
+        a.dtype, why = hardware.default_dtype(device.type, tiny, hardware.cpu_flags(), capability)
+        if a.dtype == "bfloat16" or device.type == "cuda":
+            print(f"precision: {a.dtype} ({why}; --dtype chooses otherwise)")
     a.sample_dtype = a.sample_dtype or a.dtype
     a.lora_alpha = a.lora_alpha or (2.0 * a.lora if a.lora else None)
     if a.threads is None and device.type == "cpu":

@@ -36,13 +36,13 @@ sampling (project): in autocast's dtype, and on a CPU transposed, where that mul
 """
 import dataclasses
 import functools
-import weakref
 
 import torch
 import torch.nn.functional as F
 
 import logprobs
 import rollout
+from plumbing import hardware
 
 LLAMA_LAYOUT = ("llama", "qwen2", "qwen3")  # decoders `forward` runs; others are refused
 ROOM = 256  # the cache grows by this many slots at a time: few reallocations, few shapes
@@ -99,17 +99,21 @@ def draw(probs):
     return token, torch.isfinite(cdf[:, -1])
 
 
-def sample(logits, temperature, top_p):
+def sample(logits, temperature, top_p, forced=None):
     """The next token of each row from its logits [B, V] -> (token [B], its log-prob [B], the
     distribution's entropy [B], finite [B]), all of the tempered full distribution; temperature 0
-    is greedy (the log-probs then at temperature 1). The same float64 table logprobs.py scores
-    with (logprobs.tempered)."""
+    is greedy (the log-probs then at temperature 1); `forced` [B]: these tokens instead, scored as
+    if drawn (a replay of given replies). The same float64 table logprobs.py scores with
+    (logprobs.tempered). A row is finite when its table holds no nan and its best token a finite
+    log-prob: a token masked to -inf is a legitimate zero."""
     table = logprobs.tempered(logits, temperature or 1.0)                      # [B, V]
-    probs = table.exp()                                                        # [B, V]
-    if temperature == 0:
-        token, finite = table.argmax(-1), torch.isfinite(table).all(-1)        # [B]
+    if forced is not None:
+        token = forced                                                         # [B]
+    elif temperature == 0:
+        token = table.argmax(-1)                                               # [B]
     else:
-        token, finite = draw(probs if top_p == 1.0 else nucleus(probs, top_p))  # [B]
+        token = draw(table.exp() if top_p == 1.0 else nucleus(table.exp(), top_p))[0]  # [B]
+    finite = ~table.isnan().any(-1) & torch.isfinite(table.amax(-1))           # [B]
     return token, table.gather(1, token[:, None])[:, 0], logprobs.entropy(table), finite
 
 
@@ -160,17 +164,16 @@ def select(cache, index):
 
 
 def check_layout(model):
-    """The model's decoder, if `forward` can run it (the Llama layout, no sliding window) -> its
-    base causal LM; otherwise a ValueError naming what can."""
+    """The model's base causal LM if the decode loop can run it -- the Llama layout without a
+    sliding window, LoRA adapters (not DoRA) -- else None: such a model samples through its own
+    forward pass and cache (own_forward)."""
     lm = model.get_base_model() if hasattr(model, "get_base_model") else model
     cfg = lm.config
     kind = getattr(cfg, "model_type", None)
     windowed = getattr(cfg, "use_sliding_window", False) or (
         kind not in ("qwen2", "qwen3") and getattr(cfg, "sliding_window", None))
-    if kind not in LLAMA_LAYOUT or windowed:
-        raise ValueError(f"the sampler decodes models of the Llama layout without a sliding window "
-                         f"({', '.join(LLAMA_LAYOUT)}); this model is {kind!r}")
-    return lm
+    dora = any(any(getattr(m, "use_dora", {}).values()) for m in model.modules())
+    return None if kind not in LLAMA_LAYOUT or windowed or dora else lm
 
 
 def rotate(x, cos, sin):
@@ -180,7 +183,56 @@ def rotate(x, cos, sin):
     return x * cos[:, None] + turned * sin[:, None]
 
 
-def forward(lm, cache, ids, positions, slots, end):
+def sampling_weights(lm, dtype, transposed):
+    """What the decode loop multiplies by, made from the live weights at every call of the policy
+    (so any optimiser step, a fused one included, is sampled from at the next call): each layer's
+    q, k and v projections as one matrix and the MLP's gate and up as one (fewer, larger
+    products), LoRA adapters merged in (W + B A x scaling, as peft merges them), in `dtype`,
+    transposed where that multiplies faster (plumbing/hardware.py) -> {"layers": [{"qkv", "o",
+    "gate_up", "down"}], "head", "heads": (H, H_kv, d)}, each weight a (W, bias, transposed)."""
+    def joined(*modules):
+        pairs = [merged(m) for m in modules]
+        w = pairs[0][0] if len(pairs) == 1 else torch.cat([w for w, _ in pairs])  # [out, in]
+        b = None
+        if any(b is not None for _, b in pairs):
+            b = torch.cat([w.new_zeros(len(w)) if b is None else b for w, b in pairs]).to(dtype)
+        w = w.to(dtype)
+        return w.t().contiguous() if transposed else w, b, transposed
+
+    cfg = lm.config
+    H = cfg.num_attention_heads
+    layers = [dict(qkv=joined(layer.self_attn.q_proj, layer.self_attn.k_proj,
+                              layer.self_attn.v_proj),
+                   o=joined(layer.self_attn.o_proj),
+                   gate_up=joined(layer.mlp.gate_proj, layer.mlp.up_proj),
+                   down=joined(layer.mlp.down_proj))
+              for layer in lm.get_decoder().layers]
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // H
+    return dict(layers=layers, head=joined(lm.get_output_embeddings()),
+                heads=(H, getattr(cfg, "num_key_value_heads", None) or H, head_dim))
+
+
+def merged(module):
+    """A linear layer's weight [out, in] (its active LoRA adapters added in) and bias."""
+    base = getattr(module, "base_layer", module)
+    w, b = base.weight.detach(), None if base.bias is None else base.bias.detach()
+    if base is not module and not module.disable_adapters and not module.merged:
+        with torch.autocast(w.device.type, enabled=False):  # the sum in the weights' dtype
+            for name in module.active_adapters:
+                if name in module.lora_A:
+                    w = w + module.get_delta_weight(name)
+    return w, b
+
+
+def linear(x, weight):
+    """x W^T (+ b) for a weight of sampling_weights."""
+    w, b, transposed = weight
+    x = x.to(w.dtype)
+    out = x @ w if transposed else F.linear(x, w)
+    return out if b is None else out + b
+
+
+def forward(lm, weights, cache, ids, positions, slots, end):
     """Feed `ids` [B, W] at positions [B, W] into slots `slots` [W] (a tensor, so a captured step
     reads the slot it is given) -> the last hidden state of each row [B, D] (the output layer is
     the caller's). Each query attends to the valid slots up to its own among the first `end` (and
@@ -188,17 +240,17 @@ def forward(lm, cache, ids, positions, slots, end):
     as G x W query rows of that head: grouped keys and values are never repeated."""
     body = lm.get_decoder()
     B, W = ids.shape
+    H, H_kv, d = weights["heads"]
     x = body.embed_tokens(ids)                                                 # [B, W, D]
     cos, sin = body.rotary_emb(x, positions)                                   # [B, W, d]
     upto = torch.arange(end, device=ids.device)                                # [S]
     mask = (cache.valid[:, None, :end] & (upto <= slots[:, None])) | (upto == slots[:, None])
-    for i, layer in enumerate(body.layers):                                    # (mask [B, W, S])
+    for i, (layer, w) in enumerate(zip(body.layers, weights["layers"])):       # (mask [B, W, S])
         attn = layer.self_attn
-        d = attn.head_dim
         h = layer.input_layernorm(x)                                           # [B, W, D]
-        q = project(attn.q_proj, h).view(B, W, -1, d)                          # [B, W, H, d]
-        k = project(attn.k_proj, h).view(B, W, -1, d)                          # [B, W, H_kv, d]
-        v = project(attn.v_proj, h).view(B, W, -1, d).transpose(1, 2)          # [B, H_kv, W, d]
+        q, k, v = linear(h, w["qkv"]).split([H * d, H_kv * d, H_kv * d], -1)
+        q, k = q.view(B, W, H, d), k.view(B, W, H_kv, d)                       # [B, W, H(_kv), d]
+        v = v.view(B, W, H_kv, d).transpose(1, 2)                              # [B, H_kv, W, d]
         if hasattr(attn, "q_norm"):  # Qwen3 normalises each head's queries and keys
             q, k = attn.q_norm(q), attn.k_norm(k)
         q = rotate(q.transpose(1, 2), cos, sin)                                # [B, H, W, d]
@@ -206,7 +258,6 @@ def forward(lm, cache, ids, positions, slots, end):
         ensure_layer(cache, i, k)
         cache.keys[i].index_copy_(2, slots, k.to(cache.keys[i].dtype))
         cache.values[i].index_copy_(2, slots, v.to(cache.values[i].dtype))
-        H, H_kv = q.shape[1], k.shape[1]
         g = H // H_kv
         q = q.reshape(B, H_kv, g * W, d)                                       # [B, H_kv, gW, d]
         rows = mask[:, None, None].expand(B, 1, g, W, end).reshape(B, 1, g * W, end)
@@ -214,45 +265,10 @@ def forward(lm, cache, ids, positions, slots, end):
                                              cache.values[i][:, :, :end], attn_mask=rows,
                                              scale=attn.scaling)               # [B, H_kv, gW, d]
         out = out.reshape(B, H, W, d).transpose(1, 2).reshape(B, W, H * d)     # [B, W, H d]
-        x = x + project(attn.o_proj, out)
-        h, mlp = layer.post_attention_layernorm(x), layer.mlp                  # SwiGLU:
-        x = x + project(mlp.down_proj,
-                        mlp.act_fn(project(mlp.gate_proj, h)) * project(mlp.up_proj, h))
+        x = x + linear(out, w["o"])
+        gate, up = linear(layer.post_attention_layernorm(x), w["gate_up"]).chunk(2, -1)
+        x = x + linear(layer.mlp.act_fn(gate) * up, w["down"])                 # SwiGLU
     return body.norm(x[:, -1])                                                 # [B, D]
-
-
-COPIES = weakref.WeakKeyDictionary()  # {nn.Linear: (its weight's version, the sampling copy)}
-
-
-def project(module, x):
-    """module(x) for a linear layer (nn.Linear, or a peft LoRA layer around one), its weight read
-    from a copy kept for sampling, made again when the weight changes (an optimiser step): in
-    autocast's dtype, so no step casts the weights again (a CUDA graph must not), and on a CPU as
-    a contiguous W^T -- with a decode step's few rows, F.linear(x, W) ran at a fifth of the speed
-    of x @ W^T on a 2-core Intel Xeon (bench/README.md). The same numbers up to the order of a
-    sum."""
-    base = getattr(module, "base_layer", module)
-    if not isinstance(base, torch.nn.Linear) or any(getattr(module, "use_dora", {}).values()):
-        return module(x)
-    w, kind = base.weight, x.device.type
-    dtype = torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else w.dtype
-    version, copy = COPIES.get(base, (None, None))
-    if version != (w._version, w.data_ptr(), dtype):
-        copy = w.detach().to(dtype)                                            # [out, in]
-        copy = copy.t().contiguous() if kind == "cpu" else copy                # CPU: [in, out]
-        COPIES[base] = ((w._version, w.data_ptr(), dtype), copy)
-    x = x.to(dtype)
-    bias = None if base.bias is None else base.bias.to(dtype)
-    out = F.linear(x, copy, bias) if kind != "cpu" else (
-        x @ copy if bias is None else torch.addmm(bias, x.flatten(0, -2), copy).view(
-            *x.shape[:-1], -1))
-    if base is not module and not module.disable_adapters and not module.merged:
-        for name in module.active_adapters:  # peft's LoRA: B(A(dropout(x))) x scaling, added
-            if name in module.lora_A:
-                lora = project(module.lora_B[name], project(module.lora_A[name],
-                                                            module.lora_dropout[name](x)))
-                out = out + lora * module.scaling[name]
-    return out
 
 
 def ensure_layer(cache, i, k):
@@ -265,54 +281,97 @@ def ensure_layer(cache, i, k):
         cache.keys[i], cache.values[i] = (k.new_zeros(shape, dtype=dtype) for _ in range(2))
 
 
-def decode_step(lm, cache, token, running, slot, end):
+def decode_step(lm, weights, cache, token, running, slot, end):
     """One step of the loop: each row's last token goes into slot `slot` [1] (real for the rows
     still running, a hole for the others), attending over the first `end` slots -> the next
-    token's logits [B, V]. On a GPU `end` is the whole cache: the same shapes at every step of a
-    turn, one CUDA graph (graphed_step); on a CPU only the filled slots."""
+    token's logits [B, V]. Captured, `end` is the whole cache: the same shapes at every step of a
+    turn, one graph (graphed_step); eager, only the filled slots."""
     cache.valid.index_copy_(1, slot, running[:, None])
-    hidden = forward(lm, cache, token[:, None], cache.position[:, None], slot, end)  # [B, D]
+    hidden = forward(lm, weights, cache, token[:, None], cache.position[:, None], slot, end)
     cache.position += running.long()
-    return project(lm.get_output_embeddings(), hidden)                         # [B, V]
+    return linear(hidden, weights["head"])                                     # [B, V]
 
 
-def graphed_step(lm, cache, rows):
-    """decode_step for this turn, captured as one CUDA graph over its cache (whose shapes hold
-    until the loop ends): each step copies its inputs into the graph's own and replays it, one
-    launch instead of the hundreds of kernels a step of a 24-layer model is. The capture runs the
-    step on rows that are not running at the slot the loop writes first, so what it writes is
-    written over. None where it cannot be captured (the loop then runs the step eagerly)."""
+# ---------------------------------------------------------------- one graph a turn (a GPU)
+
+def graphed_step(step, cache, rows, capture):
+    """`step` (decode_step with its model and weights) for this turn, captured once over its
+    cache, whose shapes hold until the turn ends: each call copies its inputs into the graph's
+    own and replays it, returning the graph's one output tensor, written again at every replay
+    (a caller reads it before the next). `capture(run) -> replay` records `run` (cuda_graph on a
+    GPU; tests drive a stand-in with its semantics on a CPU). The capture runs the step on rows
+    that are not running at the slot the loop writes first, so what it writes is written over.
+    Raises what the capture raises."""
     device = cache.valid.device
-    token = torch.zeros(rows, dtype=torch.long, device=device)
-    running = torch.zeros(rows, dtype=torch.bool, device=device)
-    slot = torch.tensor([cache.slot], device=device)
-    end = cache.valid.shape[1]
-    try:
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):  # a first run outside the capture: copies, lazy set-ups
-            decode_step(lm, cache, token, running, slot, end)
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            logits = decode_step(lm, cache, token, running, slot, end)
-    except RuntimeError as e:
-        print(f"the decode step runs eagerly: capturing it as a CUDA graph failed "
-              f"({str(e).splitlines()[0]})")
-        return None
+    token = torch.zeros(rows, dtype=torch.long, device=device)                 # [B]
+    running = torch.zeros(rows, dtype=torch.bool, device=device)               # [B]
+    slot = torch.tensor([cache.slot], device=device)                           # [1]
+    replay = capture(lambda: step(cache, token, running, slot, cache.valid.shape[1]))
 
-    def step(cache_, token_, running_, slot_, end_):
+    def replayed(cache_, token_, running_, slot_, end_):
         token.copy_(token_)
         running.copy_(running_)
         slot.copy_(slot_)
+        return replay()
+    return replayed
+
+
+def cuda_graph(run):
+    """`run` captured as one CUDA graph -> replay(), which runs it again and returns the tensor
+    the capture returned (its values new): one launch instead of the hundreds of kernels a step of
+    a 24-layer model is. A first run on a side stream, outside the capture, does the lazy set-ups.
+    The stream in use before is in use after, whatever fails."""
+    before = torch.cuda.current_stream()
+    try:
+        side = torch.cuda.Stream()
+        side.wait_stream(before)
+        with torch.cuda.stream(side):
+            run()
+        before.wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = run()
+    finally:
+        torch.cuda.set_stream(before)
+
+    def replay():
         graph.replay()
-        return logits
-    return step
+        return out
+    return replay
+
+
+# -------------------------------------------------------- any other model: its own forward
+
+def own_forward(model, prompt_ids, pad, device):
+    """A model the decode loop cannot run (another architecture: GPT-2, Gemma, Phi...) through its
+    own forward pass and key/value cache: the prompts left-padded and encoded whole, then one token
+    a step, a stopped row fed a hole -> (the first logits [B, V], advance(token, running) -> the
+    next logits). Slower: nothing is kept across turns, and the model's own layers run."""
+    B, width = len(prompt_ids), max(map(len, prompt_ids))
+    ids = torch.full((B, width), pad, dtype=torch.long)                        # [B, W]
+    mask = torch.zeros((B, width), dtype=torch.long)                           # [B, W]
+    for b, p in enumerate(prompt_ids):
+        ids[b, width - len(p):], mask[b, width - len(p):] = torch.tensor(p, dtype=torch.long), 1
+    ids, mask = ids.to(device), mask.to(device)
+    positions = (mask.cumsum(1) - 1).clamp(min=0)                              # [B, W]
+    out = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True)
+    state = dict(cache=logprobs.cache_of(out), mask=mask, position=positions[:, -1] + 1)
+
+    def advance(token, running):
+        state["mask"] = torch.cat([state["mask"], running[:, None].long()], 1)  # [B, W + t]
+        out = model(input_ids=token[:, None], attention_mask=state["mask"],
+                    position_ids=state["position"][:, None], use_cache=True,
+                    **{logprobs.cache_keyword(model): state["cache"]})
+        state["cache"] = logprobs.cache_of(out)
+        state["position"] = state["position"] + running.long()
+        return out.logits[:, -1]
+    return out.logits[:, -1], advance
 
 
 # ------------------------------------------------------------------------------------- the policy
 
-def hf_policy(model, tokenizer, max_new_tokens, temperature=1.0, top_p=1.0, check_every=None):
+def hf_policy(model, tokenizer, max_new_tokens, temperature=1.0, top_p=1.0, check_every=None,
+              capture=None, transposed=None):
     """A Hugging Face causal LM as a policy(prompt_ids, envs) -> list[Generation]: one batched call
     for all prompts, each stopping at an end-of-turn token or after max_new_tokens; temperature 0
     means greedy (log-probs then at temperature 1). Sampling settings are explicit, so a
@@ -320,10 +379,16 @@ def hf_policy(model, tokenizer, max_new_tokens, temperature=1.0, top_p=1.0, chec
     distribution. Runs on the model's device in its current mode and dtype (sample in eval mode:
     no dropout; under autocast, in its dtype). `check_every`: steps between two looks at whether
     every row has stopped (default 8 on a GPU, 1 on a CPU, where a look costs nothing).
+    `capture`: how a turn's step is captured (graphed_step): None, as a CUDA graph on a GPU and
+    not on a CPU; False, never; or a function (cuda_graph's contract). A capture that fails is said
+    once, and the turns after it run eagerly. `transposed`: the weights' layout (None: by the
+    hardware, plumbing/hardware.py).
 
     The policy remembers the cache of its last call, one row per prompt. A prompt that continues a
     remembered row (the row's tokens are a prefix of it) reuses the row and encodes only its new
     tokens; otherwise the whole batch is encoded afresh, each token once (module docstring).
+    `policy(prompt_ids, forced=replies)` scores given replies instead of sampling (each a list of
+    token ids): their log-probs and entropies as the loop computes them, nothing remembered.
     """
     if not (isinstance(max_new_tokens, int) and max_new_tokens >= 1):
         raise ValueError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
@@ -331,13 +396,67 @@ def hf_policy(model, tokenizer, max_new_tokens, temperature=1.0, top_p=1.0, chec
         raise ValueError(f"need temperature >= 0 and 0 < top_p <= 1, got {temperature}, {top_p}")
     stop_ids, pad = rollout.end_of_turn_ids(tokenizer), rollout.pad_token_id(tokenizer)
     lm = check_layout(model) if model is not None else None
-    last = {"rows": {}}  # the last call's cache and {key: (row, tokens in the cache)}
+    flags = hardware.cpu_flags()
+    last = {"rows": {}, "capture": capture}  # the last call's cache, {key: (row, its tokens)}
 
     @torch.no_grad()
-    def policy(prompt_ids, env_list=None):  # the environments are not needed to sample
+    def policy(prompt_ids, env_list=None, forced=None):  # the environments are not needed
         device, B = model.device, len(prompt_ids)
         keys = [id(env) for env in env_list] if env_list is not None else list(range(B))
         every = check_every or (8 if device.type == "cuda" else 1)
+        n_max = max_new_tokens if forced is None else max(1, max(map(len, forced)))
+        lengths = torch.full((B,), n_max, device=device)                       # [B]
+        if forced is not None:
+            lengths = torch.tensor([len(f) for f in forced], device=device)
+            forced = torch.tensor([list(f) + [pad] * (n_max - len(f)) for f in forced],
+                                  dtype=torch.long, device=device)             # [B, N]
+        if lm is None:
+            logits, advance = own_forward(model, prompt_ids, pad, device)
+        else:
+            logits, advance = start(prompt_ids, keys, device, forced is None, n_max)
+
+        # ---- the loop of identical steps: sample, record, feed; a stopped row is fed padding
+        # into a hole. Every `every` steps one look at the device: has every row stopped?
+        tokens = torch.full((B, n_max), pad, dtype=torch.long, device=device)  # [B, N]
+        logps = torch.zeros(B, n_max, dtype=torch.float64, device=device)     # [B, N]
+        entropies = torch.zeros(B, n_max, dtype=torch.float64, device=device)  # [B, N]
+        fed = torch.zeros(B, n_max, dtype=torch.bool, device=device)          # [B, N]
+        running = torch.ones(B, dtype=torch.bool, device=device)               # [B]
+        finite = torch.ones(B, dtype=torch.bool, device=device)                # [B]
+        stop = torch.tensor(stop_ids, device=device)
+        for t in range(n_max):
+            token, logps[:, t], entropies[:, t], ok = sample(
+                logits, temperature, top_p, None if forced is None else forced[:, t])
+            tokens[:, t] = torch.where(running, token, pad)
+            finite &= ok | ~running
+            fed[:, t] = running  # this token enters the cache for the rows that were running
+            still = running & ~torch.isin(tokens[:, t], stop) & (t + 1 < lengths)
+            if t == n_max - 1 or (t + 1) % every == 0 and not looks_alive(still, finite):
+                break
+            logits = advance(tokens[:, t], running)
+            running = still
+        n = t + 1
+        if not finite.all():  # nan and inf would run on into the totals of the next turns
+            raise RuntimeError("probability tensor contains a number that is not finite")
+        fed[:, n - 1] = False  # the last token sampled was not fed (the loop ends before it)
+        tokens, fed = tokens[:, :n].cpu().tolist(), fed[:, :n].cpu().tolist()  # [B, n]
+        logps = logps[:, :n].cpu().tolist()  # [B, n], float64 as mi.cross_scores
+        entropies = entropies[:, :n].float().cpu().tolist()                    # [B, n]
+        if lm is not None and forced is None:
+            last["rows"] = {key: (b, p + [t for t, f in zip(row, on) if f])
+                            for b, (key, p, row, on) in enumerate(zip(keys, prompt_ids, tokens,
+                                                                      fed))}
+        return as_generations(tokens, logps, stop_ids, entropies)
+
+    def start(prompt_ids, keys, device, remember, n_max):
+        """The decode loop's start: the cache (the remembered one where every prompt continues a
+        row of it), the prompts' new tokens encoded -> (the first logits [B, V],
+        advance(token, running) -> the next logits)."""
+        dtype = (torch.get_autocast_dtype(device.type) if torch.is_autocast_enabled(device.type)
+                 else next(model.parameters()).dtype)
+        layout = transposed if transposed is not None else hardware.transposed_weights(
+            device.type, str(dtype).removeprefix("torch."), flags)
+        weights = sampling_weights(lm, dtype, layout)
 
         def encode(prompt_ids, known):
             """Feed the cache's rows what is new in their prompts, left-padded to the longest new
@@ -355,14 +474,14 @@ def hf_policy(model, tokenizer, max_new_tokens, temperature=1.0, top_p=1.0, chec
             ids, real = ids.to(device), real.to(device)
             positions = cache.position[:, None] + (real.cumsum(1) - 1).clamp(min=0)  # [B, W]
             slots = torch.arange(cache.slot, cache.slot + width, device=device)  # [W]
-            ensure(cache, cache.slot + width + max_new_tokens)
+            ensure(cache, cache.slot + width + n_max)
             cache.valid[:, cache.slot:cache.slot + width] = real
             cache.position += real.sum(1)
-            hidden = forward(lm, cache, ids, positions, slots, cache.slot + width)  # [B, D]
+            hidden = forward(lm, weights, cache, ids, positions, slots, cache.slot + width)
             cache.slot += width
-            return project(lm.get_output_embeddings(), hidden)                 # [B, V]
+            return linear(hidden, weights["head"])                             # [B, V]
 
-        rows = _continued_rows(last["rows"], prompt_ids, keys)
+        rows = _continued_rows(last["rows"], prompt_ids, keys) if remember else None
         if rows is None:  # start afresh: what prompts share is encoded once, then copied
             distinct = [list(p) for p in dict.fromkeys(map(tuple, prompt_ids))]
             # the system prompt, the template's first tokens: all but each prompt's last token
@@ -380,43 +499,29 @@ def hf_policy(model, tokenizer, max_new_tokens, temperature=1.0, top_p=1.0, chec
             cache = last["cache"]
             select(cache, torch.tensor(rows, device=device))
             logits = encode(prompt_ids, [len(last["rows"][key][1]) for key in keys])  # [B, V]
+        if remember:
+            last["cache"] = cache
 
-        # ---- the loop of identical steps: sample, record, feed; a stopped row is fed padding
-        # into a hole. Every `every` steps one look at the device: has every row stopped?
-        step = graphed_step(lm, cache, B) if device.type == "cuda" else None
-        step = step or functools.partial(decode_step, lm)
-        tokens = torch.full((B, max_new_tokens), pad, dtype=torch.long, device=device)  # [B, N]
-        logps = torch.zeros(B, max_new_tokens, dtype=torch.float64, device=device)  # [B, N]
-        entropies = torch.zeros(B, max_new_tokens, dtype=torch.float64, device=device)  # [B, N]
-        fed = torch.zeros(B, max_new_tokens, dtype=torch.bool, device=device)  # [B, N]
-        running = torch.ones(B, dtype=torch.bool, device=device)               # [B]
-        finite = torch.ones(B, dtype=torch.bool, device=device)                # [B]
-        stop = torch.tensor(stop_ids, device=device)
+        step = functools.partial(decode_step, lm, weights)
+        capture_with = last["capture"]
+        if capture_with is None and device.type == "cuda":
+            capture_with = cuda_graph
+        if capture_with:
+            try:
+                step = graphed_step(step, cache, len(prompt_ids), capture_with)
+            except RuntimeError as e:  # said once; the turns after this run eagerly
+                print(f"the decode step runs eagerly: capturing it failed "
+                      f"({str(e).splitlines()[0]})")
+                last["capture"], capture_with = False, None
         slot = torch.tensor([cache.slot], device=device)  # [1], moved on the device
-        for t in range(max_new_tokens):
-            token, logps[:, t], entropies[:, t], ok = sample(logits, temperature, top_p)
-            tokens[:, t] = torch.where(running, token, pad)
-            finite &= ok | ~running
-            fed[:, t] = running  # this token enters the cache for the rows that were running
-            still = running & ~torch.isin(tokens[:, t], stop)
-            if t == max_new_tokens - 1 or (t + 1) % every == 0 and not looks_alive(still, finite):
-                break
-            end = cache.valid.shape[1] if device.type == "cuda" else cache.slot + 1
-            logits = step(cache, tokens[:, t], running, slot, end)
+
+        def advance(token, running):
+            end = cache.valid.shape[1] if capture_with else cache.slot + 1
+            logits = step(cache, token, running, slot, end)
             cache.slot += 1
-            slot += 1
-            running = still
-        n = t + 1
-        if not finite.all():  # nan and inf would run on into the totals of the next turns
-            raise RuntimeError("probability tensor contains a number that is not finite")
-        fed[:, n - 1] = False  # the last token sampled was not fed (the loop ends before it)
-        tokens, fed = tokens[:, :n].cpu().tolist(), fed[:, :n].cpu().tolist()  # [B, n]
-        logps = logps[:, :n].cpu().tolist()  # [B, n], float64 as mi.cross_scores
-        entropies = entropies[:, :n].float().cpu().tolist()                    # [B, n]
-        last.update(cache=cache, rows={
-            key: (b, p + [t for t, f in zip(row, on) if f])
-            for b, (key, p, row, on) in enumerate(zip(keys, prompt_ids, tokens, fed))})
-        return as_generations(tokens, logps, stop_ids, entropies)
+            slot.add_(1)
+            return logits
+        return logits, advance
 
     return policy
 

@@ -32,9 +32,9 @@ def test_a_later_turn_encodes_only_its_new_tokens(tokenizer, monkeypatch):
     model, fed = make_model(tokenizer), []
     forward = sampler.forward
 
-    def counting(lm, cache, ids, *args):
+    def counting(lm, weights, cache, ids, *args):
         fed.append(ids.shape[1])
-        return forward(lm, cache, ids, *args)
+        return forward(lm, weights, cache, ids, *args)
 
     monkeypatch.setattr(sampler, "forward", counting)
     policy = sampler.hf_policy(model, tokenizer, max_new_tokens=5)
@@ -102,10 +102,10 @@ def test_the_loop_waits_for_the_device_only_when_it_looks_and_keeps_its_cache(
     events, storage = [], set()
     decode_step, looks_alive = sampler.decode_step, sampler.looks_alive
 
-    def step(lm, cache, *args):
+    def step(lm, weights, cache, *args):
         events.append("step")
         storage.add((id(cache), cache.keys[0].data_ptr(), cache.valid.data_ptr()))
-        return decode_step(lm, cache, *args)
+        return decode_step(lm, weights, cache, *args)
 
     def look(*args):
         events.append("look")
@@ -146,12 +146,34 @@ def test_a_distribution_that_is_not_finite_is_the_error_a_run_reads_as_diverged(
         rollout.play(policy, tokenizer, "frozenlake", [0], 2, max_turns=1, system=SYSTEM)
 
 
-def test_a_model_of_another_layout_is_refused_in_one_line(tokenizer):
+def tiny_gpt2(tokenizer):
+    """A model of another architecture: GPT-2, absolute positions, its own attention and cache."""
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    gpt2 = GPT2LMHeadModel(GPT2Config(vocab_size=len(tokenizer), n_embd=32, n_layer=1, n_head=2))
-    with pytest.raises(ValueError, match="Llama layout.*'gpt2'"):
-        sampler.hf_policy(gpt2, tokenizer, 4)
+    torch.manual_seed(0)
+    config = GPT2Config(vocab_size=len(tokenizer), n_embd=32, n_layer=2, n_head=2,
+                        bos_token_id=tokenizer.eos_token_id, eos_token_id=tokenizer.eos_token_id)
+    return GPT2LMHeadModel(config).eval()
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.0])
+def test_a_model_of_another_layout_samples_through_its_own_forward(tokenizer, temperature):
+    """GPT-2 is not of the Llama layout: it samples through its own forward pass and cache, left
+    padded, its positions counted over each row's real tokens; the log-probs it records equal a
+    full forward pass over the transcripts of two turns, and greedy is that pass's argmax."""
+    model = tiny_gpt2(tokenizer)
+    assert sampler.check_layout(model) is None and sampler.check_layout(make_model(tokenizer))
+    policy = sampler.hf_policy(model, tokenizer, max_new_tokens=12, temperature=temperature)
+    torch.manual_seed(2)
+    eps = rollout.play(policy, tokenizer, "frozenlake", [0, 1], 2, max_turns=2, system=SYSTEM)
+    assert min(e.turns for e in eps) == 2
+    assert temperature == 0 or len({len(e.ids) for e in eps}) > 1  # left padding at work
+    batch = rollout.collate(eps, rollout.pad_token_id(tokenizer))
+    table, recomputed = forward_logprobs(model, batch, temperature or 1.0)
+    mask = batch["policy_mask"][:, 1:] == 1                                         # [B, T-1]
+    torch.testing.assert_close(batch["logprobs"][:, 1:][mask], recomputed[mask], atol=1e-4, rtol=0)
+    if temperature == 0:
+        assert (table.argmax(-1)[mask] == batch["input_ids"][:, 1:][mask]).all()
 
 
 def test_greedy_picks_the_argmax_of_a_full_forward_pass(tokenizer):
@@ -239,3 +261,118 @@ def test_draw_follows_the_probabilities_and_flags_what_is_not_finite():
     assert freq[1, 0] == freq[1, 2] == 0
     for bad in (math.nan, math.inf):
         assert sampler.draw(torch.tensor([[0.5, bad], [0.5, 0.5]]))[1].tolist() == [False, True]
+
+
+# --------------------------------------------------------- replays, captures and weight changes
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_forced_replay_scores_the_sampled_replies_exactly_as_they_were_sampled(tokenizer, dtype):
+    """policy(prompts, forced=replies) runs the loop that sampled the replies, each token given:
+    the same computation, so in either precision (bfloat16 under autocast, as a bf16 run samples)
+    the same log-probs and entropies to the bit. The diagnosis's exactness check replays a bf16
+    run's replies in float32 this way (train.sampled_in_float32)."""
+    model = make_model(tokenizer)
+    policy = sampler.hf_policy(model, tokenizer, max_new_tokens=60, temperature=1.5)
+    prompts = [tokenizer.encode(f"<|im_start|>user\n{text}<|im_end|>\n<|im_start|>assistant\n")
+               for text in ("Go right.", "Go left.", "Go right.", "Up.", "Down.", "Stay.")]
+    with torch.autocast("cpu", dtype=dtype, enabled=dtype != torch.float32):
+        torch.manual_seed(3)
+        sampled = policy(prompts)
+        assert len({len(g.token_ids) for g in sampled}) > 1  # rows stop at different steps
+        replayed = policy(prompts, forced=[g.token_ids for g in sampled])
+    for a, b in zip(sampled, replayed):
+        assert a.token_ids == b.token_ids and a.cut == b.cut
+        assert a.logprobs == b.logprobs and a.entropies == b.entropies
+
+
+def replaying(run):
+    """A CPU stand-in with a CUDA graph's semantics: the capture runs `run` once (as the warm-up
+    run before a capture does, writing what it writes), and every replay runs it again on the
+    same input buffers, writing its result into the one output tensor the capture returned, as a
+    replayed graph writes into its static output."""
+    out = run()
+
+    def replay():
+        out.copy_(run())
+        return out
+    return replay
+
+
+def test_a_captured_step_on_a_cpu_stand_in_samples_what_the_eager_loop_samples(tokenizer):
+    """The captured step's data flow -- inputs copied into static buffers, the one output tensor
+    written again at every replay, the capture run on rows that are not running at the slot
+    written next -- driven on a CPU through `replaying`: the same episodes, log-probs and
+    entropies as the eager loop, over three turns whose caches continue. A loop that read a
+    replay's output after the next replay, or a capture that wrote into a filled slot, would
+    differ."""
+    model = make_model(tokenizer)
+    results = []
+    for capture in (False, replaying):
+        policy = sampler.hf_policy(model, tokenizer, max_new_tokens=24, temperature=0.9,
+                                   capture=capture)
+        torch.manual_seed(4)
+        results.append(rollout.play(policy, tokenizer, "frozenlake", [0, 1], 2, max_turns=3,
+                                    system=SYSTEM))
+    eager, graphed = results
+    assert max(e.turns for e in eager) == 3
+    for a, b in zip(eager, graphed):
+        assert a.ids == b.ids
+        torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-6,
+                                   rtol=0)
+
+
+def test_a_capture_that_fails_is_said_once_and_the_turns_run_eagerly(tokenizer, capsys):
+    """A capture that raises (a GPU without room for the graph, an operation it cannot record):
+    one line, once per policy, and every turn samples eagerly what the eager loop samples."""
+    calls = []
+
+    def failing(run):
+        calls.append(1)
+        raise RuntimeError("operation not permitted when stream is capturing\nmore")
+
+    model = make_model(tokenizer)
+    results = []
+    for capture in (False, failing):
+        policy = sampler.hf_policy(model, tokenizer, max_new_tokens=16, capture=capture)
+        torch.manual_seed(5)
+        results.append(rollout.play(policy, tokenizer, "frozenlake", [0], 2, max_turns=3,
+                                    system=SYSTEM))
+    said = capsys.readouterr().out.splitlines()
+    assert said == ["the decode step runs eagerly: capturing it failed (operation not permitted "
+                    "when stream is capturing)"] and len(calls) == 1
+    assert [e.ids for e in results[0]] == [e.ids for e in results[1]]
+
+
+def test_a_fused_optimisers_step_is_sampled_from_at_the_next_call(tokenizer):
+    """AdamW(fused=True) writes the weights without counting a version: the sampler's weights are
+    made from the live ones at every call, so the next call samples the updated policy (equal to a
+    fresh policy's records of the same draws), never the one before the step."""
+    model = make_model(tokenizer)
+    policy = sampler.hf_policy(model, tokenizer, max_new_tokens=8)
+    prompts = [tokenizer.encode("<|im_start|>user\nGo.<|im_end|>\n<|im_start|>assistant\n")] * 2
+    torch.manual_seed(6)
+    before = policy(prompts)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.5, fused=True)
+    model(input_ids=torch.tensor(prompts)).logits.sum().backward()
+    optimizer.step()
+    torch.manual_seed(7)
+    after = policy([p + [5] for p in prompts], forced=[g.token_ids for g in before])
+    torch.manual_seed(7)
+    fresh = sampler.hf_policy(model, tokenizer, max_new_tokens=8)(
+        [p + [5] for p in prompts], forced=[g.token_ids for g in before])
+    assert [g.logprobs for g in after] == [g.logprobs for g in fresh]
+    assert [g.logprobs for g in after] != [g.logprobs for g in before]
+
+
+def test_greedy_over_a_masked_vocabulary_is_finite_and_its_entropy_a_number():
+    """A logit of -inf (a token a model masks out) is a legitimate zero: greedy and sampled draws
+    stay finite, never take it, and the entropy counts it as 0 log 0 = 0; a nan is not finite."""
+    logits = torch.tensor([[0.0, -math.inf, 1.0], [2.0, 0.0, -math.inf]])
+    for temperature in (0.0, 1.0):
+        token, logp, entropy, finite = sampler.sample(logits, temperature, 1.0)
+        assert finite.all() and torch.isfinite(logp).all() and torch.isfinite(entropy).all()
+        assert token.tolist() != [1, 2] and 1 not in token[:1].tolist() and 2 not in token[1:].tolist()
+    assert sampler.sample(logits, 0.0, 1.0)[0].tolist() == [2, 0]
+    p = torch.tensor([1.0, math.e]) / (1 + math.e)
+    assert sampler.sample(logits, 0.0, 1.0)[2][0].item() == pytest.approx(-(p * p.log()).sum().item())
+    assert not sampler.sample(torch.tensor([[0.0, math.nan]]), 0.0, 1.0)[3].any()

@@ -175,11 +175,11 @@ def test_without_the_wheel_smollm2_is_one_line_naming_the_install(tmp_path, monk
     assert not os.path.exists(tmp_path / "r")
 
 
-def test_a_run_reading_the_coordinates_logs_its_reasonings_labels_and_not_the_template_share(tmp_path):
+def test_a_run_reading_the_coordinates_logs_its_reasonings_labels_and_the_grammar_share(tmp_path):
     """--observation coords: each user turn shows the grid and its coordinates; the diagnosis logs
-    the grounded / borrowed / ungrounded shares (a real model's labels) in the batch and on the probe
-    set, the probe set's reasonings as text and its work's MI after the copied cells, but no
-    template_share; the checkpoint says what it
+    the grounded / flipped / borrowed / ungrounded shares (a real model's labels) in the batch and
+    on the probe set, the share of reasonings that are sentences of the template grammar, the probe
+    set's reasonings as text and its work's MI after the copied cells; the checkpoint says what it
     read, so that evaluating it reads the same."""
     out = str(tmp_path / "run")
     argv = ["--model", "smollm2", "--no-warm-start", "--observation", "coords", "--env", "frozenlake",
@@ -190,10 +190,12 @@ def test_a_run_reading_the_coordinates_logs_its_reasonings_labels_and_not_the_te
     assert train.main(argv) == 0
     with open(os.path.join(out, "metrics.jsonl")) as f:
         (step,) = [json.loads(line) for line in f]
-    shares = [f"{p}{k}_share" for p in ("", "probe_") for k in ("grounded", "borrowed", "ungrounded")]
-    assert set(shares) <= set(step) and "template_share" not in step and "probe_template_share" not in step
+    labels = ("grounded", "flipped", "borrowed", "ungrounded")
+    shares = [f"{p}{k}_share" for p in ("", "probe_") for k in labels + ("template",)]
+    assert set(shares) <= set(step)
     for p in ("", "probe_"):
-        assert sum(step[f"{p}{k}_share"] for k in ("grounded", "borrowed", "ungrounded")) == pytest.approx(1)
+        assert sum(step[f"{p}{k}_share"] for k in labels) == pytest.approx(1)
+        assert 0 <= step[f"{p}template_share"] <= step[f"{p}ungrounded_share"]  # a template states no way
     assert len(step["probe_reasonings"]) == 4 and all(isinstance(t, str) for t in step["probe_reasonings"])
     # the work's MI after the copied cells, where the reasoning copies its input (mi.work_scores)
     assert {"probe_work_mi_estimate", "probe_work_retrieval_acc", "probe_work_copied_share"} <= set(step)
