@@ -45,8 +45,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 import logprobs  # noqa: E402
 import rollout  # noqa: E402
-from plumbing import models, sampler  # noqa: E402
-from plumbing.runs import cpu_computes_bf16  # noqa: E402
+from plumbing import hardware, models, sampler  # noqa: E402
 from warmstart import tiny  # noqa: E402
 
 
@@ -231,7 +230,7 @@ def main(argv=None):
     if any(n not in ("tiny", "smollm2", "qwen0.5b") for n in names) or ("qwen0.5b" in names
                                                                         and not gpu):
         refuse(f"--model {a.model}: tiny, smollm2, or on a GPU qwen0.5b")
-    fast = gpu or cpu_computes_bf16()
+    fast = gpu or hardware.default_dtype("cpu", False, hardware.cpu_flags())[0] == "bfloat16"
     dtypes = (["float32", "bfloat16"] if fast else ["float32"]) if a.dtype == "auto" else [a.dtype]
     sizes = {k: dict(v, groups=2, group_size=2) if a.quick else v for k, v in SIZES.items()}
     peak = copy_bandwidth(device, 16 if a.quick else 1024 if gpu else 256) / 1e9

@@ -217,7 +217,7 @@ def test_the_sampler_records_the_old_logprobs_and_entropies_of_a_forward_pass(tm
     1e-5 on average and 3e-5 at every token: float32's own rounding through 30 layers, not a bias (measured:
     up to 1.7e-5, while the forward pass differs from itself by up to 1.3e-5 with micro-batches of 1 and 8)."""
     a = train.Args(model=model, warm_start=False, env="frozenlake", max_turns=turns, max_new_tokens=8, threads=1,
-                   out=str(tmp_path / "run"))
+                   out=str(tmp_path / "run"), dtype="float32")  # the float32 branch (bfloat16: test_hardware.py)
     runs.resolve_defaults(a, CPU)
     run = runs.load_run(a, CPU, a.model)
     for temperature in (1.0, 0.7):
