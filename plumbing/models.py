@@ -273,15 +273,9 @@ def smollm2_warm_start(env_name, env_kwargs=None, seed=0, cache_dir=SMOLLM2_CACH
     `device` and cached in cache_dir/<world>-<hash>; warm_start.json, written last, marks a
     finished build and records its losses and time. An interrupted build starts over. The model
     comes back on the CPU either way."""
-    settings = {**SMOLLM2_WARM_START[observation], **settings, "seed": seed}
+    folder, settings = smollm2_warm_start_folder(env_name, env_kwargs, seed, cache_dir, observation,
+                                                 template_prior, template_kind, **settings)
     env_kwargs = changed_settings(env_name, env_kwargs)
-    if observation != "grid":  # the bare grid's builds keep the folders they had
-        settings["observation"] = observation
-    if template_prior:  # only then: without a prior the key, and the folder, are as before
-        settings.update(template_prior=template_prior, template_kind=template_kind)
-    key = json.dumps({"env": env_name, "env_kwargs": env_kwargs or {}, **settings},
-                     sort_keys=True, default=str)
-    folder = os.path.join(cache_dir, f"{env_name}-{hashlib.sha256(key.encode()).hexdigest()[:12]}")
     if os.path.isfile(os.path.join(folder, "warm_start.json")):
         try:
             return load_hf_files(folder, None)
@@ -314,6 +308,22 @@ def smollm2_warm_start(env_name, env_kwargs=None, seed=0, cache_dir=SMOLLM2_CACH
     if os.path.isfile(os.path.join(folder, "warm_start.json")):  # what every later run reads:
         return load_hf_files(folder, None)  # built or loaded, a run computes alike (tiny._build)
     return model.eval(), tokenizer
+
+
+def smollm2_warm_start_folder(env_name, env_kwargs=None, seed=0, cache_dir=SMOLLM2_CACHE,
+                              observation="grid", template_prior=0.0, template_kind="pool",
+                              **settings):
+    """Where smollm2_warm_start caches the build of these settings (built: warm_start.json in it)
+    -> (folder, the build's settings)."""
+    settings = {**SMOLLM2_WARM_START[observation], **settings, "seed": seed}
+    if observation != "grid":  # the bare grid's builds keep the folders they had
+        settings["observation"] = observation
+    if template_prior:  # only then: without a prior the key, and the folder, are as before
+        settings.update(template_prior=template_prior, template_kind=template_kind)
+    key = json.dumps({"env": env_name, "env_kwargs": changed_settings(env_name, env_kwargs) or {},
+                      **settings}, sort_keys=True, default=str)
+    digest = hashlib.sha256(key.encode()).hexdigest()[:12]
+    return os.path.join(cache_dir, f"{env_name}-{digest}"), settings
 
 
 def changed_settings(env_name, env_kwargs):

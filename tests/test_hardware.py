@@ -113,13 +113,15 @@ def test_a_bfloat16_sampler_records_log_probs_within_bfloat16s_rounding(model):
 
 
 @pytest.mark.parametrize("model", ["tiny", "smollm2"])
-def test_a_bfloat16_runs_diagnosis_is_token_exact_and_says_its_precision_gap(model):
+def test_a_bfloat16_runs_diagnosis_is_token_exact_and_its_update_starts_at_ratio_one(model):
     """The diagnosis scores in float32 whatever the run's precision; a bfloat16 run's replies are
     replayed in float32 for the exactness check (train.sampled_in_float32), which then holds to
     float32's 1e-4, while sampling_precision_gap says how far bfloat16's records were: above 0,
-    within the per-token tolerance above times the tokens of the longest reply."""
+    within the per-token tolerance above times the tokens of the longest reply. The update rescores
+    the batch itself (the ratio exactly 1 before its optimiser step) and logs the sampler's mean
+    gap a token, within one unit of rounding."""
     run = bf16_run(model, algo="grpo", groups=2, group_size=2, mi_samples=4, max_new_tokens=12,
-                   probe_prompts=2, probe_samples=2)
+                   probe_prompts=2, probe_samples=2, lr=1e-5)
     torch.manual_seed(0)
     episodes = train.collect_rollouts(run, [3, 4], 2)
     out = {**train.diagnose(run, episodes, None), **train.probe(run)}
@@ -131,4 +133,6 @@ def test_a_bfloat16_runs_diagnosis_is_token_exact_and_says_its_precision_gap(mod
     for key in ("sampling_precision_gap", "probe_sampling_precision_gap"):
         assert 0 < out[key] < 8 * U * scale * longest
     assert math.isfinite(out["mi_estimate"])
-
+    rewards = torch.tensor([[1.0, 0.0], [0.0, 1.0]])  # spread in both groups: both update
+    update = train.update_policy(run, episodes, rewards, torch.Generator().manual_seed(0))
+    assert update["approx_kl"] < 1e-6 and 0 < update["rollout_logprob_diff"] < U * scale
