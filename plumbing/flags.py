@@ -360,6 +360,9 @@ def check_args(a):
     need(a.report_to == "none" or importlib.util.find_spec(a.report_to),  # the package's name
          f"--report-to {a.report_to}: {a.report_to} is not installed (pip install "
          f"{a.report_to})")
+    folder = os.path.expanduser(a.model or "")
+    need(not (a.model or "").startswith((".", "/", "~")) or os.path.isdir(folder),
+         f"--model {a.model}: no such folder")
     cores = os.cpu_count() or 1
     need(a.threads is None or 1 <= a.threads <= cores, f"--threads must be in 1..{cores}, the "
          f"machine's cores, got {a.threads} (more threads than cores only wait for each other)")

@@ -162,6 +162,12 @@ def load_hf(source, attn_implementation=None):
         if constants.HF_HUB_OFFLINE:
             raise ModelError(f"--model {source}: not in the local Hugging Face cache, and "
                              f"HF_HUB_OFFLINE is set")
+        unreachable = hub_unreachable(constants.ENDPOINT)
+        if unreachable:
+            raise ModelError(f"--model {source}: not in the local Hugging Face cache, and the hub "
+                             f"({constants.ENDPOINT}) cannot be reached ({unreachable}); "
+                             f"HF_HUB_OFFLINE=1 answers this without asking the network, "
+                             f"HF_ENDPOINT names a mirror")
         print(f"--model {source}: not in the local Hugging Face cache; fetching it from "
               f"{constants.ENDPOINT}")
         try:
@@ -171,11 +177,36 @@ def load_hf(source, attn_implementation=None):
             raise ModelError(f"--model {source}: not in the local Hugging Face cache, and the "
                              f"hub did not give it ({first})") from None
     try:
-        return load_hf_files(folder, attn_implementation)
+        model, tokenizer = load_hf_files(folder, attn_implementation)
     # a missing, truncated or foreign file: whatever the loader raises, one line
     except Exception as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise ModelError(f"--model {source}: cannot load it ({first})") from None
+    if not getattr(tokenizer, "chat_template", None):
+        raise ModelError(f"--model {source}: its tokenizer has no chat template, and every prompt "
+                         f"here is a chat (save the tokenizer of an instruct model beside it)")
+    return model, tokenizer
+
+
+def hub_unreachable(endpoint, timeout=5.0):
+    """Why the hub at `endpoint` cannot be reached -- its host, or the proxy the environment names
+    for it (HTTPS_PROXY and the like, as huggingface_hub's own client reads them), does not resolve
+    or takes no connection within `timeout` seconds -- else None: asked once, before
+    huggingface_hub would retry for a minute or more."""
+    import socket
+    import urllib.parse
+    import urllib.request
+
+    url = urllib.parse.urlparse(endpoint)
+    proxy = urllib.request.getproxies().get(url.scheme)
+    if proxy and not urllib.request.proxy_bypass(url.hostname or ""):
+        url = urllib.parse.urlparse(proxy if "://" in proxy else f"http://{proxy}")
+    port = url.port or (443 if url.scheme == "https" else 80)
+    try:
+        socket.create_connection((url.hostname, port), timeout=timeout).close()
+    except OSError as e:
+        return str(e) or type(e).__name__
+    return None
 
 
 def load_hf_files(source, attn_implementation, local_files_only=False):

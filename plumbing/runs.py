@@ -47,7 +47,7 @@ import torch
 
 import envs
 import rollout
-from plumbing import hardware, models
+from plumbing import hardware, models, sampler
 from plumbing.checkpoints import (CheckpointError, atomic_write, checkpoint_step, drop_garbage,
                                   log_steps, recover_checkpoint, restore, restore_metrics,
                                   save_checkpoint)
@@ -139,9 +139,11 @@ def failed(e, run):
               f"--micro-batch 1, --rollout-batch 16, --grad-checkpointing, --lora 16 or fewer "
               f"--max-new-tokens", file=sys.stderr)
         return 3
+    fresh = run is not None and not run.step and not run.args.resume
+    if fresh:  # a new run that completed no step: its folder as its start found it, so that the
+        unmake(run.args.out, run.created)  # same command runs again
     if isinstance(e, KeyboardInterrupt):
-        resume = (f"; continue with: python train.py --resume {run.args.out}"
-                  if run and run.step else "")
+        resume = "" if fresh or not run else f"; continue with: python train.py --resume {run.args.out}"
         print(f"\ninterrupted{resume}", file=sys.stderr)
         return 130
     raise e
@@ -175,6 +177,22 @@ def check_fits(a, policy, tokenizer, prompt):
                          f"(a first prompt of {first}{size.get(a.env, '')}, replies of up to "
                          f"--max-new-tokens {a.max_new_tokens}), more than the model's context "
                          f"of {context} tokens")
+
+
+def check_causal_lm(a):
+    """A model folder that holds no causal language model (an encoder such as BERT, a
+    sequence-to-sequence model) cannot run at all: one line before anything loads."""
+    if not os.path.isdir(os.path.expanduser(a.model)):
+        return
+    try:
+        from transformers import MODEL_FOR_CAUSAL_LM_MAPPING, AutoConfig
+        config = AutoConfig.from_pretrained(os.path.expanduser(a.model), local_files_only=True)
+    except Exception:  # a folder without a readable config: models.load says why
+        return
+    if type(config) not in MODEL_FOR_CAUSAL_LM_MAPPING:
+        raise UsageError(f"--model {a.model}: a {config.model_type} model is not a causal language "
+                         f"model (transformers' AutoModelForCausalLM has no class for it); the "
+                         f"policy must write its replies token by token")
 
 
 def check_lora_targets(a, policy=None):
@@ -238,6 +256,7 @@ def start(a):
         check_lora_targets(a, policy)
         check_fits(a, policy, tokenizer, tiny.prompts(a.env))
     else:
+        check_causal_lm(a)
         check_lora_targets(a)
     created, lock, ckpt = False, None, None
     try:
@@ -253,6 +272,11 @@ def start(a):
             a.save_every = models.checkpoint_every(device, trained)
         if a.model != "tiny":
             check_fits(a, run.policy, run.tokenizer, run.prompt)
+            if sampler.check_layout(run.policy) is None:
+                kind = run.policy.config.model_type
+                print(f"sampling: {kind} is not of the Llama layout the decode loop runs "
+                      f"({', '.join(sampler.LLAMA_LAYOUT)}), so it samples through its own forward "
+                      f"pass and cache: slower, the same sampling law")
         if not a.resume:  # made only now: a start killed while the models load leaves no folder
             created = open_folder(a)
             lock = lock_folder(a.out)

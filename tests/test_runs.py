@@ -831,12 +831,27 @@ def test_evaluating_a_checkpoint_is_one_command(tmp_path, capsys, monkeypatch):
 
 
 def test_a_hub_model_comes_from_the_cache_or_as_huggingface_hub_fetches_it(monkeypatch, capsys):
-    """A hub id: from the local cache without asking the network; otherwise whether and where to
-    go online is huggingface_hub's (HF_ENDPOINT for a mirror, proxies; a socket to huggingface.co
-    once decided it, and refused every user behind a proxy); a model it cannot give is one line.
-    The loader is a stand-in that records how it was asked: no network in the tests."""
+    """A hub id: from the local cache without asking the network; otherwise from where
+    huggingface_hub would fetch it (HF_ENDPOINT for a mirror, through the proxy the environment
+    names: a direct socket to huggingface.co once refused every user behind a proxy); a hub that
+    cannot be reached is one line at once, naming HF_HUB_OFFLINE, before huggingface_hub retries
+    for a minute; a model it cannot give is one line. The loader is a stand-in that records how it
+    was asked, the network a stand-in that takes connections to the proxy only."""
     from huggingface_hub import constants
     asked, cached = [], {"org/cached"}
+    for name in ("HTTPS_PROXY", "https_proxy", "HTTP_PROXY", "http_proxy", "ALL_PROXY",
+                 "all_proxy", "NO_PROXY", "no_proxy"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("HTTPS_PROXY", "http://proxy.example:3128")
+
+    class Connection:
+        def close(self):
+            pass
+
+    def connect(address, timeout=None):
+        if address != ("proxy.example", 3128):
+            raise OSError(f"no route to {address[0]}: only a proxy")
+        return Connection()
 
     def load(source, attn, local_files_only=False):
         asked.append((source, local_files_only))
@@ -845,8 +860,7 @@ def test_a_hub_model_comes_from_the_cache_or_as_huggingface_hub_fetches_it(monke
         raise OSError("not there")
 
     monkeypatch.setattr(models, "load_hf_files", load)
-    monkeypatch.setattr(socket, "create_connection", lambda *a, **k: (_ for _ in ()).throw(
-        OSError("no route to huggingface.co: only a proxy")))
+    monkeypatch.setattr(socket, "create_connection", connect)
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
     monkeypatch.setattr(constants, "ENDPOINT", "https://mirror.example")
     assert models.load_hf("org/cached") == ("model", "tokenizer") and asked == [("org/cached", True)]
@@ -855,6 +869,11 @@ def test_a_hub_model_comes_from_the_cache_or_as_huggingface_hub_fetches_it(monke
     assert "fetching it from https://mirror.example" in capsys.readouterr().out
     with pytest.raises(models.ModelError, match="the hub did not give it \\(not there\\)"):
         models.load_hf("org/nowhere")
+    monkeypatch.delenv("HTTPS_PROXY")  # no proxy: the mirror itself takes no connection
+    with pytest.raises(models.ModelError, match="cannot be reached \\(no route to mirror.example"
+                                                ": only a proxy\\); HF_HUB_OFFLINE=1"):
+        models.load_hf("org/unreached")
+    assert asked[-1] == ("org/unreached", True)  # the cache asked, the hub not
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
     with pytest.raises(models.ModelError, match="not in the local Hugging Face cache, and HF_HUB_OFFLINE"):
         models.load_hf("org/nowhere")
@@ -962,3 +981,81 @@ def test_a_run_with_every_part_switched_on_warns_of_nothing(tmp_path, lora):
                                           "--probe-prompts", "2", "--probe-samples", "2",
                                           "--grad-checkpointing", "--out", str(tmp_path / "run")]) == 0
     assert [(w.category.__name__, str(w.message)) for w in seen] == []
+
+
+# ------------------------------------------------------------------- a user's own model folder
+
+def own_model_folder(tmp_path, kind):
+    """A tiny random model of `kind` saved with save_pretrained beside a chat tokenizer, as a
+    user's own checkpoint is: GPT-2 (another architecture) or Llama (the decode loop's layout)."""
+    from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+
+    from test_rollout import make_tokenizer
+
+    tokenizer = make_tokenizer()
+    torch.manual_seed(0)
+    if kind == "gpt2":
+        model = GPT2LMHeadModel(GPT2Config(vocab_size=len(tokenizer), n_embd=32, n_layer=2, n_head=2,
+                                           eos_token_id=tokenizer.eos_token_id,
+                                           bos_token_id=tokenizer.eos_token_id))
+    else:
+        model = LlamaForCausalLM(LlamaConfig(vocab_size=len(tokenizer), hidden_size=32,
+                                             intermediate_size=64, num_hidden_layers=2,
+                                             num_attention_heads=4, num_key_value_heads=2))
+    folder = str(tmp_path / kind)
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+@pytest.mark.parametrize("kind", ["gpt2", "llama"])
+def test_a_users_own_model_folder_trains_with_the_diagnosis(tmp_path, capsys, kind):
+    """A folder of another architecture (GPT-2) trains through its own forward pass and cache, one
+    line saying so and why; the Llama layout through the decode loop, without that line. Both run
+    2 steps of PPO with the diagnosis, token-exact, and update."""
+    out = str(tmp_path / "run")
+    argv = ["--model", own_model_folder(tmp_path, kind), "--env", "frozenlake", "--groups", "2",
+            "--group-size", "2", "--max-turns", "2", "--max-new-tokens", "6", "--steps", "2",
+            "--mi-every", "1", "--mi-samples", "4", "--probe-prompts", "2", "--probe-samples", "2",
+            "--filter", "none", "--val-every", "0", "--no-plot", "--threads", "1", "--out", out]
+    assert train.main(argv) == 0
+    said = capsys.readouterr().out
+    assert ("samples through its own forward pass" in said) == (kind == "gpt2")
+    steps = records(out)
+    assert [r["step"] for r in steps] == [1, 2] and all(r["optimizer_steps"] == 1 for r in steps)
+    assert all(r["diagnosis_logprob_diff"] < 1e-4 for r in steps)
+
+
+def test_what_cannot_run_is_one_line_before_anything_loads(tmp_path, capsys):
+    """A folder that holds no causal language model (T5, sequence to sequence) and a folder that
+    does not exist: one line, exit 2, no run folder; the missing folder before torch loads."""
+    from transformers import T5Config, T5ForConditionalGeneration
+
+    T5ForConditionalGeneration(T5Config(vocab_size=64, d_model=16, d_ff=32, num_layers=1,
+                                        num_heads=2, d_kv=8)).save_pretrained(tmp_path / "t5")
+    capsys.readouterr()  # the saving's progress bar
+    out = str(tmp_path / "run")
+    assert train.main(["--model", str(tmp_path / "t5"), "--out", out]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "a t5 model is not a causal language model" in err[0]
+    assert not os.path.exists(out)
+    with pytest.raises(flags.UsageError, match="nowhere: no such folder"):  # the flags' own check,
+        flags.parse_args(flags.Args, ["--model", str(tmp_path / "nowhere")])  # before torch loads
+
+
+def test_a_new_run_that_fails_in_its_first_step_leaves_no_folder(tmp_path, monkeypatch):
+    """An error no line was written for (a bug, a model that breaks mid-step) is raised as it is;
+    a new run that completed no step leaves no folder, so the same command runs again."""
+    out = str(tmp_path / "run")
+    collect = train.collect_rollouts
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("a model that breaks mid-step")
+
+    monkeypatch.setattr(train, "collect_rollouts", broken)
+    with pytest.raises(RuntimeError, match="breaks mid-step"):
+        train.main(SMALL + ["--steps", "1", "--mi-every", "0", "--val-every", "0", "--out", out])
+    assert not os.path.exists(out)
+    monkeypatch.setattr(train, "collect_rollouts", collect)
+    assert train.main(SMALL + ["--steps", "1", "--mi-every", "0", "--val-every", "0",
+                               "--out", out]) == 0
