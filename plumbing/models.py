@@ -307,38 +307,80 @@ def smollm2_warm_start(env_name, env_kwargs=None, seed=0, cache_dir=SMOLLM2_CACH
     folder, settings = smollm2_warm_start_folder(env_name, env_kwargs, seed, cache_dir, observation,
                                                  template_prior, template_kind, **settings)
     env_kwargs = changed_settings(env_name, env_kwargs)
-    if os.path.isfile(os.path.join(folder, "warm_start.json")):
+    # two processes started together (a grid's runs) build once: the second waits, then loads
+    with _lock_if_writable(folder + ".lock", "waiting for another process's build of this warm "
+                                             "start"):
+        if os.path.isfile(os.path.join(folder, "warm_start.json")):
+            try:
+                return load_hf_files(folder, None)
+            except Exception as e:  # noqa: BLE001 -- a damaged build: made again
+                print(f"the cached SmolLM2 warm start in {folder} is damaged "
+                      f"({type(e).__name__}); building it again")
+                shutil.rmtree(folder, ignore_errors=True)
+        model, tokenizer = load_smollm2()
+        model = _build_smollm2(model, tokenizer, folder, env_name, env_kwargs, settings, device,
+                               observation, template_prior, template_kind)
+        if not os.path.isfile(os.path.join(folder, "warm_start.json")):
+            return model.eval(), tokenizer  # a disk that keeps nothing: the build in memory
+    return load_hf_files(folder, None)  # built or loaded, a run computes alike (tiny._build)
+
+
+SMOLLM2_SAVE_EVERY = 20  # build steps between saves of its progress (a multiple of demos.ROUND)
+
+
+def _build_smollm2(model, tokenizer, folder, env_name, env_kwargs, settings, device, observation,
+                   template_prior, template_kind):
+    """smollm2_warm_start's build into `folder`, continuing the progress a stopped build saved
+    (every SMOLLM2_SAVE_EVERY steps), each step's line with the time it expects is left."""
+    steps, partial = settings["steps"], folder + ".partial.pt"
+    start, state, losses = 0, None, []
+    if os.path.isfile(partial):
         try:
-            return load_hf_files(folder, None)
-        except Exception as e:  # noqa: BLE001 -- a damaged build: made again
-            print(f"the cached SmolLM2 warm start in {folder} is damaged ({type(e).__name__}); "
-                  f"building it again")
-            shutil.rmtree(folder, ignore_errors=True)
-    model, tokenizer = load_smollm2()
+            saved = torch.load(partial, weights_only=False)
+            model.load_state_dict(saved["model"])
+            start, state, losses = saved["step"], saved["optimizer"], saved["losses"]
+        except Exception as e:  # noqa: BLE001 -- whatever a damaged file raises: start over
+            print(f"the saved progress of the warm start, {partial}, is damaged "
+                  f"({(str(e).strip().splitlines() or [type(e).__name__])[0]}); starting over")
+            model, tokenizer = load_smollm2()
     model.to(device)
-    steps = settings["steps"]
+    again = f", continuing at step {start}" if start else ""
     print(f"building SmolLM2's warm start for {env_name}: behaviour cloning on solver "
-          f"demonstrations, {steps} steps of {settings['batch_size']} episodes; a one-time build, "
-          f"cached in {folder}")
+          f"demonstrations, {steps} steps of {settings['batch_size']} episodes{again}; a one-time "
+          f"build, cached in {folder} (its progress kept every {SMOLLM2_SAVE_EVERY} steps)")
     began, torch_state = time.time(), torch.random.get_rng_state()
-    torch.manual_seed(seed)
-    losses = demos.imitate(model, tokenizer, env_name, env_kwargs, steps=steps,
-                           batch_size=settings["batch_size"], lr=settings["lr"], seed=seed,
-                           turns=settings["turns"], prompt=real_prompt(env_name, observation),
-                           reason=demos.work_out if observation == "coords" else demos.describe,
-                           template_prior=template_prior,
-                           pool=templates.real_template(template_kind) if template_prior else (),
-                           on_step=lambda step, loss, _: print(
-                               f"  step {step + 1}/{steps}: loss {loss:.3f}", flush=True))
-    torch.random.set_rng_state(torch_state)
+
+    def on_step(step, loss, optimizer):
+        losses.append(loss)
+        left = (time.time() - began) / (step + 1 - start) * (steps - step - 1) / 60
+        print(f"  step {step + 1}/{steps}: loss {loss:.3f} (about {left:.0f} min left)", flush=True)
+        if (step + 1) % SMOLLM2_SAVE_EVERY == 0 and step + 1 < steps:
+            torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(),
+                        "step": step + 1, "losses": losses}, partial + ".tmp")
+            os.replace(partial + ".tmp", partial)
+
+    torch.manual_seed(settings["seed"])
+    try:
+        demos.imitate(model, tokenizer, env_name, env_kwargs, steps=steps, start=start, state=state,
+                      batch_size=settings["batch_size"], lr=settings["lr"], seed=settings["seed"],
+                      turns=settings["turns"], prompt=real_prompt(env_name, observation),
+                      reason=demos.work_out if observation == "coords" else demos.describe,
+                      template_prior=template_prior, on_step=on_step,
+                      pool=templates.real_template(template_kind) if template_prior else ())
+    except KeyboardInterrupt:
+        print(f"\nthe warm start stopped at step {len(losses)}; the next run continues from step "
+              f"{len(losses) - len(losses) % SMOLLM2_SAVE_EVERY}")
+        raise
+    finally:
+        torch.random.set_rng_state(torch_state)
     model.cpu()
     save_aside(model, tokenizer, folder, "warm_start.json",
                {"env": env_name, "env_kwargs": env_kwargs or {}, **settings,
                 "seconds": time.time() - began, "losses": losses})
+    if os.path.exists(partial):
+        os.remove(partial)
     print(f"warm start built in {time.time() - began:.0f} s")
-    if os.path.isfile(os.path.join(folder, "warm_start.json")):  # what every later run reads:
-        return load_hf_files(folder, None)  # built or loaded, a run computes alike (tiny._build)
-    return model.eval(), tokenizer
+    return model
 
 
 def smollm2_warm_start_folder(env_name, env_kwargs=None, seed=0, cache_dir=SMOLLM2_CACHE,

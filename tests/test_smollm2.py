@@ -137,7 +137,7 @@ def test_the_warm_start_is_built_once_then_loaded(smol, tmp_path, capsys):
     it, unchanged."""
     model, _ = models.smollm2_warm_start("bandit", cache_dir=str(tmp_path), steps=1, batch_size=2,
                                          turns=1)
-    (folder,) = [f for f in os.listdir(tmp_path) if f.startswith("bandit-")]
+    (folder,) = [f for f in os.listdir(tmp_path) if f.startswith("bandit-") and os.path.isdir(tmp_path / f)]
     with open(os.path.join(tmp_path, folder, "warm_start.json")) as f:
         record = json.load(f)
     assert record["steps"] == 1 and len(record["losses"]) == 1 and record["losses"][0] > 0
@@ -148,6 +148,37 @@ def test_the_warm_start_is_built_once_then_loaded(smol, tmp_path, capsys):
     assert "building" not in capsys.readouterr().out
     assert all(torch.equal(p, q) for p, q in zip(model.parameters(), again.parameters()))
     assert not all(torch.equal(p, q) for p, q in zip(model.parameters(), smol[0].parameters()))
+
+
+def test_a_stopped_warm_start_continues_where_its_progress_was_kept(tmp_path, monkeypatch, capsys):
+    """Ctrl-C during the build: the progress kept every SMOLLM2_SAVE_EVERY steps (weights,
+    optimiser, losses) is where the next call continues, each step's line saying the time left,
+    and the build ends with the weights and losses of one never stopped."""
+    monkeypatch.setattr(models, "SMOLLM2_SAVE_EVERY", 4)
+    size = dict(steps=8, batch_size=1, turns=1)
+    whole, _ = models.smollm2_warm_start("bandit", cache_dir=str(tmp_path / "whole"), **size)
+    imitate, calls = models.demos.imitate, []
+
+    def stopped_at_step_6(*args, on_step=None, **kwargs):
+        def step(i, loss, optimizer):
+            on_step(i, loss, optimizer)
+            if i + 1 == 6:
+                raise KeyboardInterrupt
+        calls.append(kwargs["start"])
+        return imitate(*args, on_step=step, **kwargs)
+
+    monkeypatch.setattr(models.demos, "imitate", stopped_at_step_6)
+    with pytest.raises(KeyboardInterrupt):
+        models.smollm2_warm_start("bandit", cache_dir=str(tmp_path / "cut"), **size)
+    said = capsys.readouterr().out
+    assert "step 6/8: loss" in said and "min left)" in said and "continues from step 4" in said
+    monkeypatch.setattr(models.demos, "imitate", imitate)
+    again, _ = models.smollm2_warm_start("bandit", cache_dir=str(tmp_path / "cut"), **size)
+    assert calls == [0] and "continuing at step 4" in capsys.readouterr().out
+    assert all(torch.equal(p, q) for p, q in zip(whole.parameters(), again.parameters()))
+    records = [json.load(open(os.path.join(root, "warm_start.json")))
+               for root, _, files in os.walk(tmp_path) if "warm_start.json" in files]
+    assert len(records) == 2 and records[0]["losses"] == records[1]["losses"]
 
 
 @pytest.mark.parametrize("warm_start", [False, True])
