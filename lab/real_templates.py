@@ -29,8 +29,8 @@ from lab import report, stats
 from lab.grids import ALPHAS, GRIDS, REAL_CHANGE, REAL_DIALS, REAL_KINDS, REAL_TRACKS, RESULTS
 from warmstart import templates
 
-TRUTH = ["probe_grounded_share", "probe_borrowed_share", "probe_ungrounded_share",
-         "probe_template_share", "probe_work_copied_share"]
+TRUTH = ["probe_grounded_share", "probe_flipped_share", "probe_borrowed_share",
+         "probe_ungrounded_share", "probe_template_share", "probe_work_copied_share"]
 SHOWN = ["probe_grounded_share", "probe_template_share", "probe_mi_seq_estimate",
          "probe_work_mi_seq_estimate", "probe_retrieval_acc", "probe_work_retrieval_acc",
          "probe_reasoning_entropy_seq", "probe_conditional_entropy_seq", "token_entropy"]

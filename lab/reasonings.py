@@ -3,7 +3,7 @@ first reasonings, which train.py logs as text (probe_reasonings, prompt by promp
 diagnosis.
 
 For each setting: a few probe prompts' reasonings at the first and at the last diagnosis, side by
-side with their exact labels (warmstart/grounding.py: grounded, borrowed, ungrounded); how many
+side with their exact labels (warmstart/grounding.py: grounded, flipped, borrowed, ungrounded); how many
 distinct reasonings each probe prompt gets from its samples (template collapse makes them fewer or
 alike across prompts); and how often the phrases of a pretrained model's chat, which the
 demonstrations never write, appear ("Let me ...", "step by step").
@@ -45,6 +45,29 @@ def rows(name, data, samples_per_prompt):
                 out.append({"setting": setting, "seed": seed, "step": step, "prompt": p,
                             "label": grounding.label(text, ways[p], others), "text": text})
     return out
+
+
+def relabel(name, data, samples_per_prompt):
+    """Every archived diagnosis's probe label shares (probe_<label>_share) counted again from its
+    logged reasonings by the labels as they are now, so that a report reads one definition
+    whatever the code that ran (a sign flip of the own way was called `borrowed` before it was
+    split off as `flipped`); the records changed in place."""
+    known = {}
+    for (setting, _), records in data.items():
+        for r in records:
+            texts = r.get("probe_reasonings")
+            if not texts:
+                continue
+            prompts = len(texts) // samples_per_prompt
+            if (setting, prompts) not in known:
+                known[setting, prompts] = probe_ways(name, setting, prompts)
+            ways = known[setting, prompts]
+            counts = dict.fromkeys(grounding.LABELS, 0)
+            for i, text in enumerate(texts):
+                p = i // samples_per_prompt
+                counts[grounding.label(text, ways[p], {w for q, w in ways.items() if q != p})] += 1
+            r.update({f"probe_{k}_share": n / len(texts) for k, n in counts.items()})
+    return data
 
 
 def section(table, samples_per_prompt):

@@ -69,7 +69,9 @@ def load(name, results=RESULTS):
             trajectories += r.get("num_kept", 0) * K if not r.get("skipped") else 0
             r["optimizer_steps_total"], r["trajectories_total"] = opt, trajectories
         out[(setting, seed)] = records
-    return out
+    per_prompt = next((int(a[a.index("--probe-samples") + 1]) for *_, a in runs_of(name)
+                       if "--probe-samples" in a), None)
+    return reasonings.relabel(name, out, per_prompt) if per_prompt else out
 
 
 def manifest(name, data, results=RESULTS):
