@@ -118,8 +118,9 @@ def cache_of(output):
 def _drops_the_cache(lm):
     """Hugging Face layers under gradient checkpointing ignore a cache while training with
     gradients: a shared prefix would be lost, so every row then runs its whole transcript."""
-    return (getattr(lm, "is_activation_checkpointing", False) and lm.training
-            and torch.is_grad_enabled())
+    on = getattr(lm, "is_activation_checkpointing", None)  # transformers 5.24's name
+    on = getattr(lm, "is_gradient_checkpointing", False) if on is None else on  # before it
+    return on and lm.training and torch.is_grad_enabled()
 
 
 def head_logprobs(lm, hidden, targets, with_entropy=False, temperature=1.0, chunk_elements=2 ** 24,

@@ -25,9 +25,8 @@ The same metrics on a fixed probe set of held-out prompts come with standard err
 prompts (metrics_with_se), and on that set the answer's dependence on the reasoning, I(Z; A | X),
 is estimated the same way within a prompt's samples (action_dependence).
 
-Order of the file: closed-form entropies for discrete tables -> metrics from a score matrix -> EMA
-smoothing -> cross-scoring a causal LM (the definition, then each prompt run once) -> the
-diagnosis of a training step.
+Order: closed-form entropies -> metrics from a score matrix -> EMA smoothing -> cross-scoring a
+causal LM (the definition, then each prompt run once) -> the diagnosis of a training step.
 """
 import functools
 import math
@@ -356,10 +355,8 @@ def action_dependence(scores):
 
 def ema(previous, value, decay=0.9):
     """Exponential moving average, state in -> state out: None initialises with value.
-
     >>> ema(None, 2.0), round(ema(2.0, 4.0), 4)     # 0.9 * 2 + 0.1 * 4
-    (2.0, 2.2)
-    """
+    (2.0, 2.2)"""
     if not 0.0 <= decay < 1.0:
         raise ValueError(f"decay must be in [0, 1), got {decay}")
     return float(value) if previous is None else decay * previous + (1.0 - decay) * float(value)
@@ -367,7 +364,6 @@ def ema(previous, value, decay=0.9):
 
 def mi_zscore_ema(metrics, std_ema=None, decay=0.9, seq=False):
     """mi_zscore with the denominator's std smoothed across steps: returns (zscore, new std_ema).
-
     metrics is a collapse_metrics dict; pass the returned std_ema back at the next step. The EMA is
     updated before it divides, and starts at the first step's std (as the reference does).
 
@@ -389,10 +385,10 @@ def mi_zscore_ema(metrics, std_ema=None, decay=0.9, seq=False):
 
 
 def _as_id_lists(ids, what):
-    if not isinstance(ids, (list, tuple)) or not all(
-            isinstance(row, (list, tuple)) and all(isinstance(t, int) for t in row) for row in ids):
-        raise ValueError(f"{what} must be a list of token-id lists")
-    return [list(row) for row in ids]
+    if isinstance(ids, (list, tuple)) and all(isinstance(row, (list, tuple)) and all(
+            isinstance(t, int) for t in row) for row in ids):
+        return [list(row) for row in ids]
+    raise ValueError(f"{what} must be a list of token-id lists")
 
 
 def tokenize(tokenizer, texts):
@@ -512,8 +508,7 @@ def work_scores(score, prompt_ids, copy_ids, reasoning_ids, owner):
 
 
 # --------------------------------------------------------------------------------------------------
-# The diagnosis of a training step (train.py's step 2): which samples, and the check that the ids
-# scored are the ids sampled
+# The diagnosis of a training step (train.py's step 2): which samples; are the ids scored those sampled?
 
 
 def mi_sample(groups, group_size, num_samples, rng):
@@ -532,8 +527,8 @@ def mi_sample(groups, group_size, num_samples, rng):
 
 
 def logprob_diff(scores, owner, sampled):
-    """max_m |scores[m, owner[m]] - sampled[m]|: how far the diagnosis' own-prompt scores are from
-    the log-probs the samples were drawn with (None when the policy gave none)."""
+    """max_m |scores[m, owner[m]] - sampled[m]|: the own-prompt scores against the log-probs the
+    samples were drawn with (float32's, train.sampled_in_float32; None when the policy gave none)."""
     if any(lp is None for lp in sampled):
         return None
     own = scores[torch.arange(len(owner)), torch.as_tensor(owner)].double()           # [M]

