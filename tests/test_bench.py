@@ -68,9 +68,6 @@ def run_quick(script, monkeypatch, capsys):
                                           ("bench_shared_cores.py", "shared_cores"),
                                           ("bench_decode.py", "decode")])
 def test_quick_mode_reports_a_result(script, name, monkeypatch, capsys):
-    if name == "decode" and subprocess.run(["git", "-C", ROOT, "cat-file", "-e", "97f350b"],
-                                           capture_output=True).returncode:
-        pytest.skip("bench_decode.py reads the earlier sampler from git: this copy has no history")
     last = run_quick(script, monkeypatch, capsys)
     assert len(last) == 3 and last[0] == "RESULT", last
     assert last[1] == name and math.isfinite(float(last[2])), last
@@ -177,3 +174,30 @@ def test_each_scripts_help_says_what_it_does_in_whole_sentences(script, monkeypa
     text = capsys.readouterr().out
     said = " ".join(text.split("\n\n")[1].split())  # after the usage lines
     assert said.endswith("."), said
+
+
+def test_the_lease_scripts_rows_keep_what_a_killed_run_logged(tmp_path, capsys):
+    """run_rows reads each run's log as it was left: every whole step a row, a line a kill cut
+    left out, a folder without a log one row that says so."""
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "metrics.jsonl").write_text(
+        '{"step": 1, "time_step": 2.5, "time_scoring": 1.5}\n{"step": 2, "time_st')
+    with project_modules_restored():
+        sys.path.insert(0, BENCH)
+        load("run_rows.py").main([str(tmp_path / "run"), str(tmp_path / "none")])
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert lines[-1] == "RESULT run_rows 1"
+    assert '"step": 1' in lines[0] and '"time_scoring": 1.5' in lines[0] and "no log" in lines[1]
+
+
+def test_the_lease_script_says_in_one_line_that_there_is_no_gpu(tmp_path):
+    """bench/gpu_check.sh on a machine without a GPU: one line and exit 2 before any part runs
+    (it once built SmolLM2's warm start on the CPU until its part's limit); --dry-run runs each
+    part's CPU check instead."""
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU: the script would measure it")
+    done = subprocess.run(["bash", os.path.join(BENCH, "gpu_check.sh")], capture_output=True,
+                          text=True, env={**os.environ, "OUT": str(tmp_path / "out")})
+    err = done.stderr.strip().splitlines()
+    assert done.returncode == 2 and len(err) == 1 and err[0].startswith("error: no GPU found")
+    assert done.stdout == ""
