@@ -66,7 +66,7 @@ def run_quick(script, monkeypatch, capsys):
                                           ("bench_gpu.py", "gpu"), ("bench_step.py", "step"),
                                           ("bench_trl.py", "trl"), ("bench_retokenize.py", "retokenize"),
                                           ("bench_shared_cores.py", "shared_cores"),
-                                          ("bench_decode.py", "decode")])
+                                          ("bench_decode.py", "decode"), ("bench_layout.py", "layout")])
 def test_quick_mode_reports_a_result(script, name, monkeypatch, capsys):
     last = run_quick(script, monkeypatch, capsys)
     assert len(last) == 3 and last[0] == "RESULT", last
