@@ -127,6 +127,7 @@ def update_policy(run, episodes, rewards, shuffle):
     out["token_entropy"] = ppo.masked_mean(batch["old_entropy"], batch["mask"]).item()
     out["optimizer_steps"] = len(logs["grad_norm"])  # one grad_norm per optimiser step
     out["tokens_trained"] = a.epochs * int(batch["lengths"].sum())  # through the model, per pass
+    out["tokens_scored"] = a.epochs * int(batch["mask"].sum())  # through its output layer
     return {**out, **batch["checks"]}
 
 

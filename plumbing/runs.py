@@ -494,30 +494,38 @@ def throughput(run, m):
         out["tokens_per_s"] = m["tokens_sampled"] / m["time_rollout"]
     if m.get("tokens_trained") and m.get("time_update"):
         peak = peak_flops(run.device.type, run.args.dtype, torch.get_num_threads())
-        out["mfu"] = update_flops(run, m["tokens_trained"]) / m["time_update"] / peak
+        flops = update_flops(run, m["tokens_trained"], m.get("tokens_scored", 0))
+        out["mfu"] = flops / m["time_update"] / peak
     return out
 
 
-def update_flops(run, tokens):
+def update_flops(run, tokens, scored):
     """Model FLOPs of an update that passes `tokens` tokens through the model (the kept
-    transcripts, every epoch), N the policy's parameters: 2N a token forward, 4N forward and
-    backward where only LoRA's adapters train (the frozen weights need no gradient of their
-    own), 6N where every weight trains; the same again for PPO's critic, and 2N for each pass
-    without gradients before it (old log-probs where the sampler's cannot be taken, the KL
-    reference, the critic's values). Attention's own products (about 12 L d T a token) are left
-    out, as in the usual count."""
+    transcripts, every epoch), `scored` of them policy tokens, the only ones the output layer runs
+    on (logprobs.policy_logprobs). N, the body's weights: the policy's parameters but its input
+    embedding (a lookup) and its output layer H (V x D, the embedding itself where they are tied).
+    A token through the body: 2N forward, 4N forward and backward where only LoRA's adapters train
+    (the frozen weights need no gradient of their own), 6N where every weight trains; the same
+    again for PPO's critic (a value head, no output layer), and 2N for each pass without gradients
+    before it (old log-probs where the sampler's cannot be taken, the KL reference, the critic's
+    values). A scored token adds the policy's multiples of H. Attention's own products (about
+    12 L d T a token) are left out, as in the usual count."""
     a = run.args
-    n = sum(p.numel() for p in run.policy.parameters())
-    trains = 4 if a.lora else 6
-    per_token = trains + (trains + 2 if run.critic is not None else 0)
-    per_token += 2 * (a.dtype != "float32" or a.sample_dtype != "float32") + 2 * bool(a.kl_coef)
-    return per_token * n * tokens
+    lm = run.policy.get_base_model() if hasattr(run.policy, "get_base_model") else run.policy
+    embed, head = lm.get_input_embeddings().weight, lm.get_output_embeddings().weight
+    n = sum(p.numel() for p in run.policy.parameters()) - embed.numel()
+    n -= 0 if head is embed else head.numel()
+    policy = (4 if a.lora else 6) + 2 * (a.dtype != "float32" or a.sample_dtype != "float32") \
+        + 2 * bool(a.kl_coef)
+    critic = (4 if a.lora else 6) + 2 if run.critic is not None else 0
+    return (policy + critic) * n * tokens + policy * head.numel() * scored
 
 
 @functools.lru_cache(maxsize=None)
 def peak_flops(device_type, dtype, threads):
-    """FLOPs a second a large matrix product reaches on this device in `dtype` (the best of 3):
-    the measure MFU is read against (a hardware fact, measured once a process)."""
+    """FLOPs a second one large matrix product reaches on this device in `dtype`, timed from the
+    host (the best of 3): the measure MFU is read against, measured once a process, not a
+    datasheet's peak (a GPU's sustained product, or a CPU's with these threads)."""
     size = 4096 if device_type == "cuda" else 768
     kind = torch.bfloat16 if dtype == "bfloat16" else torch.float32
     x = torch.full((size, size), 0.5, device=device_type, dtype=kind)  # no draw: the run's

@@ -107,7 +107,7 @@ MUTANTS = [
     m("the-exactness-check-compares-bfloat16-with-float32", "train.py", "sampled_in_float32",
       'if run.args.sample_dtype == "float32" or any(f.reasoning_logprob is None for f in firsts):',
       "if True:",
-      "tests/test_hardware.py::test_a_bfloat16_runs_diagnosis_is_token_exact_and_its_update_starts_at_ratio_one[tiny]"),
+      "tests/test_hardware.py::test_the_bfloat16_branch_samples_diagnoses_and_updates_within_its_rounding[tiny]"),
     m("the-update-takes-a-bfloat16-samplers-logprobs-as-its-own", "train.py", "old_policy",
       'exact = run.args.dtype == run.args.sample_dtype == "float32"',
       'exact = run.args.dtype == "float32"',

@@ -94,45 +94,43 @@ def bf16_run(model, **kw):
 
 
 @pytest.mark.parametrize("model", ["tiny", "smollm2"])
-def test_a_bfloat16_sampler_records_log_probs_within_bfloat16s_rounding(model):
-    """Sampled under bfloat16 autocast, each token's recorded log-prob differs from a float32 full
-    pass by bfloat16's rounding, not more. A log-prob is a logit minus the log-sum-exp of all; the
-    output layer alone rounds a logit z by up to u|z|, so the tolerance is in units of
-    u max|z| over the batch: the mean gap within one unit, every token within 8 (the sampled
-    logit's and the normaliser's rounding, and the same again from the layers below, with room).
-    A token scored at a shifted position would be off by nats."""
-    run = bf16_run(model, max_new_tokens=16)
+def test_the_bfloat16_branch_samples_diagnoses_and_updates_within_its_rounding(model):
+    """A run in bfloat16, on any CPU. The sampler: each token's recorded log-prob differs from a
+    float32 full pass by bfloat16's rounding, not more. A log-prob is a logit minus the
+    log-sum-exp of all; the output layer alone rounds a logit z by up to u|z|, so the tolerance is
+    in units of u max|z| over the batch: the mean gap within one unit, every token within 8 (the
+    sampled logit's and the normaliser's rounding, and as much again from the layers below, with
+    room). A token scored at a shifted position would be off by nats.
+    The diagnosis: it scores in float32 whatever the run's precision, and a bfloat16 run's replies
+    are replayed in float32 for its exactness check (train.sampled_in_float32), which then holds to
+    float32's 1e-4, while sampling_precision_gap says how far bfloat16's records were: above 0,
+    within the per-token tolerance times the tokens of the longest reply.
+    The update: it rescores the batch itself (the ratio exactly 1 before its optimiser step) and
+    logs the sampler's mean gap a token, within one unit. On SmolLM2 the update is left to the
+    suite run as a bf16 CPU runs it (RAGEN_CPU_FLAGS=avx512_bf16: test_smollm2.py's runs then update
+    in bfloat16), as emulated bfloat16 makes its passes minutes long here."""
+    k = 3 if model == "tiny" else 2
+    run = bf16_run(model, algo="grpo", groups=2, group_size=k, mi_samples=2 * k,
+                   max_new_tokens=12, probe_prompts=2, probe_samples=1, lr=1e-5)
     torch.manual_seed(0)
-    batch = train.rollout_batch(run, train.collect_rollouts(run, [3, 5], 4, 1.0, 1.0))
+    episodes = train.collect_rollouts(run, [3, 4], k, 1.0, 1.0)
+    batch = train.rollout_batch(run, episodes)
     mask = batch["policy_mask"][:, 1:].bool()                                      # [B, T-1]
     with torch.no_grad():
         exact, _ = logprobs.policy_logprobs(run.policy, batch["input_ids"], mask.float())
         scale = run.policy(input_ids=batch["input_ids"]).logits.abs().max().item()
     gap = (batch["logprobs"][:, 1:] - exact)[mask].abs()
-    assert mask.sum() > 50 and 0 < gap.mean() < U * scale and gap.max() < 8 * U * scale
+    assert mask.sum() >= 24 and 0 < gap.mean() < U * scale and gap.max() < 8 * U * scale
 
-
-@pytest.mark.parametrize("model", ["tiny", "smollm2"])
-def test_a_bfloat16_runs_diagnosis_is_token_exact_and_its_update_starts_at_ratio_one(model):
-    """The diagnosis scores in float32 whatever the run's precision; a bfloat16 run's replies are
-    replayed in float32 for the exactness check (train.sampled_in_float32), which then holds to
-    float32's 1e-4, while sampling_precision_gap says how far bfloat16's records were: above 0,
-    within the per-token tolerance above times the tokens of the longest reply. The update rescores
-    the batch itself (the ratio exactly 1 before its optimiser step) and logs the sampler's mean
-    gap a token, within one unit of rounding."""
-    run = bf16_run(model, algo="grpo", groups=2, group_size=2, mi_samples=4, max_new_tokens=12,
-                   probe_prompts=2, probe_samples=2, lr=1e-5)
-    torch.manual_seed(0)
-    episodes = train.collect_rollouts(run, [3, 4], 2)
     out = {**train.diagnose(run, episodes, None), **train.probe(run)}
     assert out["diagnosis_logprob_diff"] < 1e-4 and out["probe_diagnosis_logprob_diff"] < 1e-4
-    with torch.no_grad():
-        scale = max(run.policy(input_ids=torch.tensor([e.ids])).logits.abs().max().item()
-                    for e in episodes)
     longest = max(len(e.first.reasoning_ids) + len(e.first.answer_ids) for e in episodes)
     for key in ("sampling_precision_gap", "probe_sampling_precision_gap"):
         assert 0 < out[key] < 8 * U * scale * longest
     assert math.isfinite(out["mi_estimate"])
-    rewards = torch.tensor([[1.0, 0.0], [0.0, 1.0]])  # spread in both groups: both update
+
+    if model == "smollm2":
+        return
+    rewards = torch.tensor([[1.0, 0.0, 0.0], [0.0, 1.0, 1.0]])  # spread in both groups
     update = train.update_policy(run, episodes, rewards, torch.Generator().manual_seed(0))
     assert update["approx_kl"] < 1e-6 and 0 < update["rollout_logprob_diff"] < U * scale

@@ -19,7 +19,7 @@ import ppo
 import rollout
 import snr_filter
 import train
-from conftest import CLOCK
+from conftest import CLOCK, tiny_qwen2
 from plumbing import flags, models, runs, sampler
 from warmstart import templates, tiny
 
@@ -700,14 +700,20 @@ def test_a_ppo_run_logs_what_practitioners_read_first(tmp_path):
 
 
 def test_the_update_flops_are_the_stated_count():
-    """runs.update_flops: 6N a token for PPO's policy and again for its full critic, plus 2N for the
+    """runs.update_flops on a model with a tied output layer (V x D = 97 x 64) and the same one
+    untied: the body's N excludes the embedding (a lookup) and the output layer, which counts only
+    at the scored tokens; 6N a token for PPO's policy and again for its full critic, plus 2N for the
     critic's values before the update; 4N for LoRA's; 2N more for a KL reference and for old
     log-probs rescored under bfloat16."""
     import types
-    policy = torch.nn.Linear(10, 10)  # 110 parameters
-    run = types.SimpleNamespace(policy=policy, critic=object(), args=flags.Args(dtype="float32", sample_dtype="float32"))
-    assert runs.update_flops(run, 3) == (6 + 8) * 110 * 3
-    run.args = flags.Args(dtype="bfloat16", sample_dtype="bfloat16", lora=4, kl_coef=0.1)
-    assert runs.update_flops(run, 3) == (4 + 6 + 2 + 2) * 110 * 3
-    run.critic = None
-    assert runs.update_flops(run, 1) == (4 + 2 + 2) * 110
+    for tied in (True, False):
+        policy = tiny_qwen2(97, hidden_size=64, tie_word_embeddings=tied)
+        total = sum(p.numel() for p in policy.parameters())
+        n, h = total - 97 * 64 * (1 if tied else 2), 97 * 64
+        run = types.SimpleNamespace(policy=policy, critic=object(),
+                                    args=flags.Args(dtype="float32", sample_dtype="float32"))
+        assert runs.update_flops(run, 10, 3) == (6 + 8) * n * 10 + 6 * h * 3
+        run.args = flags.Args(dtype="bfloat16", sample_dtype="bfloat16", lora=4, kl_coef=0.1)
+        assert runs.update_flops(run, 10, 3) == (4 + 2 + 2 + 6) * n * 10 + (4 + 2 + 2) * h * 3
+        run.critic = None
+        assert runs.update_flops(run, 1, 1) == (4 + 2 + 2) * (n + h)
