@@ -668,16 +668,8 @@ def memory_plan(a, cfg, n_all, n_train, total, budget=0.85):
     free = budget * total - resident_bytes(a, n_all, n_train)
     # prompt + turns x (reply + observation), tokens
     longest = 400 + a.max_turns * (a.max_new_tokens + 300)
-    # bytes a layer keeps for backward per token under bf16 autocast: the fp32 residual stream and
-    # norms, the bf16 inputs of every projection, attention's q, k, v and output, the MLP's gate, up
-    # and activation
-    per_token = 24 * cfg.hidden_size + 8 * cfg.intermediate_size
-    per_seq = {
-        False: cfg.num_hidden_layers * longest * per_token,  # every layer's activations
-        # layer inputs
-        True: longest * (cfg.num_hidden_layers * cfg.hidden_size * 4 + per_token),
-    }
     micro, ckpt = a.micro_batch, a.grad_checkpointing
+    per_seq = update_bytes(cfg, longest)
     for option in [ckpt] if ckpt is not None else [False, True]:
         fit = int(free // per_seq[option])
         if fit >= min(4, a.mini_batch_size) or micro is not None or option or ckpt is not None:
@@ -686,19 +678,45 @@ def memory_plan(a, cfg, n_all, n_train, total, budget=0.85):
     # what the user chose is theirs to try; what the plan chooses must fit
     if free < 0 or a.micro_batch is None and free < micro * per_seq[ckpt]:
         raise ModelError(cannot_fit(a, cfg, n_all, n_train, total, budget))
-    kv_heads, head_dim = cfg.num_key_value_heads, cfg.hidden_size // cfg.num_attention_heads
-    # the sampler's cache: every turn's slots (its widest new prompt, then max_new_tokens) with
-    # room rounded up to sampler.ROOM, in bf16; and a step's float64 tables over the vocabulary
-    # (the logits, their log-softmax, its exp and running sum, the nucleus' sort)
-    kv_per_seq = ((longest + sampler.ROOM) * cfg.num_hidden_layers * 2 * kv_heads * head_dim * 2
-                  + 5 * 8 * cfg.vocab_size)
+    copies, per_episode = rollout_bytes(a, cfg, n_all, longest)
     episodes = a.groups * a.group_size
-    # the sampler's bf16 weight copies: 2 n_all
-    fit = min(episodes, int((free - 2 * n_all) // kv_per_seq))
+    fit = min(episodes, int((free - copies) // per_episode))
     at_once = a.rollout_batch or max(a.group_size, fit // a.group_size * a.group_size)
-    if a.rollout_batch is None and free - 2 * n_all < at_once * kv_per_seq:
+    if a.rollout_batch is None and free - copies < at_once * per_episode:
         raise ModelError(cannot_fit(a, cfg, n_all, n_train, total, budget))
     return micro, ckpt, at_once, longest
+
+
+def update_bytes(cfg, longest):
+    """{checkpointing: bytes one sequence of `longest` tokens keeps for the backward pass}. A
+    layer keeps, per token under bf16 autocast, 32h + 8i bytes: the fp32 residual stream and two
+    norms' inputs and outputs (8h each in and out of the two norms, 24h with the residual), the
+    bf16 inputs of the seven projections and attention's q, k, v and output (about 8h), and the
+    MLP's bf16 gate, up and activation (8i with the product); with checkpointing only each
+    layer's fp32 input stays, and one layer's activations are rebuilt at a time."""
+    h, i, layers = cfg.hidden_size, cfg.intermediate_size, cfg.num_hidden_layers
+    per_token = 32 * h + 8 * i
+    return {False: layers * longest * per_token, True: longest * (layers * h * 4 + per_token)}
+
+
+def rollout_bytes(a, cfg, n_all, longest):
+    """(the sampler's weights, bytes an episode holds while the rollouts sample): the weights the
+    decode loop multiplies by, made at each call (sampler.sampling_weights: 2 bytes a weight in
+    bfloat16, 4 in float32, q/k/v and gate/up joined); an episode's key/value cache, every turn's
+    slots with room rounded up to sampler.ROOM, in the sampling dtype, and its key/value layer a
+    second time while `select` moves the rows; a prefill's attention mask over the widest new
+    piece of a prompt (the first prompt, or a reply and the next observation) against every slot,
+    the G query heads of a key/value head side by side, as bools and as the additive bias attention
+    makes of them (1 + the sampling dtype's bytes each); and a step's float64 tables over the
+    vocabulary: the logits' log-softmax, its exp, the running sum and the drawn numbers (5), three
+    more for the nucleus' sort, indices and scatter with --sample-top-p < 1."""
+    size = 4 if (a.sample_dtype or a.dtype) == "float32" else 2
+    kv_heads, head_dim = cfg.num_key_value_heads, cfg.hidden_size // cfg.num_attention_heads
+    slots = (longest + sampler.ROOM) * 2 * kv_heads * head_dim * size
+    widest = max(400, a.max_new_tokens + 300)
+    mask = cfg.num_attention_heads // kv_heads * widest * longest * (1 + size)
+    tables = (5 + (3 if a.sample_top_p < 1 else 0)) * 8 * cfg.vocab_size
+    return size * n_all, slots * (cfg.num_hidden_layers + 1) + mask + tables
 
 
 def cannot_fit(a, cfg, n_all, n_train, total, budget):

@@ -157,9 +157,11 @@ def ensure(cache, slots):
 
 
 def select(cache, index):
-    """Keep, reorder or copy the cache's rows: row b becomes old row index[b]."""
+    """Keep, reorder or copy the cache's rows: row b becomes old row index[b], a layer at a time
+    (the old layer let go before the next is copied: one layer more than the cache, not twice it)."""
     for store in (cache.keys, cache.values):
-        store[:] = [None if x is None else x[index] for x in store]
+        for i, x in enumerate(store):
+            store[i] = None if x is None else x[index]
     cache.valid, cache.position = cache.valid[index], cache.position[index]
 
 
