@@ -234,9 +234,9 @@ def sampled_in_float32(run, firsts):
                                run.args.temperature)
     replayed = policy([f.prompt_ids for f in firsts], forced=replies)
     out, gap = [], 0.0
-    for f, g in zip(firsts, replayed):
-        z, rest = (float(sum(x)) for x in (g.logprobs[:len(f.reasoning_ids)],
-                                           g.logprobs[len(f.reasoning_ids):]))
+    for f, g, reply in zip(firsts, replayed, replies):  # a reply cut by the token limit: its own
+        lp = g.logprobs[:len(reply)]                      # tokens, not the padding after them
+        z, rest = float(sum(lp[:len(f.reasoning_ids)])), float(sum(lp[len(f.reasoning_ids):]))
         gap = max(gap, abs(z - f.reasoning_logprob), abs(rest - f.answer_logprob))
         out.append(dataclasses.replace(f, reasoning_logprob=z, answer_logprob=rest))
     return out, {"sampling_precision_gap": gap}
