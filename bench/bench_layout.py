@@ -2,12 +2,13 @@
 decode step's few rows, in float32 and bfloat16, and what plumbing/hardware.py chooses here.
 
     python bench/bench_layout.py            # SmolLM2's projections at 4, 16 and 64 rows, 1 thread
-    python bench/bench_layout.py --quick    # the output layer at 16 rows, a few repeats
+    python bench/bench_layout.py --quick    # the down projection at 16 rows, a few repeats
 
 SmolLM2-135M's matrices: its output layer (576 -> 49,152), its MLP's gate and up together
 (576 -> 3,072, as the sampler joins them) and its down projection (1,536 -> 576). Each product is
 timed in turns with the other layout (best of the repeats), as GFLOPS. Last line: RESULT layout
-<the chosen layout's speed over the other's, float32, the output layer at 16 rows>.
+<the chosen layout's speed over the other's, float32, the output layer at 16 rows (--quick: the
+down projection)>.
 """
 import os
 import sys
@@ -40,11 +41,11 @@ def main(argv=None):
     parser = Parser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--threads", type=thread_count, default=1, help="torch.set_num_threads")
     parser.add_argument("--repeats", type=at_least(1), default=20)
-    parser.add_argument("--quick", action="store_true", help="the output layer at 16 rows")
+    parser.add_argument("--quick", action="store_true", help="the down projection at 16 rows")
     args = parse(parser, argv, quick=dict(repeats=3))
     torch.set_num_threads(args.threads)
     flags = hardware.cpu_flags()
-    shapes = {"output layer": SHAPES["output layer"]} if args.quick else SHAPES
+    shapes = {"down": SHAPES["down"]} if args.quick else SHAPES
     print(f"{args.threads} thread(s); flags: " + (", ".join(sorted(
         f for f in flags if f.startswith(("avx512", "amx")) or f == "avx2")) or "none read"))
     print(f"{'dtype':9} {'matrix':13} {'rows':>4} {'F.linear':>9} {'x @ W^T':>9}   chosen here")
@@ -62,7 +63,8 @@ def main(argv=None):
                 copy = gflops(lambda: x @ wt, flops, args.repeats)
                 print(f"{name:9} {matrix:13} {rows:4} {plain:9.1f} {copy:9.1f}   "
                       f"{'x @ W^T' if transposed else 'F.linear'}", flush=True)
-                if dtype == torch.float32 and matrix == "output layer" and rows == 16:
+                if dtype == torch.float32 and rows == 16 and (result is None
+                                                               or matrix == "output layer"):
                     result = copy / plain if transposed else plain / copy
     print(f"RESULT layout {result:.3f}")
 

@@ -8,6 +8,8 @@ distinct reasonings each probe prompt gets from its samples (template collapse m
 alike across prompts); and how often the phrases of a pretrained model's chat, which the
 demonstrations never write, appear ("Let me ...", "step by step").
 """
+import math
+
 from lab.grids import GRIDS
 from plumbing.defaults import PROBE_SEED_BASE
 from plumbing.flags import Args, env_kwargs, parse_args
@@ -47,18 +49,18 @@ def rows(name, data, samples_per_prompt):
     return out
 
 
-def relabel(name, data, samples_per_prompt):
+def relabel(name, data, prompts, samples_per_prompt):
     """Every archived diagnosis's probe label shares (probe_<label>_share) counted again from its
-    logged reasonings by the labels as they are now, so that a report reads one definition
-    whatever the code that ran (a sign flip of the own way was called `borrowed` before it was
-    split off as `flipped`); the records changed in place."""
+    logged reasonings (all `prompts` x `samples_per_prompt` of them) by the labels as they are
+    now, so that a report reads one definition whatever the code that ran (a sign flip of the own
+    way was called `borrowed` before it was split off as `flipped`); the records changed in
+    place."""
     known = {}
     for (setting, _), records in data.items():
         for r in records:
             texts = r.get("probe_reasonings")
-            if not texts:
+            if not texts or len(texts) != prompts * samples_per_prompt:
                 continue
-            prompts = len(texts) // samples_per_prompt
             if (setting, prompts) not in known:
                 known[setting, prompts] = probe_ways(name, setting, prompts)
             ways = known[setting, prompts]
@@ -68,6 +70,34 @@ def relabel(name, data, samples_per_prompt):
                 counts[grounding.label(text, ways[p], {w for q, w in ways.items() if q != p})] += 1
             r.update({f"probe_{k}_share": n / len(texts) for k, n in counts.items()})
     return data
+
+
+def cap_and_suffix(data):
+    """table.md's lines on two things a reading of the probe MI needs beside it: the summed MI
+    against its cap, log N (a reasoning that restates its input's cells finds its prompt whatever
+    follows), and, by diagnosis step, the share of probe reasonings that carry the demonstrations'
+    random "Try <move>." suffix and the summed H(Z|X), means over every run."""
+    points = [r for records in data.values() for r in records
+              if r.get("probe_reasonings") and r.get("probe_mi_seq_estimate") is not None]
+    if not points:
+        return []
+    summed = [r["probe_mi_seq_estimate"] for r in points]
+    cap = math.log(1 / points[0]["probe_retrieval_chance"])
+    retrieval = sorted({r["probe_retrieval_acc"] for r in points})
+    lines = ["", "## The probe MI against its cap, and the demonstrations' random suffix", "",
+             f"Over all {len(points)} probe diagnoses of all runs the summed probe MI lies in "
+             f"{min(summed):.3f} .. {max(summed):.3f} nats, against its cap log N = {cap:.3f}; "
+             f"retrieval in {retrieval[0]:.3f} .. {retrieval[-1]:.3f}. By diagnosis step, mean "
+             f"over the runs:", "",
+             "| step | share with \"Try <move>.\" | summed H(Z\\|X) |", "|---|---|---|"]
+    for step in sorted({r["step"] for r in points}):
+        at = [r for r in points if r["step"] == step]
+        tried = [sum("Try" in t for t in r["probe_reasonings"]) / len(r["probe_reasonings"])
+                 for r in at]
+        entropy = [r["probe_conditional_entropy_seq"] for r in at]
+        lines.append(f"| {step} | {sum(tried) / len(tried):.3f} | "
+                     f"{sum(entropy) / len(entropy):.3f} |")
+    return lines
 
 
 def section(table, samples_per_prompt):

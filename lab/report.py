@@ -69,9 +69,11 @@ def load(name, results=RESULTS):
             trajectories += r.get("num_kept", 0) * K if not r.get("skipped") else 0
             r["optimizer_steps_total"], r["trajectories_total"] = opt, trajectories
         out[(setting, seed)] = records
-    per_prompt = next((int(a[a.index("--probe-samples") + 1]) for *_, a in runs_of(name)
-                       if "--probe-samples" in a), None)
-    return reasonings.relabel(name, out, per_prompt) if per_prompt else out
+    flags = next((a for *_, a in runs_of(name) if "--probe-samples" in a), None)
+    if flags is None or "--probe-prompts" not in flags:
+        return out
+    return reasonings.relabel(name, out, int(flags[flags.index("--probe-prompts") + 1]),
+                              int(flags[flags.index("--probe-samples") + 1]))
 
 
 def manifest(name, data, results=RESULTS):
@@ -347,7 +349,8 @@ def report(name, results=RESULTS, with_figures=True, force=False):
         files.update({"correlations-grounded.csv": sum(grounded, []), "reasonings.csv": said})
         numbers["correlations_grounded"] = sum(grounded, [])
         text += "\n".join(grounded_section(*grounded) + constant_note(constant)
-                          + reasonings.section(said, per_prompt)) + "\n"
+                          + reasonings.section(said, per_prompt)
+                          + reasonings.cap_and_suffix(data)) + "\n"
     publish(name, out, files, numbers, text,
             (lambda folder: figures(name, data, folder)) if with_figures else None)
     return rows

@@ -304,12 +304,15 @@ def test_every_logged_key_is_in_the_readmes_table_and_every_row_is_logged(tmp_pa
     logged = {k for r in records(out) for k in r}
     assert logged and "pg_loss" in logged and "probe_action_mi" in logged  # an update and the probe ran
     assert sorted(logged - set(documented)) == []  # logged but not explained
-    # explained but not logged here: the GPU's memory, the sampler's agreement with a forward
-    # pass that only bf16 runs (in float32 the old log-probs are the sampler's), and what only a
-    # real model logs: the labels of its reasoning and the reasonings themselves
-    real = {f"{p}{k}_share" for p in ("", "probe_") for k in ("grounded", "borrowed", "ungrounded")}
+    # explained but not logged here: the GPU's memory, what only bf16 runs log (the sampler's
+    # agreement with a forward pass: in float32 the old log-probs are the sampler's; the gap its
+    # replay in float32 finds), and what only a real model logs: the labels of its reasoning and
+    # the reasonings themselves
+    real = {f"{p}{k}_share" for p in ("", "probe_")
+            for k in ("grounded", "flipped", "borrowed", "ungrounded")}
     real |= {k for k in documented if k.startswith("probe_work_")}  # reading coordinates only
-    assert set(documented) - logged == {"gpu_peak_gb", "rollout_logprob_diff", "probe_reasonings"} | real
+    bf16 = {"rollout_logprob_diff", "sampling_precision_gap", "probe_sampling_precision_gap"}
+    assert set(documented) - logged == {"gpu_peak_gb", "probe_reasonings"} | bf16 | real
 
 
 def test_unusable_out_folders(tmp_path, capsys):
