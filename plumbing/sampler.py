@@ -23,16 +23,18 @@ prompts share is encoded once: the system prompt on one row, then each distinct 
 then the group's rows copied from it.
 
 The step. Llama-layout decoders (Llama, SmolLM2, Qwen2 / 2.5, Qwen3: the tiny policy is a Qwen2)
-run through `forward`, which calls the model's own layers (LoRA adapters included) but does the
-attention itself: the G query heads that share a key/value head are laid side by side as G query
-rows of that head, so grouped keys and values are read as they are, never copied G times (the
-trick of flash-decoding). Nothing in a step asks the device anything: stopped rows are masked on
-the device, and whether every row has stopped, or a distribution stopped being finite, is read
-every `check_every` steps (each a wait for the device on a GPU, free on a CPU). So on a GPU a
-turn's step, its cache's shapes fixed until the turn ends, is captured once as a CUDA graph and
-replayed (graphed_step): one launch a token instead of hundreds, what torch.compile's
-"reduce-overhead" mode would record, without a compiler. Weights are read from copies kept for
-sampling (project): in autocast's dtype, and on a CPU transposed, where that multiplies faster.
+run through `forward`, which calls the model's own norms, rotary tables and embedding but does the
+products and the attention itself: the G query heads that share a key/value head are laid side by
+side as G query rows of that head, so grouped keys and values are read as they are, never copied
+G times (the trick of flash-decoding). The weights are made at every call from the live ones
+(sampling_weights: q, k and v joined, gate and up joined, LoRA adapters merged, in autocast's
+dtype, transposed where the CPU multiplies that layout faster). Nothing in a step asks the device
+anything: stopped rows are masked on the device, and whether every row has stopped, or a
+distribution stopped being finite, is read every `check_every` steps (each a wait for the device
+on a GPU, free on a CPU). So on a GPU a turn's step, its cache's shapes fixed until the turn ends,
+is captured once as a CUDA graph and replayed (graphed_step): one launch a token instead of
+hundreds, what torch.compile's "reduce-overhead" mode would record, without a compiler. Any other
+causal LM samples through its own forward pass and cache (own_forward): slower, the same law.
 """
 import dataclasses
 import functools
@@ -44,7 +46,7 @@ import logprobs
 import rollout
 from plumbing import hardware
 
-LLAMA_LAYOUT = ("llama", "qwen2", "qwen3")  # decoders `forward` runs; others are refused
+LLAMA_LAYOUT = ("llama", "qwen2", "qwen3")  # decoders `forward` runs; others: own_forward
 ROOM = 256  # the cache grows by this many slots at a time: few reallocations, few shapes
 
 

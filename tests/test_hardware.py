@@ -104,29 +104,33 @@ def test_the_bfloat16_branch_samples_diagnoses_and_updates_within_its_rounding(m
     The diagnosis: it scores in float32 whatever the run's precision, and a bfloat16 run's replies
     are replayed in float32 for its exactness check (train.sampled_in_float32), which then holds to
     float32's 1e-4, while sampling_precision_gap says how far bfloat16's records were: above 0,
-    within the per-token tolerance times the tokens of the longest reply.
+    within the per-token tolerance times the tokens of the longest reply (on SmolLM2 the batch's
+    diagnosis; the probe's runs the same replay, on the tiny policy).
     The update: it rescores the batch itself (the ratio exactly 1 before its optimiser step) and
     logs the sampler's mean gap a token, within one unit. On SmolLM2 the update is left to the
     suite run as a bf16 CPU runs it (RAGEN_CPU_FLAGS=avx512_bf16: test_smollm2.py's runs then update
     in bfloat16), as emulated bfloat16 makes its passes minutes long here."""
     k = 3 if model == "tiny" else 2
     run = bf16_run(model, algo="grpo", groups=2, group_size=k, mi_samples=2 * k,
-                   max_new_tokens=12, probe_prompts=2, probe_samples=1, lr=1e-5)
+                   max_new_tokens=12 if model == "tiny" else 8, probe_samples=1, lr=1e-5,
+                   probe_prompts=2 if model == "tiny" else 0)  # SmolLM2: the batch's diagnosis
     torch.manual_seed(0)
     episodes = train.collect_rollouts(run, [3, 4], k, 1.0, 1.0)
     batch = train.rollout_batch(run, episodes)
     mask = batch["policy_mask"][:, 1:].bool()                                      # [B, T-1]
-    with torch.no_grad():
-        exact, _ = logprobs.policy_logprobs(run.policy, batch["input_ids"], mask.float())
-        scale = run.policy(input_ids=batch["input_ids"]).logits.abs().max().item()
+    with torch.no_grad():  # a float32 full pass: the exact log-probs, and the logits' scale
+        logits = run.policy(input_ids=batch["input_ids"]).logits[:, :-1]           # [B, T-1, V]
+        exact = logprobs.tempered(logits).gather(-1, batch["input_ids"][:, 1:, None])[..., 0]
+        scale = logits.abs().max().item()
     gap = (batch["logprobs"][:, 1:] - exact)[mask].abs()
-    assert mask.sum() >= 24 and 0 < gap.mean() < U * scale and gap.max() < 8 * U * scale
+    assert mask.sum() >= 16 and 0 < gap.mean() < U * scale and gap.max() < 8 * U * scale
 
     out = {**train.diagnose(run, episodes, None), **train.probe(run)}
-    assert out["diagnosis_logprob_diff"] < 1e-4 and out["probe_diagnosis_logprob_diff"] < 1e-4
+    probed = ("", "probe_") if model == "tiny" else ("",)
     longest = max(len(e.first.reasoning_ids) + len(e.first.answer_ids) for e in episodes)
-    for key in ("sampling_precision_gap", "probe_sampling_precision_gap"):
-        assert 0 < out[key] < 8 * U * scale * longest
+    for p in probed:
+        assert out[p + "diagnosis_logprob_diff"] < 1e-4
+        assert 0 < out[p + "sampling_precision_gap"] < 8 * U * scale * longest
     assert math.isfinite(out["mi_estimate"])
 
     if model == "smollm2":
