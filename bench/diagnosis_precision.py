@@ -2,8 +2,8 @@
 bfloat16 moves the MI estimate, its z-score, retrieval and the work's MI, beside the effects
 RESULTS.md reads.
 
-    python bench/bench_precision.py            # SmolLM2 pretrained and its cached warm starts, 5 seeds
-    python bench/bench_precision.py --quick    # pretrained only, 1 seed, 2 prompts x 1
+    python bench/diagnosis_precision.py            # SmolLM2 pretrained and its cached warm starts, 5 seeds
+    python bench/diagnosis_precision.py --quick    # pretrained only, 1 seed, 2 prompts x 1
 
 For each policy -- SmolLM2-135M-Instruct pretrained, its coordinates warm start and the template
 warm start of smollm2-grow (pool, ALPHA 0.25), each where built on this machine -- and each seed,
