@@ -10,8 +10,9 @@ each records the log-probs it sampled with.
 
 The sides: `hf forward`, the model's own forward pass and key/value cache a token (how any model of
 another layout samples, sampler.own_forward, and how every model sampled before the decode loop);
-`loop`, the decode loop, eager on a CPU; on a GPU also `loop+graph`, its step captured as one CUDA
-graph a turn. Nothing is read from git: the comparison travels with the code. Each side samples the
+`loop`, the decode loop, eager on a CPU; on a GPU also `loop+graph`, its step (the forward pass and
+the sampling) captured as one CUDA graph, again only where a turn's cache was grown or given other
+rows. Nothing is read from git: the comparison travels with the code. Each side samples the
 same rollouts (rollout.play, FrozenLake, G groups x K, the same seed) with the same model: the tiny
 policy with random weights at the main command's batch (8 x 16, 3 turns of 64 tokens: it never
 stops, so every turn runs to the limit); SmolLM2-135M-Instruct pretrained, reading the coordinates
@@ -80,30 +81,56 @@ def the_model(name, device):
 @contextlib.contextmanager
 def timed_steps(model, record):
     """Record every decode step of the policies called inside -- one pass of the loop: the
-    sampling of a token a row, then the forward pass of those tokens -- as (seconds, bytes read),
-    from one `sample` to the next within a turn, the device waited for at each."""
+    forward pass of the rows' last tokens, then the next token's sampling -- as (seconds, bytes
+    read), from one sampled token to the next within a turn, the device waited for at each."""
     cfg, device = model.config, model.device
     kv = cfg.num_hidden_layers * 2 * cfg.num_key_value_heads * (cfg.hidden_size //
                                                                 cfg.num_attention_heads)
     size = 2 if torch.is_autocast_enabled(device.type) else 4
     weights = sum(p.numel() for p in model.parameters()) * size
-    last, attended = {}, {"slots": 1}
-    sample_, decode_step_, hf_policy_ = sampler.sample, sampler.decode_step, sampler.hf_policy
+    last, attended = {}, {"slots": 1, "graph": False}
+    sample_, decode_step_, graphed_step_, hf_policy_ = (
+        sampler.sample, sampler.decode_step, sampler.graphed_step, sampler.hf_policy)
 
-    def sample(logits, *args):
+    def sampled(rows, width):
+        if attended["graph"]:  # a capture's or a replay's own run (the stand-in's): timed as one
+            return
         if device.type == "cuda":
             torch.cuda.synchronize()
         now = time.perf_counter()
         if "t" in last:  # a step of this turn's loop: the time since the last one
-            rows, width = logits.shape
             read = weights + rows * attended["slots"] * kv * size
             record.append((now - last["t"], read + SAMPLING_PASSES * rows * width * 8))
         last["t"] = now
-        return sample_(logits, *args)
+
+    def sample(logits, *args):
+        drawn = sample_(logits, *args)
+        sampled(*logits.shape)
+        return drawn
 
     def decode_step(lm, weights_, cache, token, running, slot, end):
         attended["slots"] = end
         return decode_step_(lm, weights_, cache, token, running, slot, end)
+
+    @contextlib.contextmanager
+    def graph():
+        attended["graph"] = True
+        try:
+            yield
+        finally:
+            attended["graph"] = False
+
+    def graphed_step(step, cache, rows, capture):  # a replay: the step and its sampling
+        with graph():
+            replayed = graphed_step_(step, cache, rows, capture)
+
+        def timed(*args):
+            with graph():
+                drawn = replayed(*args)
+            attended["slots"] = cache.valid.shape[1]  # the whole cache, holes included
+            sampled(rows, model.config.vocab_size)
+            return drawn
+        return timed
 
     def hf_policy(*args, **kwargs):
         policy = hf_policy_(*args, **kwargs)
@@ -114,11 +141,13 @@ def timed_steps(model, record):
             return policy(prompt_ids, *rest, **kw)
         return turn
 
-    sampler.sample, sampler.decode_step, sampler.hf_policy = sample, decode_step, hf_policy
+    sampler.sample, sampler.decode_step, sampler.graphed_step, sampler.hf_policy = (
+        sample, decode_step, graphed_step, hf_policy)
     try:
         yield
     finally:
-        sampler.sample, sampler.decode_step, sampler.hf_policy = sample_, decode_step_, hf_policy_
+        sampler.sample, sampler.decode_step, sampler.graphed_step, sampler.hf_policy = (
+            sample_, decode_step_, graphed_step_, hf_policy_)
 
 
 @contextlib.contextmanager

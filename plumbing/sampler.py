@@ -31,9 +31,11 @@ G times (the trick of flash-decoding). The weights are made at every call from t
 dtype, transposed where the CPU multiplies that layout faster). Nothing in a step asks the device
 anything: stopped rows are masked on the device, and whether every row has stopped, or a
 distribution stopped being finite, is read every `check_every` steps (each a wait for the device
-on a GPU, free on a CPU). So on a GPU a turn's step, its cache's shapes fixed until the turn ends,
-is captured once as a CUDA graph and replayed (graphed_step): one launch a token instead of
-hundreds, what torch.compile's "reduce-overhead" mode would record, without a compiler. Any other
+on a GPU, free on a CPU). So on a GPU the step -- the forward pass and the next token's sampling,
+sampling_step, its uniform numbers drawn before it -- is captured once as a CUDA graph over the
+cache's tensors and replayed (graphed_step), in the turns after too while the cache keeps its
+tensors: one launch a token instead of hundreds, what torch.compile's "reduce-overhead" mode would
+record, without a compiler. Any other
 causal LM samples through its own forward pass and cache (own_forward): slower, the same law.
 """
 import dataclasses
@@ -83,10 +85,10 @@ def nucleus(probs, top_p):
     return torch.zeros_like(probs).scatter(-1, order, ranked.masked_fill(drop, 0.0))
 
 
-def draw(probs):
+def draw(probs, u=None):
     """One token a row from unnormalised probabilities [B, V], by inverse transform: a uniform
-    number a row, scaled to the row's total, looked up in its running sum -> ([B] tokens, [B]
-    whether the row was finite). The same law as torch.multinomial, which draws an exponential for
+    number a row (`u` [B, 1], drawn here when not given), scaled to the row's total, looked up in
+    its running sum -> ([B] tokens, [B] whether the row was finite). The same law as torch.multinomial, which draws an exponential for
     every entry of the row (with a 49,152-token vocabulary, most of a step's sampling time); this
     draws one number. A token of probability 0 is never drawn. A row that is not finite (nan and
     inf run on into its total) draws a meaningless token; the caller reads the flags when it next
@@ -96,16 +98,22 @@ def draw(probs):
     [1, 0]
     """
     cdf = probs.cumsum(-1)                                                     # [B, V]
-    u = torch.rand(len(probs), 1, dtype=cdf.dtype, device=cdf.device) * cdf[:, -1:]  # [B, 1]
-    token = torch.searchsorted(cdf, u, right=True)[:, 0].clamp_max(probs.shape[-1] - 1)
+    if u is None:
+        u = uniforms(len(probs), cdf.device)
+    token = torch.searchsorted(cdf, u * cdf[:, -1:], right=True)[:, 0].clamp_max(probs.shape[-1] - 1)
     return token, torch.isfinite(cdf[:, -1])
 
 
-def sample(logits, temperature, top_p, forced=None):
+def uniforms(rows, device):
+    """The uniform numbers `draw` looks up, [rows, 1], from torch's global generator."""
+    return torch.rand(rows, 1, dtype=torch.float64, device=device)
+
+
+def sample(logits, temperature, top_p, forced=None, u=None):
     """The next token of each row from its logits [B, V] -> (token [B], its log-prob [B], the
     distribution's entropy [B], finite [B]), all of the tempered full distribution; temperature 0
     is greedy (the log-probs then at temperature 1); `forced` [B]: these tokens instead, scored as
-    if drawn (a replay of given replies). The same float64 table logprobs.py scores with
+    if drawn (a replay of given replies); `u`: draw's uniform numbers, where drawn before. The same float64 table logprobs.py scores with
     (logprobs.tempered). A row is finite when its table holds no nan and its best token a finite
     log-prob: a token masked to -inf is a legitimate zero."""
     table = logprobs.tempered(logits, temperature or 1.0)                      # [B, V]
@@ -114,7 +122,7 @@ def sample(logits, temperature, top_p, forced=None):
     elif temperature == 0:
         token = table.argmax(-1)                                               # [B]
     else:
-        token = draw(table.exp() if top_p == 1.0 else nucleus(table.exp(), top_p))[0]  # [B]
+        token = draw(table.exp() if top_p == 1.0 else nucleus(table.exp(), top_p), u)[0]  # [B]
     finite = ~table.isnan().any(-1) & torch.isfinite(table.amax(-1))           # [B]
     return token, table.gather(1, token[:, None])[:, 0], logprobs.entropy(table), finite
 
@@ -160,11 +168,14 @@ def ensure(cache, slots):
 
 def select(cache, index):
     """Keep, reorder or copy the cache's rows: row b becomes old row index[b], a layer at a time
-    (the old layer let go before the next is copied: one layer more than the cache, not twice it)."""
+    (one layer more than the cache, not twice it). As many rows as before: written in place, so
+    a step captured over the cache's tensors runs on in the next turn."""
+    def chosen(x):
+        return x.copy_(x[index]) if len(x) == len(index) else x[index]
     for store in (cache.keys, cache.values):
         for i, x in enumerate(store):
-            store[i] = None if x is None else x[index]
-    cache.valid, cache.position = cache.valid[index], cache.position[index]
+            store[i] = None if x is None else chosen(x)
+    cache.valid, cache.position = chosen(cache.valid), chosen(cache.position)
 
 
 def check_layout(model):
@@ -187,32 +198,44 @@ def rotate(x, cos, sin):
     return x * cos[:, None] + turned * sin[:, None]
 
 
-def sampling_weights(lm, dtype, transposed):
+def sampling_weights(lm, dtype, transposed, into=None):
     """What the decode loop multiplies by, made from the live weights at every call of the policy
     (so any optimiser step, a fused one included, is sampled from at the next call): each layer's
     q, k and v projections as one matrix and the MLP's gate and up as one (fewer, larger
     products), LoRA adapters merged in (W + B A x scaling, as peft merges them), in `dtype`,
     transposed where that multiplies faster (plumbing/hardware.py) -> {"layers": [{"qkv", "o",
-    "gate_up", "down"}], "head", "heads": (H, H_kv, d)}, each weight a (W, bias, transposed)."""
-    def joined(*modules):
+    "gate_up", "down"}], "head", "heads": (H, H_kv, d)}, each weight a (W, bias, transposed).
+    `into`: an earlier call's weights, whose tensors are written over where they fit (the ones a
+    captured step reads; one weight made at a time beside them, not a second copy of all)."""
+    def joined(old, *modules):
         pairs = [merged(m) for m in modules]
         w = pairs[0][0] if len(pairs) == 1 else torch.cat([w for w, _ in pairs])  # [out, in]
         b = None
         if any(b is not None for _, b in pairs):
             b = torch.cat([w.new_zeros(len(w)) if b is None else b for w, b in pairs]).to(dtype)
         w = w.to(dtype)
-        return w.t().contiguous() if transposed else w, b, transposed
+        w = w.t().contiguous() if transposed else w
+        if old is not None and (old[0].shape, old[0].dtype, old[1] is None, old[2]) == (
+                w.shape, w.dtype, b is None, transposed):
+            old[0].copy_(w)
+            if b is not None:
+                old[1].copy_(b)
+            return old
+        return w, b, transposed
 
     cfg = lm.config
     H = cfg.num_attention_heads
-    layers = [dict(qkv=joined(layer.self_attn.q_proj, layer.self_attn.k_proj,
+    decoder_layers = lm.get_decoder().layers
+    before = into["layers"] if into and len(into["layers"]) == len(decoder_layers) else [{}] * len(
+        decoder_layers)
+    layers = [dict(qkv=joined(old.get("qkv"), layer.self_attn.q_proj, layer.self_attn.k_proj,
                               layer.self_attn.v_proj),
-                   o=joined(layer.self_attn.o_proj),
-                   gate_up=joined(layer.mlp.gate_proj, layer.mlp.up_proj),
-                   down=joined(layer.mlp.down_proj))
-              for layer in lm.get_decoder().layers]
+                   o=joined(old.get("o"), layer.self_attn.o_proj),
+                   gate_up=joined(old.get("gate_up"), layer.mlp.gate_proj, layer.mlp.up_proj),
+                   down=joined(old.get("down"), layer.mlp.down_proj))
+              for layer, old in zip(decoder_layers, before)]
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // H
-    return dict(layers=layers, head=joined(lm.get_output_embeddings()),
+    return dict(layers=layers, head=joined(into and into["head"], lm.get_output_embeddings()),
                 heads=(H, getattr(cfg, "num_key_value_heads", None) or H, head_dim))
 
 
@@ -296,26 +319,41 @@ def decode_step(lm, weights, cache, token, running, slot, end):
     return linear(hidden, weights["head"])                                     # [B, V]
 
 
-# ---------------------------------------------------------------- one graph a turn (a GPU)
+def sampling_step(lm, weights, temperature, top_p, cache, token, running, slot, end, u=None,
+                  forced=None):
+    """The loop's step as one function of tensors: decode_step's forward pass of each row's last
+    token, then the next token sampled from those logits (sample; `u` [B, 1] its uniform numbers,
+    drawn before the step where the step is captured, or `forced` [B]) -> (token, its log-prob,
+    the entropy, finite), each [B]. Captured on a GPU whole: the forward pass and the sampling's
+    passes over [B, V] in one graph."""
+    logits = decode_step(lm, weights, cache, token, running, slot, end)        # [B, V]
+    return sample(logits, temperature, top_p, forced, u)
+
+
+# ------------------------------------------------------ one graph over a cache's tensors (a GPU)
 
 def graphed_step(step, cache, rows, capture):
-    """`step` (decode_step with its model and weights) for this turn, captured once over its
-    cache, whose shapes hold until the turn ends: each call copies its inputs into the graph's
-    own and replays it, returning the graph's one output tensor, written again at every replay
-    (a caller reads it before the next). `capture(run) -> replay` records `run` (cuda_graph on a
-    GPU; tests drive a stand-in with its semantics on a CPU). The capture runs the step on rows
-    that are not running at the slot the loop writes first, so what it writes is written over.
-    Raises what the capture raises."""
+    """`step` (sampling_step with its model, weights and settings) captured once over the cache's
+    tensors, whose shapes and storage hold while it is neither grown nor given other rows (turns
+    that continue their rows keep it: select writes in place): each call copies its inputs into
+    the graph's own and replays it, returning the graph's output tensors, written again at every
+    replay (a caller reads them before the next). `capture(run) -> replay` records `run`
+    (cuda_graph on a GPU; tests drive a stand-in with its semantics on a CPU). The capture runs the
+    step on rows that are not running at the slot the loop writes first, so what it writes is
+    written over. Raises what the capture raises."""
     device = cache.valid.device
     token = torch.zeros(rows, dtype=torch.long, device=device)                 # [B]
     running = torch.zeros(rows, dtype=torch.bool, device=device)               # [B]
     slot = torch.tensor([cache.slot], device=device)                           # [1]
-    replay = capture(lambda: step(cache, token, running, slot, cache.valid.shape[1]))
+    u = torch.zeros(rows, 1, dtype=torch.float64, device=device)             # [B, 1]
+    replay = capture(lambda: step(cache, token, running, slot, cache.valid.shape[1], u))
 
-    def replayed(cache_, token_, running_, slot_, end_):
+    def replayed(token_, running_, slot_, u_):
         token.copy_(token_)
         running.copy_(running_)
         slot.copy_(slot_)
+        if u_ is not None:  # greedy draws nothing
+            u.copy_(u_)
         return replay()
     return replayed
 
@@ -383,7 +421,7 @@ def hf_policy(model, tokenizer, max_new_tokens, temperature=1.0, top_p=1.0, chec
     distribution. Runs on the model's device in its current mode and dtype (sample in eval mode:
     no dropout; under autocast, in its dtype). `check_every`: steps between two looks at whether
     every row has stopped (default 8 on a GPU, 1 on a CPU, where a look costs nothing).
-    `capture`: how a turn's step is captured (graphed_step): None, as a CUDA graph on a GPU and
+    `capture`: how the sampling step is captured (graphed_step): None, as a CUDA graph on a GPU and
     not on a CPU; False, never; or a function (cuda_graph's contract). A capture that fails is said
     once, and the turns after it run eagerly. `transposed`: the weights' layout (None: by the
     hardware, plumbing/hardware.py).
@@ -415,7 +453,10 @@ def hf_policy(model, tokenizer, max_new_tokens, temperature=1.0, top_p=1.0, chec
             forced = torch.tensor([list(f) + [pad] * (n_max - len(f)) for f in forced],
                                   dtype=torch.long, device=device)             # [B, N]
         if lm is None:
-            logits, advance = own_forward(model, prompt_ids, pad, device)
+            logits, forward_of = own_forward(model, prompt_ids, pad, device)
+
+            def advance(token, running, forced_next):
+                return sample(forward_of(token, running), temperature, top_p, forced_next)
         else:
             logits, advance = start(prompt_ids, keys, device, forced is None, n_max)
 
@@ -428,16 +469,16 @@ def hf_policy(model, tokenizer, max_new_tokens, temperature=1.0, top_p=1.0, chec
         running = torch.ones(B, dtype=torch.bool, device=device)               # [B]
         finite = torch.ones(B, dtype=torch.bool, device=device)                # [B]
         stop = torch.tensor(stop_ids, device=device)
+        drawn = sample(logits, temperature, top_p, None if forced is None else forced[:, 0])
         for t in range(n_max):
-            token, logps[:, t], entropies[:, t], ok = sample(
-                logits, temperature, top_p, None if forced is None else forced[:, t])
+            token, logps[:, t], entropies[:, t], ok = drawn
             tokens[:, t] = torch.where(running, token, pad)
             finite &= ok | ~running
             fed[:, t] = running  # this token enters the cache for the rows that were running
             still = running & ~torch.isin(tokens[:, t], stop) & (t + 1 < lengths)
             if t == n_max - 1 or (t + 1) % every == 0 and not looks_alive(still, finite):
                 break
-            logits = advance(tokens[:, t], running)
+            drawn = advance(tokens[:, t], running, None if forced is None else forced[:, t + 1])
             running = still
         n = t + 1
         if not finite.all():  # nan and inf would run on into the totals of the next turns
@@ -455,12 +496,21 @@ def hf_policy(model, tokenizer, max_new_tokens, temperature=1.0, top_p=1.0, chec
     def start(prompt_ids, keys, device, remember, n_max):
         """The decode loop's start: the cache (the remembered one where every prompt continues a
         row of it), the prompts' new tokens encoded -> (the first logits [B, V],
-        advance(token, running) -> the next logits)."""
+        advance(token, running, forced) -> sampling_step's next token, log-prob, entropy, finite).
+        Sampling (`remember`) on a GPU, the step is captured, or the last call's capture replayed
+        where the cache's and the weights' tensors are the same."""
         dtype = (torch.get_autocast_dtype(device.type) if torch.is_autocast_enabled(device.type)
                  else next(model.parameters()).dtype)
         layout = transposed if transposed is not None else hardware.transposed_weights(
             device.type, str(dtype).removeprefix("torch."), flags)
-        weights = sampling_weights(lm, dtype, layout)
+        capture_with = last["capture"]
+        if capture_with is None and device.type == "cuda":
+            capture_with = cuda_graph
+        capture_with = capture_with if remember else False  # a replay of given replies: eager
+        if capture_with:  # this call's values in the tensors the last capture reads
+            weights = last["weights"] = sampling_weights(lm, dtype, layout, last.get("weights"))
+        else:
+            weights = sampling_weights(lm, dtype, layout)
 
         def encode(prompt_ids, known):
             """Feed the cache's rows what is new in their prompts, left-padded to the longest new
@@ -506,25 +556,31 @@ def hf_policy(model, tokenizer, max_new_tokens, temperature=1.0, top_p=1.0, chec
         if remember:
             last["cache"] = cache
 
-        step = functools.partial(decode_step, lm, weights)
-        capture_with = last["capture"]
-        if capture_with is None and device.type == "cuda":
-            capture_with = cuda_graph
+        step = functools.partial(sampling_step, lm, weights, temperature, top_p)
+        B = len(prompt_ids)
         if capture_with:
-            try:
-                step = graphed_step(step, cache, len(prompt_ids), capture_with)
-            except RuntimeError as e:  # said once; the turns after this run eagerly
-                print(f"the decode step runs eagerly: capturing it failed "
-                      f"({str(e).splitlines()[0]})")
-                last["capture"], capture_with = False, None
+            over = [B] + [x.data_ptr() for x in cache.keys + cache.values + [
+                cache.valid, cache.position] + [w[0] for layer in weights["layers"]
+                                                for w in layer.values()] + [weights["head"][0]]]
+            if last.get("graph", (None,))[0] != over:
+                last.pop("graph", None)  # the old graph's memory let go before the new capture
+                try:
+                    last["graph"] = over, graphed_step(step, cache, B, capture_with)
+                except RuntimeError as e:  # said once; the turns after this run eagerly
+                    print(f"the decode step runs eagerly: capturing it failed "
+                          f"({str(e).splitlines()[0]})")
+                    last["capture"], capture_with = False, None
         slot = torch.tensor([cache.slot], device=device)  # [1], moved on the device
 
-        def advance(token, running):
-            end = cache.valid.shape[1] if capture_with else cache.slot + 1
-            logits = step(cache, token, running, slot, end)
+        def advance(token, running, forced):
+            if capture_with:
+                drawn = last["graph"][1](token, running, slot,
+                                         uniforms(B, device) if temperature else None)
+            else:
+                drawn = step(cache, token, running, slot, cache.slot + 1, forced=forced)
             cache.slot += 1
             slot.add_(1)
-            return logits
+            return drawn
         return logits, advance
 
     return policy

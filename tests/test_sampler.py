@@ -288,12 +288,13 @@ def test_a_forced_replay_scores_the_sampled_replies_exactly_as_they_were_sampled
 def replaying(run):
     """A CPU stand-in with a CUDA graph's semantics: the capture runs `run` once (as the warm-up
     run before a capture does, writing what it writes), and every replay runs it again on the
-    same input buffers, writing its result into the one output tensor the capture returned, as a
-    replayed graph writes into its static output."""
+    same input buffers, writing its results into the output tensors the capture returned, as a
+    replayed graph writes into its static outputs."""
     out = run()
 
     def replay():
-        out.copy_(run())
+        for static, new in zip(out, run()):
+            static.copy_(new)
         return out
     return replay
 
@@ -319,6 +320,77 @@ def test_a_captured_step_on_a_cpu_stand_in_samples_what_the_eager_loop_samples(t
         assert a.ids == b.ids
         torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-6,
                                    rtol=0)
+
+
+def test_one_capture_serves_the_turns_that_continue_their_rows_and_reads_the_live_weights(
+        tokenizer, monkeypatch):
+    """While a cache keeps its tensors (the next call's prompts continue its rows, and it has room)
+    the step captured in the first call is replayed in the next, and it samples the weights of that
+    call: an optimiser step between the calls is written into the tensors the capture reads. So the
+    captured policy samples what the eager one samples, before and after the step, with one
+    capture."""
+    monkeypatch.setattr(sampler, "ROOM", 1024)  # no growth: the cache's tensors are kept
+    captures = []
+
+    def counting(run):
+        captures.append(1)
+        return replaying(run)
+
+    model = make_model(tokenizer)
+    eager, captured = (sampler.hf_policy(model, tokenizer, max_new_tokens=8, temperature=0.9,
+                                         capture=c) for c in (False, counting))
+    prompts = [tokenizer.encode(f"<|im_start|>user\nGo {i}.<|im_end|>\n<|im_start|>assistant\n")
+               for i in range(3)]
+    calls = []
+    for policy in (eager, captured):
+        torch.manual_seed(8)
+        calls.append(policy(prompts))
+    assert [g.token_ids for g in calls[0]] == [g.token_ids for g in calls[1]]
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.5, fused=True)
+    model(input_ids=torch.tensor([prompts[0]])).logits.sum().backward()
+    optimizer.step()
+    later = [p + g.token_ids + [5] for p, g in zip(prompts, calls[0])]  # each continues its row
+    for policy in (eager, captured):
+        torch.manual_seed(9)
+        calls.append(policy(later))
+    assert len(captures) == 1
+    assert [g.token_ids for g in calls[2]] == [g.token_ids for g in calls[3]]
+    # the captured step attends over all 1,024 slots, the eager one over the filled ones: the
+    # same terms (the holes add 0) summed in another order, a float32 rounding of log-probs ~ 4
+    torch.testing.assert_close(torch.tensor(sum((g.logprobs for g in calls[2]), [])),
+                               torch.tensor(sum((g.logprobs for g in calls[3]), [])),
+                               atol=1e-5, rtol=0)
+    assert [g.logprobs for g in calls[2]] != [g.logprobs for g in calls[0]]  # the step changed it
+
+
+def test_the_step_is_one_graph_whose_sampling_draws_what_the_eager_step_draws(tokenizer):
+    """sampling_step -- the forward pass of each row's last token and the next token's sampling,
+    its uniform numbers given -- traced whole by torch.compile with fullgraph=True (what a
+    compiled or captured GPU step needs: nothing that breaks the graph), and the traced step gives
+    the eager step's tokens, log-probs and entropies."""
+    model = make_model(tokenizer)
+    lm = sampler.check_layout(model)
+    weights = sampler.sampling_weights(lm, torch.float32, False)
+    prompt = torch.tensor([tokenizer.encode("<|im_start|>user\nGo.")] * 3)   # [B, W]
+    B, W = prompt.shape
+    outs = []
+    for step in (sampler.sampling_step,
+                 torch.compile(sampler.sampling_step, backend="eager", fullgraph=True)):
+        cache = sampler.new_cache(lm, B, "cpu")
+        sampler.ensure(cache, W + 4)
+        cache.valid[:, :W] = True
+        cache.position += W
+        with torch.no_grad():
+            sampler.forward(lm, weights, cache, prompt, torch.arange(W).expand(B, W),
+                            torch.arange(W), W)
+            u = torch.tensor([[0.1], [0.5], [0.9]], dtype=torch.float64)
+            outs.append(step(lm, weights, 0.8, 0.9, cache, prompt[:, -1], torch.ones(B, dtype=bool),
+                             torch.tensor([W]), W + 4, u))
+    (token, logp, entropy, finite), (token_, logp_, entropy_, finite_) = outs
+    assert torch.equal(token, token_) and finite.all() and finite_.all()
+    assert len(set(token.tolist())) > 1  # the uniform numbers chose different tokens
+    torch.testing.assert_close(logp_, logp, atol=1e-6, rtol=0)
+    torch.testing.assert_close(entropy_, entropy, atol=1e-6, rtol=0)
 
 
 def test_a_capture_that_fails_is_said_once_and_the_turns_run_eagerly(tokenizer, capsys):
