@@ -150,10 +150,10 @@ def _head_logprobs(head, hidden, targets, with_entropy, temperature, dtype):
 
 def tempered(logits, temperature=1.0):
     """log pi = log softmax(logits / temperature) over the vocabulary [..., V], in float64: the
-    one definition of the policy that the sampler draws from (plumbing/sampler.py), the update
-    scores and the diagnosis cross-scores (mi.py). float64, because a float32 sum over a large
-    vocabulary drifts with one sign, and a reply's score would stray from the log-prob it was
-    sampled with.
+    one definition of the policy that the update scores and the diagnosis cross-scores (mi.py), and
+    the sampler draws from (plumbing/sampler.sample: float32 tables, the same float64 sums).
+    float64, because a float32 sum over a large vocabulary drifts with one sign, and a reply's
+    score would stray from the log-prob it was sampled with.
 
     >>> tempered(torch.tensor([0.0, 2.0]), 2.0).exp()      # softmax([0, 1]) = [1, e] / (1 + e)
     tensor([0.2689, 0.7311], dtype=torch.float64)

@@ -27,7 +27,8 @@ the next within a turn, the device waited for: a turn's prefill, capture and env
 in it); the bytes that step reads -- the weights in the dtype it computes in, the keys and values
 of every slot it attends over (a captured step attends over the whole cache, holes included; an
 eager one over the filled slots; Hugging Face's cache holds the filled ones), and the sampling's
-SAMPLING_PASSES passes over a float64 [rows, vocabulary] table -- over its time, beside what the
+SAMPLING_BYTES a vocabulary entry a row (sampler.sample's float32 tables and float64 running
+sum, each written once and read once or twice) -- over its time, beside what the
 device's memory gives (a large copy, read and written, best of 5). Exactness: the largest
 |recorded log-prob - a full float32 forward pass's| over the sampled tokens, and how many
 episodes the sides sampled alike (the same uniform numbers meet logits a rounding apart).
@@ -56,7 +57,8 @@ from warmstart import tiny  # noqa: E402
 SIZES = {"tiny": dict(groups=8, group_size=16, max_turns=3, max_new_tokens=64),
          "smollm2": dict(groups=4, group_size=4, max_turns=2, max_new_tokens=40),
          "qwen0.5b": dict(groups=8, group_size=16, max_turns=2, max_new_tokens=128)}
-SAMPLING_PASSES = 8  # float64 passes over [rows, V] a token: log-softmax, exp, cumsum, gather...
+SAMPLING_BYTES = 73  # read + written a row a token: logits -> x (8), its max (4), x - max (8),
+# exp (8), its sum (4), the entropy's clamp, product and sum (24), the running sum (12), nan check (5)
 
 
 def the_model(name, device):
@@ -100,7 +102,7 @@ def timed_steps(model, record):
         now = time.perf_counter()
         if "t" in last:  # a step of this turn's loop: the time since the last one
             read = weights + rows * attended["slots"] * kv * size
-            record.append((now - last["t"], read + SAMPLING_PASSES * rows * width * 8))
+            record.append((now - last["t"], read + SAMPLING_BYTES * rows * width))
         last["t"] = now
 
     def sample(logits, *args):

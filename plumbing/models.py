@@ -707,15 +707,17 @@ def rollout_bytes(a, cfg, n_all, longest):
     second time while `select` moves the rows; a prefill's attention mask over the widest new
     piece of a prompt (the first prompt, or a reply and the next observation) against every slot,
     the G query heads of a key/value head side by side, as bools and as the additive bias attention
-    makes of them (1 + the sampling dtype's bytes each); and a step's float64 tables over the
-    vocabulary: the logits' log-softmax, its exp, the running sum and the drawn numbers (5), three
-    more for the nucleus' sort, indices and scatter with --sample-top-p < 1."""
+    makes of them (1 + the sampling dtype's bytes each); and a step's tables over the vocabulary
+    (sampler.sample): the float32 tempered logits, less their largest, its exp and their product
+    for the entropy (4 x 4 bytes) and draw's float64 running sum (8), and with --sample-top-p < 1
+    the nucleus' sorted float32 table, its int64 order, its float64 running sum and two float32
+    tables it makes (28 more)."""
     size = 4 if (a.sample_dtype or a.dtype) == "float32" else 2
     kv_heads, head_dim = cfg.num_key_value_heads, cfg.hidden_size // cfg.num_attention_heads
     slots = (longest + sampler.ROOM) * 2 * kv_heads * head_dim * size
     widest = max(400, a.max_new_tokens + 300)
     mask = cfg.num_attention_heads // kv_heads * widest * longest * (1 + size)
-    tables = (5 + (3 if a.sample_top_p < 1 else 0)) * 8 * cfg.vocab_size
+    tables = (24 + (28 if a.sample_top_p < 1 else 0)) * cfg.vocab_size
     return size * n_all, slots * (cfg.num_hidden_layers + 1) + mask + tables
 
 

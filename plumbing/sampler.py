@@ -73,22 +73,24 @@ def as_generations(tokens, logprobs, stop_ids, entropies=None):
 # ------------------------------------------------------------------------------ the sampling law
 
 def nucleus(probs, top_p):
-    """Top-p filtering: zero every token whose likelier tokens already hold top_p of the mass -> [B,
-    V] (unnormalised; draw does not need the sum to be 1). The most likely token always
-    stays.
+    """Top-p filtering of unnormalised probabilities [B, V]: zero every token whose likelier tokens
+    already hold top_p of the row's mass -> [B, V] (unnormalised; draw does not need the sum to be
+    1). The most likely token always stays. The running sums in float64.
 
-    >>> nucleus(torch.tensor([[0.1, 0.6, 0.3]]), 0.7)
-    tensor([[0.0000, 0.6000, 0.3000]])
+    >>> nucleus(torch.tensor([[0.2, 1.2, 0.6]]), 0.7)
+    tensor([[0.0000, 1.2000, 0.6000]])
     """
     ranked, order = probs.sort(dim=-1, descending=True)                        # [B, V]
-    drop = ranked.cumsum(-1) - ranked >= top_p                                 # [B, V]
+    running = ranked.cumsum(-1, dtype=torch.float64)                           # [B, V]
+    drop = running - ranked >= top_p * running[:, -1:]                         # [B, V]
     return torch.zeros_like(probs).scatter(-1, order, ranked.masked_fill(drop, 0.0))
 
 
 def draw(probs, u=None):
     """One token a row from unnormalised probabilities [B, V], by inverse transform: a uniform
     number a row (`u` [B, 1], drawn here when not given), scaled to the row's total, looked up in
-    its running sum -> ([B] tokens, [B] whether the row was finite). The same law as torch.multinomial, which draws an exponential for
+    its running sum (float64: a float32 sum over a large vocabulary drifts) -> ([B] tokens, [B]
+    whether the row was finite). The same law as torch.multinomial, which draws an exponential for
     every entry of the row (with a 49,152-token vocabulary, most of a step's sampling time); this
     draws one number. A token of probability 0 is never drawn. A row that is not finite (nan and
     inf run on into its total) draws a meaningless token; the caller reads the flags when it next
@@ -97,11 +99,11 @@ def draw(probs, u=None):
     >>> draw(torch.tensor([[0.0, 2.0, 0.0], [1.0, 0.0, 0.0]]))[0].tolist()
     [1, 0]
     """
-    cdf = probs.cumsum(-1)                                                     # [B, V]
+    cdf = probs.cumsum(-1, dtype=torch.float64)                                # [B, V]
     if u is None:
         u = uniforms(len(probs), cdf.device)
-    token = torch.searchsorted(cdf, u * cdf[:, -1:], right=True)[:, 0].clamp_max(probs.shape[-1] - 1)
-    return token, torch.isfinite(cdf[:, -1])
+    token = torch.searchsorted(cdf, u * cdf[:, -1:], right=True)[:, 0]         # [B]
+    return token.clamp_max(probs.shape[-1] - 1), torch.isfinite(cdf[:, -1])
 
 
 def uniforms(rows, device):
@@ -113,18 +115,30 @@ def sample(logits, temperature, top_p, forced=None, u=None):
     """The next token of each row from its logits [B, V] -> (token [B], its log-prob [B], the
     distribution's entropy [B], finite [B]), all of the tempered full distribution; temperature 0
     is greedy (the log-probs then at temperature 1); `forced` [B]: these tokens instead, scored as
-    if drawn (a replay of given replies); `u`: draw's uniform numbers, where drawn before. The same float64 table logprobs.py scores with
-    (logprobs.tempered). A row is finite when its table holds no nan and its best token a finite
-    log-prob: a token masked to -inf is a legitimate zero."""
-    table = logprobs.tempered(logits, temperature or 1.0)                      # [B, V]
+    if drawn (a replay of given replies); `u`: draw's uniform numbers, where drawn before.
+
+    The tables are float32 -- x = logits / temperature, x less its row's largest, and its exp --
+    and only the sums over the vocabulary are float64 (a float32 sum over 150,000 terms drifts
+    with one sign): log pi(token) = x_token - max - log(sum exp(x - max)) and the entropy
+    log(sum) - sum(exp(x - max)(x - max)) / sum. So the recorded log-prob is logprobs.tempered's
+    float64 one (what the update and the diagnosis score) up to the float32 rounding of x, ~1e-7
+    of |x|, at a third of a float64 table's bytes. A row is finite when x holds no nan and its
+    largest entry is finite: a token masked to -inf is a legitimate zero (0 log 0 = 0)."""
+    x = logits.float() / (temperature or 1.0)                                  # [B, V]
+    top = x.amax(-1, keepdim=True)                                             # [B, 1]
+    shifted = x - top                                                          # [B, V]
+    e = shifted.exp()                                                          # [B, V]
+    total = e.sum(-1, dtype=torch.float64)                                     # [B]
     if forced is not None:
         token = forced                                                         # [B]
     elif temperature == 0:
-        token = table.argmax(-1)                                               # [B]
+        token = x.argmax(-1)                                                   # [B]
     else:
-        token = draw(table.exp() if top_p == 1.0 else nucleus(table.exp(), top_p), u)[0]  # [B]
-    finite = ~table.isnan().any(-1) & torch.isfinite(table.amax(-1))           # [B]
-    return token, table.gather(1, token[:, None])[:, 0], logprobs.entropy(table), finite
+        token = draw(e if top_p == 1.0 else nucleus(e, top_p), u)[0]          # [B]
+    logp = (x.gather(1, token[:, None])[:, 0].double() - top[:, 0].double()) - total.log()
+    spread = (e * shifted.clamp(min=torch.finfo(x.dtype).min)).sum(-1, dtype=torch.float64)
+    finite = ~x.isnan().any(-1) & torch.isfinite(top[:, 0])                    # [B]
+    return token, logp, total.log() - spread / total, finite
 
 
 # --------------------------------------------------------------------- the cache and the decoder

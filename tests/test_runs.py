@@ -919,7 +919,7 @@ def test_the_memory_plan_counts_what_the_update_and_the_sampler_hold():
     32h + 8i bytes a token for the backward pass; an episode in the sampler holds its key/value
     cache in the sampling dtype (twice the bytes in float32) plus one layer more while rows move,
     a prefill's mask (G x its widest new piece x longest, as bools and as a bias in the sampling
-    dtype) and 5 float64 tables over the vocabulary (8 with top-p); the sampler's weights take 2
+    dtype) and 24 bytes of sampling tables a vocabulary entry (52 with top-p); the sampler's weights take 2
     bytes each in bfloat16, 4 in float32. The rollout batch the plan picks is the whole groups
     that fit what is left."""
     cfg, n = qwen_config("0.5b")
@@ -928,11 +928,11 @@ def test_the_memory_plan_counts_what_the_update_and_the_sampler_hold():
     h, i, layers = 896, 4864, 24
     assert models.update_bytes(cfg, longest)[False] == layers * longest * (32 * h + 8 * i)
     slots = (longest + 256) * 2 * 2 * 64
-    mask, tables = 7 * 700 * longest, 5 * 8 * 151_936
+    mask, tables = 7 * 700 * longest, 24 * 151_936
     assert models.rollout_bytes(a, cfg, n, longest) == (2 * n, slots * 2 * 25 + 3 * mask + tables)
     f32 = dataclasses.replace(a, sample_dtype="float32", sample_top_p=0.9)
     assert models.rollout_bytes(f32, cfg, n, longest) == (
-        4 * n, slots * 4 * 25 + 5 * mask + (5 + 3) * 8 * 151_936)
+        4 * n, slots * 4 * 25 + 5 * mask + 52 * 151_936)
     total = 80 * 2 ** 30
     free = 0.85 * total - models.resident_bytes(a, n, n)
     copies, per_episode = models.rollout_bytes(a, cfg, n, longest)
