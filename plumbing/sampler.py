@@ -35,8 +35,8 @@ on a GPU, free on a CPU). So on a GPU the step -- the forward pass and the next 
 sampling_step, its uniform numbers drawn before it -- is captured once as a CUDA graph over the
 cache's tensors and replayed (graphed_step), in the turns after too while the cache keeps its
 tensors: one launch a token instead of hundreds, what torch.compile's "reduce-overhead" mode would
-record, without a compiler. Any other
-causal LM samples through its own forward pass and cache (own_forward): slower, the same law.
+record, without a compiler. Any other causal LM samples through its own forward pass and cache
+(own_forward): slower, the same law.
 """
 import dataclasses
 import functools
@@ -240,8 +240,7 @@ def sampling_weights(lm, dtype, transposed, into=None):
     cfg = lm.config
     H = cfg.num_attention_heads
     decoder_layers = lm.get_decoder().layers
-    before = into["layers"] if into and len(into["layers"]) == len(decoder_layers) else [{}] * len(
-        decoder_layers)
+    before = into["layers"] if into else [{}] * len(decoder_layers)
     layers = [dict(qkv=joined(old.get("qkv"), layer.self_attn.q_proj, layer.self_attn.k_proj,
                               layer.self_attn.v_proj),
                    o=joined(old.get("o"), layer.self_attn.o_proj),
