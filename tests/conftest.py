@@ -1,4 +1,4 @@
-"""Shared test set-up: the project root on sys.path, quiet and deterministic torch, one tiny-Qwen2 builder."""
+"""Shared test set-up: the project root on sys.path, quiet and deterministic torch, a tiny-Qwen2 builder, a cut SmolLM2."""
 import os
 import sys
 
@@ -53,3 +53,22 @@ def tiny_qwen2(vocab_size, hidden_size=32, layers=2, seed=0, **config):
               "max_position_embeddings": 4096, **config}
     return Qwen2ForCausalLM(Qwen2Config(vocab_size=vocab_size, hidden_size=hidden_size, num_hidden_layers=layers,
                                         **config)).eval()
+
+
+@pytest.fixture
+def cut_smollm2(monkeypatch):
+    """`--model smollm2` loads SmolLM2-135M-Instruct with only the first 2 of its 30 decoder
+    layers in this test: its real tokenizer, embedding, head and first layers, for a test of what
+    runs around the model (a run's plumbing, a warm start's build, a precision's rounding) at about
+    a tenth of a full pass's cost."""
+    from plumbing import models
+
+    load = models.load_smollm2
+
+    def cut():
+        model, tokenizer = load()
+        model.model.layers = model.model.layers[:2]
+        model.config.num_hidden_layers = 2
+        return model, tokenizer
+
+    monkeypatch.setattr(models, "load_smollm2", cut)

@@ -94,7 +94,7 @@ def bf16_run(model, **kw):
 
 
 @pytest.mark.parametrize("model", ["tiny", "smollm2"])
-def test_the_bfloat16_branch_samples_diagnoses_and_updates_within_its_rounding(model):
+def test_the_bfloat16_branch_samples_diagnoses_and_updates_within_its_rounding(model, request):
     """A run in bfloat16, on any CPU. The sampler: each token's recorded log-prob differs from a
     float32 full pass by bfloat16's rounding, not more. A log-prob is a logit minus the
     log-sum-exp of all; the output layer alone rounds a logit z by up to u|z|, so the tolerance is
@@ -104,16 +104,18 @@ def test_the_bfloat16_branch_samples_diagnoses_and_updates_within_its_rounding(m
     The diagnosis: it scores in float32 whatever the run's precision, and a bfloat16 run's replies
     are replayed in float32 for its exactness check (train.sampled_in_float32), which then holds to
     float32's 1e-4, while sampling_precision_gap says how far bfloat16's records were: above 0,
-    within the per-token tolerance times the tokens of the longest reply (on SmolLM2 the batch's
-    diagnosis; the probe's runs the same replay, on the tiny policy).
+    within the per-token tolerance times the tokens of the longest reply.
     The update: it rescores the batch itself (the ratio exactly 1 before its optimiser step) and
-    logs the sampler's mean gap a token, within one unit. On SmolLM2 the update is left to the
-    suite run as a bf16 CPU runs it (RAGEN_CPU_FLAGS=avx512_bf16: test_smollm2.py's runs then update
-    in bfloat16), as emulated bfloat16 makes its passes minutes long here."""
-    k = 3 if model == "tiny" else 2
-    run = bf16_run(model, algo="grpo", groups=2, group_size=k, mi_samples=2 * k,
-                   max_new_tokens=12 if model == "tiny" else 8, probe_samples=1, lr=1e-5,
-                   probe_prompts=2 if model == "tiny" else 0)  # SmolLM2: the batch's diagnosis
+    logs the sampler's mean gap a token, within one unit.
+    SmolLM2 runs on its first 2 layers (conftest.cut_smollm2): its real vocabulary, embedding and
+    head, where a bfloat16 logit's rounding is. Its update is left to the suite run as a bf16 CPU
+    runs it (RAGEN_CPU_FLAGS=avx512_bf16: test_smollm2.py's runs then update in bfloat16): emulated
+    bfloat16 makes even the cut model's update half a minute long."""
+    if model == "smollm2":
+        request.getfixturevalue("cut_smollm2")
+    k = 3
+    run = bf16_run(model, algo="grpo", groups=2, group_size=k, mi_samples=2 * k, max_new_tokens=12,
+                   probe_samples=1, lr=1e-5, probe_prompts=2)
     torch.manual_seed(0)
     episodes = train.collect_rollouts(run, [3, 4], k, 1.0, 1.0)
     batch = train.rollout_batch(run, episodes)
@@ -126,9 +128,8 @@ def test_the_bfloat16_branch_samples_diagnoses_and_updates_within_its_rounding(m
     assert mask.sum() >= 16 and 0 < gap.mean() < U * scale and gap.max() < 8 * U * scale
 
     out = {**train.diagnose(run, episodes, None), **train.probe(run)}
-    probed = ("", "probe_") if model == "tiny" else ("",)
     longest = max(len(e.first.reasoning_ids) + len(e.first.answer_ids) for e in episodes)
-    for p in probed:
+    for p in ("", "probe_"):
         assert out[p + "diagnosis_logprob_diff"] < 1e-4
         assert 0 < out[p + "sampling_precision_gap"] < 8 * U * scale * longest
     assert math.isfinite(out["mi_estimate"])

