@@ -9,6 +9,7 @@ import importlib.util
 import json
 import os
 
+import numpy as np
 import pytest
 import torch
 
@@ -45,6 +46,28 @@ def test_the_loader_gives_the_instruct_model_in_float32(smol):
     # a model taught language: " Paris" is among its likeliest next tokens
     top = logits[0, -1].topk(5).indices.tolist()
     assert tokenizer.encode(" Paris", add_special_tokens=False)[0] in top
+
+
+def test_while_converting_a_gguf_file_is_read_once_then_gguf_is_as_it_was(tmp_path):
+    """load_smollm2's conversion keeps gguf's reader and name map between transformers' three
+    reads of the file, and gives gguf its own functions back, after an error too."""
+    import gguf
+
+    path = str(tmp_path / "one.gguf")
+    writer = gguf.GGUFWriter(path, "llama")
+    writer.add_tensor("token_embd.weight", np.arange(32, dtype=np.float32).reshape(4, 8))
+    writer.write_header_to_file(), writer.write_kv_data_to_file(), writer.write_tensors_to_file()
+    writer.close()
+    before = gguf.GGUFReader, gguf.get_tensor_name_map
+    with pytest.raises(KeyError), models._gguf_read_once():
+        reader = gguf.GGUFReader(path)
+        assert gguf.GGUFReader(path) is reader and reader.tensors[0].name == "token_embd.weight"
+        name_map = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, 2)
+        assert gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, 2) is name_map
+        assert gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, 3) is not name_map
+        raise KeyError("a conversion that fails")
+    assert (gguf.GGUFReader, gguf.get_tensor_name_map) == before
+    assert gguf.GGUFReader(path) is not gguf.GGUFReader(path)
 
 
 def test_the_chat_template_is_chatml_and_ends_a_turn_with_im_end(smol):
