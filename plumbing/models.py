@@ -266,15 +266,15 @@ def load_smollm2(cache_dir=SMOLLM2_CACHE):
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         folder, name = os.path.split(gguf)
-        # transformers draws a progress bar on stderr while it converts; the conversion happens
+        # transformers draws progress bars on stderr while it converts and saves; this happens
         # once, and a refusal found after it (a LoRA target the model lacks) stays the one line
         with contextlib.redirect_stderr(io.StringIO()), _gguf_read_once():
             tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
             model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
-        # the weights are plain floats now: forget the quantiser, which refuses to save them
-        model.hf_quantizer, model.config.quantization_config = None, None
-        del model.config.quantization_config
-        save_aside(model, tokenizer, cache_dir, "source.json", stamp)
+            # the weights are plain floats now: forget the quantiser, which refuses to save them
+            model.hf_quantizer, model.config.quantization_config = None, None
+            del model.config.quantization_config
+            save_aside(model, tokenizer, cache_dir, "source.json", stamp)
     return model, tokenizer
 
 
