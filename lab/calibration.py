@@ -30,7 +30,8 @@ import os
 import random
 
 from lab import report, stats
-from lab.grids import ALPHAS, GRIDS, RESULTS
+from lab.grids import GRIDS
+from lab.protocol import ALPHAS, RESULTS
 from warmstart import templates
 
 GROUPS = 8  # train.Args.groups: the in-batch estimate's prompts

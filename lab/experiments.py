@@ -26,7 +26,8 @@ from plumbing.flags import polite_threads
 
 polite_threads()  # before anything loads torch (and for the train.py runs it starts)
 from lab import calibration, real_templates, report  # noqa: E402
-from lab.grids import BUCKET, GRIDS, RESULTS, describe, done, estimate_hours, runs_of
+from lab.grids import GRIDS, describe, done, estimate_hours, runs_of
+from lab.protocol import BUCKET, RESULTS
 from plumbing.flags import Parser, UsageError
 from plumbing.plots import read_jsonl
 

@@ -12,7 +12,7 @@ Per family (ALPHA = 0 in both): each dial's mean over the seeds at each ALPHA wi
 interval; the Spearman of each dial with the grounded share over the family's (policy, seed)
 points, its 95% interval from resampling the seeds within each share (the builds are fixed, one a
 share: the interval holds the sampling's spread, not the spread between builds); the registered
-rules (grids.real_template_rules), decided by those intervals:
+rules (real_grids.real_template_rules), decided by those intervals:
 
     tracks   the Spearman interval lies above REAL_TRACKS (0.8)
     falls    the Spearman interval lies below the rule's threshold (against ALPHA where it says)
@@ -26,7 +26,9 @@ the other, else undecided.
 import random
 
 from lab import report, stats
-from lab.grids import ALPHAS, GRIDS, REAL_CHANGE, REAL_DIALS, REAL_KINDS, REAL_TRACKS, RESULTS
+from lab.grids import GRIDS
+from lab.protocol import ALPHAS, RESULTS
+from lab.real_grids import REAL_CHANGE, REAL_DIALS, REAL_KINDS, REAL_TRACKS
 from warmstart import templates
 
 TRUTH = ["probe_grounded_share", "probe_flipped_share", "probe_borrowed_share",

@@ -25,8 +25,9 @@ import zlib
 
 from lab import reasonings, stats
 from plumbing.defaults import GROUP_SIZE
-from lab.grids import (BUCKET, COMMON, DIAGNOSTICS, GRIDS, GROUNDED, METRICS, ONSET, PHASE,
-                       RESULTS, TEMPLATE, WINDOW, done, runs_of, world_of)
+from lab.grids import GRIDS, done, runs_of, world_of
+from lab.protocol import (BUCKET, COMMON, DIAGNOSTICS, GROUNDED, METRICS, ONSET, PHASE, RESULTS,
+                          TEMPLATE, WINDOW)
 
 FIRST_REPORT = "round3"  # results/round3/<grid>/: the first report, whose archives were never kept
 

@@ -22,7 +22,7 @@ like.
 """
 import math
 
-from lab.grids import AT_THE_STEP, ONSET, WINDOW
+from lab.protocol import AT_THE_STEP, ONSET, WINDOW
 
 MIN_RUNS = 5  # no interval from fewer runs
 CADENCE = 10  # onset series at the validation steps (diagnoses every 5: every other one)

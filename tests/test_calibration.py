@@ -12,7 +12,7 @@ import shutil
 import pytest
 
 import train
-from lab import calibration, experiments, grids, report
+from lab import calibration, experiments, grids, protocol, report
 from warmstart import demos, templates, tiny
 
 
@@ -30,7 +30,7 @@ JITTER = (-0.02, -0.01, 0.0, 0.01, 0.02)  # share around alpha, the same for eve
 def policies(mi, learnt=1.0):
     """Five builds at each alpha; the share is learnt x alpha + a jitter, the estimate
     mi(alpha, share)."""
-    shares = {(a, b): min(1.0, max(0.0, learnt * a + JITTER[b])) for a in grids.ALPHAS for b in BUILDS}
+    shares = {(a, b): min(1.0, max(0.0, learnt * a + JITTER[b])) for a in protocol.ALPHAS for b in BUILDS}
     return [row(a, b, shares[a, b], mi(a, shares[a, b])) for a, b in shares]
 
 
@@ -39,7 +39,7 @@ def rule(kind, **kw):
 
 
 def test_an_estimate_falling_like_one_minus_the_share_holds_and_a_flat_one_is_contradicted():
-    assert grids.ALPHAS
+    assert protocol.ALPHAS
     exact = policies(lambda a, share: 2.0 * (1 - share))
     assert calibration.decide(rule("proportional", tolerance=0.15), exact)["verdict"] == "holds"
     # the share the policy learnt, not its prior: a policy that learnt 0.8 of it falls less
@@ -80,7 +80,7 @@ def test_a_level_entropy_holds_and_one_that_tracks_the_truth_is_contradicted():
     level = dict(rule("level", band=0.3, noise=2.0), metric="token_entropy")
     noise = (0.01, -0.02, 0.015, -0.005, 0.0)  # build jitter, shuffled across ALPHAs
     flat = [dict(r, token_entropy=0.3 + noise[(r["build"] + k) % 5])
-            for k, a in enumerate(grids.ALPHAS) for r in policies(lambda a, s: 1.0) if r["alpha"] == a]
+            for k, a in enumerate(protocol.ALPHAS) for r in policies(lambda a, s: 1.0) if r["alpha"] == a]
     decided = calibration.decide(level, flat, resamples=200)
     assert abs(decided["estimate"]) <= 0.3 and decided["verdict"] == "holds", decided
     tracking = [dict(r, token_entropy=0.3 + 0.1 * (1 - r["alpha"]) + noise[r["build"]])
@@ -116,11 +116,11 @@ def test_the_families_policies_carry_the_surface_closed_forms(monkeypatch):
         for r in grids.GRIDS[name]["decide"]:
             assert r["metric"] in calibration.POLICY and r["kind"] in ("tracks", "level")
             assert r.get("minus") in (None, *next(iter(rows.values())))
-    fl = [rows["iso-hz", f"frozenlake-a{a:g}"] for a in grids.ALPHAS]
+    fl = [rows["iso-hz", f"frozenlake-a{a:g}"] for a in protocol.ALPHAS]
     assert [r["I_XZ"] for r in fl] == pytest.approx([3.670, 2.231, 1.207, 0.429, 0.0], abs=0.03)
     assert max(r["H_Z"] for r in fl) - min(r["H_Z"] for r in fl) < 1e-9
     for world in ("frozenlake", "sokoban"):
-        b = [rows["iso-hzx", f"{world}-a{a:g}"] for a in grids.ALPHAS]
+        b = [rows["iso-hzx", f"{world}-a{a:g}"] for a in protocol.ALPHAS]
         assert max(r["H_Z_given_X"] for r in b) - min(r["H_Z_given_X"] for r in b) < 0.06
         assert b[0]["expected_mi_seq_probe"] == pytest.approx(templates.TASK[world]["gap"][32],
                                                               abs=0.06)

@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 from scipy.stats import t
 
 import train
-from lab import experiments, grids, report, stats
+from lab import experiments, grids, protocol, real_grids, report, stats
 from plumbing import defaults, flags
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -121,7 +121,7 @@ def test_the_registrations_before_measuring_are_well_formed():
             a = flags.parse_args(train.Args, argv)
             assert a.template_kind == "surface" and a.probe_prompts == 32
             assert (a.filler is None) == (name == "iso-hz")
-            assert a.template_prior in grids.ALPHAS
+            assert a.template_prior in protocol.ALPHAS
         worlds = grids.ISO_WORLDS[name]
         assert len(g["settings"]) == 5 * len(worlds)
         kinds = [r["kind"] for r in g["decide"]]
@@ -142,7 +142,7 @@ def test_the_registrations_before_measuring_are_well_formed():
     for name in ("template-grow", "template-control"):
         for r in grids.GRIDS[name]["decide"]:
             metrics = [r["metric"]] if r["kind"] == "paired" else [r["a"], r["b"]]
-            assert all(m in grids.ONSET or m in grids.TEMPLATE + grids.METRICS for m in metrics)
+            assert all(m in protocol.ONSET or m in protocol.TEMPLATE + protocol.METRICS for m in metrics)
 
 
 def test_the_estimate_comes_from_the_archived_step_times(grid):
@@ -155,7 +155,7 @@ def test_the_estimate_comes_from_the_archived_step_times(grid):
     assert grids.estimate_hours(grid) == pytest.approx(10 * 20 * 1.0 / 2 / 3600)
     assert "from its archived runs' step times" in grids.describe(grid)
     for seed in grids.GRIDS[grid]["seeds"]:  # setting b not archived: its 5 runs as registered
-        os.remove(os.path.join(grids.RESULTS, grid, "runs", f"b-s{seed}.jsonl.gz"))
+        os.remove(os.path.join(protocol.RESULTS, grid, "runs", f"b-s{seed}.jsonl.gz"))
     assert grids.estimate_hours(grid) == pytest.approx((registered + 10 * 20 / 2 / 3600) / 2)
 
 
@@ -217,7 +217,7 @@ def test_a_real_models_report_reads_its_grounded_share_and_what_its_reasoning_sa
     from warmstart import grounding
     monkeypatch.chdir(tmp_path)
     monkeypatch.setitem(grids.GRIDS, "real", dict(
-        claim="a real model", flags=grids.SMOLLM2_COORDS[:-4] + ["--probe-prompts", "3", "--probe-samples", "4"],
+        claim="a real model", flags=real_grids.SMOLLM2_COORDS[:-4] + ["--probe-prompts", "3", "--probe-samples", "4"],
         common=grids.GRIDS["smollm2-coords"]["common"], world="frozenlake",
         settings={"none": ["--filter", "none"]}, seeds=[0, 1, 2, 3, 4], steps=20, table_steps=[0, 20],
         dials=["probe_mi_estimate", "mi_zscore", "token_entropy"],

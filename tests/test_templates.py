@@ -268,11 +268,11 @@ def test_surface_templates_are_labelled_exactly(tok):
 def test_the_families_levels_are_the_closed_forms():
     """grids.FILLER_EPS holds H(Z|X) level: at each ALPHA the filler's entropy is I(X;Z) (the law
     of f on a tenth of the 40,000 first turns, within 0.01 of eps)."""
-    from lab import grids
+    from lab import grids, protocol
     for world, eps in grids.FILLER_EPS.items():
         probs = templates.task_entropy(world, seeds=range(demos.DEMO_SEEDS, demos.DEMO_SEEDS + 4000),
                                        prompts=())["probs"]
-        for alpha, e in zip(grids.ALPHAS, eps):
+        for alpha, e in zip(protocol.ALPHAS, eps):
             assert templates.filler_eps(templates.surface_mi(alpha, probs)) == pytest.approx(
                 e, abs=0.01), (world, alpha)
 
