@@ -23,7 +23,7 @@ import random
 import shutil
 import zlib
 
-from lab import reasonings, stats
+from lab import dials, reasonings, stats
 from plumbing.defaults import GROUP_SIZE
 from lab.grids import GRIDS, done, runs_of, world_of
 from lab.protocol import (BUCKET, COMMON, DIAGNOSTICS, GROUNDED, METRICS, ONSET, PHASE, RESULTS,
@@ -346,11 +346,13 @@ def report(name, results=RESULTS, with_figures=True, force=False):
     constant = constant_dials(name, data)
     text = markdown(name, rows, decisions, within, world_rows, leads, gradients, searched,
                     replicated, constant)
-    if said:  # a real model's runs: the dials against the grounded share, what the reasoning says
-        files.update({"correlations-grounded.csv": sum(grounded, []), "reasonings.csv": said})
-        numbers["correlations_grounded"] = sum(grounded, [])
+    if said:  # a real model's runs: the dials against the grounded share and how each moved,
+        moved = dials.changes(name, data)  # then what the reasoning says
+        files.update({"correlations-grounded.csv": sum(grounded, []), "reasonings.csv": said,
+                      "dials.csv": moved})
+        numbers.update(correlations_grounded=sum(grounded, []), dials=moved)
         text += "\n".join(grounded_section(*grounded) + constant_note(constant)
-                          + reasonings.section(said, per_prompt)
+                          + dials.section(moved) + reasonings.section(said, per_prompt)
                           + reasonings.cap_and_suffix(data)) + "\n"
     publish(name, out, files, numbers, text,
             (lambda folder: figures(name, data, folder)) if with_figures else None)

@@ -327,6 +327,10 @@ MUTANTS = [
     m("unfinished-run-archived", "lab/experiments.py", "settle",
       "if finished(folder, steps):", "if True:",
       EXP + "test_ctrl_c_stops_the_runs_and_archives_only_what_finished"),
+    m("a-dial-that-stayed-put-counted-as-moved", "lab/dials.py", "changes",
+      "if moved is None and half is not None and abs(m) > half:",
+      "if moved is None and half is not None and abs(m) >= half:",
+      "tests/test_experiments.py::test_each_dials_change_from_step_1_is_paired_within_runs_and_first_moves_where_its_interval_leaves_0"),
     m("calibration-verdict-over-some-alphas", "lab/calibration.py", "decide",
       "if ran and missing:", "if False:",
       "tests/test_calibration.py::"

@@ -23,7 +23,8 @@ from plumbing import defaults, flags
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 OUTPUTS = ("table.md", "table.csv", "decisions.csv", "correlations.csv", "leadlag.csv", "numbers.json",
-           "perseed.csv", "search.csv", "gradients.csv", "replication.csv", "policies.csv", "samples.csv")
+           "perseed.csv", "search.csv", "gradients.csv", "replication.csv", "policies.csv", "samples.csv",
+           "dials.csv", "correlations-grounded.csv", "reasonings.csv")
 
 
 def fake_run(folder, steps, success, mi, val=None, kept=4, opt=2, decomposition=True, template=None):
@@ -539,6 +540,49 @@ def test_the_report_never_overwrites_a_report_with_less(grid, capsys):
     open(os.path.join("results", f".{grid}.new"), "w").close()  # the scratch folder cannot be made
     assert experiments.main(["report", grid]) == 2
     assert "cannot write the report" in capsys.readouterr().err
+
+
+def test_each_dials_change_from_step_1_is_paired_within_runs_and_first_moves_where_its_interval_leaves_0(
+        monkeypatch):
+    """dials.changes on made-up runs whose answer is known: a dial that rises alike in every seed
+    moves (an interval of width 0) at the first step, one whose seeds' changes are 0.1 .. 0.5 only
+    at step 20 (0.3 ± t(0.975, 4) x 0.158 / sqrt 5), one whose changes cancel never; a per-step dial
+    is the mean of the WINDOW steps ending at the step; a seed without the dial leaves 4 runs, too
+    few for an interval."""
+    from lab import dials
+    monkeypatch.setitem(grids.GRIDS, "toy-dials", dict(
+        settings={"a": [], "b": []}, seeds=[0, 1, 2, 3, 4], table_steps=[0, 10, 20],
+        dials=["probe_up", "probe_late", "probe_cancels", "token_entropy", "probe_patchy"]))
+    data = {}
+    for setting in ("a", "b"):
+        for seed in range(5):
+            records = [{"step": s, "token_entropy": 0.01 * s} for s in range(1, 21)]
+            for r in records:
+                if r["step"] in (1, 10, 20):
+                    late = 0.1 * (seed + 1) if r["step"] == 20 else 0.0
+                    r.update(probe_up=seed + 0.01 * r["step"], probe_late=seed + late,
+                             probe_cancels=(seed - 2) * 0.1 * (r["step"] == 20))
+                    if seed:
+                        r["probe_patchy"] = 1.0 + r["step"]
+            data[setting, seed] = [{"step": 0}] + records
+    rows = {(r["setting"], r["dial"]): r for r in dials.changes("toy-dials", data)}
+    assert len(rows) == 2 * 5 and {r["n"] for r in rows.values()} == {5, 4}
+    up, late, cancels = rows["a", "probe_up"], rows["a", "probe_late"], rows["b", "probe_cancels"]
+    assert up["at_start"] == pytest.approx(2.01)
+    assert (up["change_10"], up["ci95_10"], up["first_moved"]) == (
+        pytest.approx(0.09), pytest.approx(0.0, abs=1e-12), 10)
+    assert (late["change_10"], late["ci95_10"]) == (0.0, 0.0)
+    half = t.ppf(0.975, 4) * math.sqrt(0.025) / math.sqrt(5)
+    assert (late["change_20"], late["ci95_20"]) == (pytest.approx(0.3), pytest.approx(half))
+    assert late["first_moved"] == 20 and cancels["first_moved"] is None
+    entropy = rows["a", "token_entropy"]  # steps 11 .. 20 against step 1
+    assert entropy["change_20"] == pytest.approx(0.155 - 0.01) and entropy["first_moved"] == 10
+    patchy = rows["b", "probe_patchy"]
+    assert patchy["n"] == 4 and patchy["change_20"] == pytest.approx(19.0)
+    assert patchy["ci95_20"] is None and patchy["first_moved"] is None
+    lines = dials.section(list(rows.values()))
+    assert lines[1] == "## How each dial moved from step 1" and len(lines) == 7 + 10
+    assert lines[-1] == "| b | probe_patchy | 4 | 2.000 | +9.000 | +19.000 | - |"
 
 
 REPORTED = [name for name in grids.GRIDS if os.path.isfile(os.path.join(ROOT, "results", name, "table.md"))]
