@@ -331,6 +331,31 @@ def test_decision_rules_are_paired_differences_over_seeds(grid):
     assert d["n"] == 3 and d["low"] is None and d["verdict"] == "3 runs: no interval"
 
 
+def test_smollm2_grows_registered_rules_read_its_template_share_on_runs_whose_answer_is_known():
+    """R1 and R2 as registered, on made-up runs: the template share of the probe at step 1 and at
+    step 40 (exact at the step: a step-39 or step-41 record never stands in), paired by seed."""
+    rules = {rule["text"][:2]: rule for rule in grids.GRIDS["smollm2-grow"]["decide"]}
+    assert set(rules) == {"R1", "R2"}
+
+    def runs(rise, below):
+        data = {}
+        for seed in range(5):
+            start = 0.2 + 0.01 * seed  # the seed's step-1 probe, the same sample under both rules
+            for setting, end in (("none", start + rise + 0.01 * seed),
+                                 ("topp", start + rise + 0.01 * seed - below - 0.005 * seed)):
+                data[setting, seed] = [{"step": s, "probe_template_share": v} for s, v in
+                                       ((1, start), (10, 0.9), (39, 0.9), (40, end), (41, 0.9))]
+        return data
+
+    r1, r2 = (report.decide("smollm2-grow", runs(0.2, 0.1), rules[k]) for k in ("R1", "R2"))
+    assert (r1["estimate"], r1["n"], r1["verdict"]) == (pytest.approx(0.22), 5, "holds")
+    assert (r2["estimate"], r2["n"], r2["verdict"]) == (pytest.approx(-0.11), 5, "holds")
+    r1, r2 = (report.decide("smollm2-grow", runs(-0.1, -0.1), rules[k]) for k in ("R1", "R2"))
+    assert r1["verdict"] == "contradicted" and r2["verdict"] == "contradicted"
+    assert report.decide("smollm2-grow", {k: v for k, v in runs(0.2, 0.1).items() if k[1] < 4},
+                         rules["R1"])["verdict"] == "4 runs: no interval"
+
+
 def test_a_verdict_needs_the_whole_interval_on_one_side():
     """A rule predicting a fall (sign -1) once read an interval across 0 as "holds"."""
     assert report.side(-0.18, 0.57, -1) == report.side(-0.18, 0.57, 1) == "undecided"
