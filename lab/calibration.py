@@ -296,7 +296,7 @@ def tables(name, data):
 
 
 def markdown(name, table, decisions, needed):
-    g = report.fmt
+    g = stats.fmt
     surface = SURFACE[0] in table[0]  # an iso-entropy family: surface-matched templates
     lines = [f"# {name}", "", GRIDS[name]["claim"], "",
              f"Flags: `{' '.join(GRIDS[name]['flags'])}` and the settings' (world, "
@@ -338,7 +338,7 @@ def markdown(name, table, decisions, needed):
               "| rule | estimate | 95% interval | builds | per ALPHA | verdict |",
               "|---|---|---|---|---|---|"]
     for d in decisions:
-        lines.append(f"| {d['rule']} | {g(d['estimate'])} | {report.span(d['low'], d['high'])} | "
+        lines.append(f"| {d['rule']} | {g(d['estimate'])} | {stats.span(d['low'], d['high'])} | "
                      f"{d['n']} | {d['values']} | {d['verdict']} |")
     lines += ["", "## Telling ALPHA = 0.25 from 0.5", "",
               "difference: the builds' means at 0.25 minus 0.5; se: from the probe's standard "

@@ -53,14 +53,7 @@ def section(rows, start=START):
              f"| setting | dial | n | step {start} | " + " | ".join(f"change to {s}" for s in steps)
              + " | first |", "|---|---|---|---|" + "---|" * len(steps) + "---|"]
     for r in rows:
-        cells = [number(r[f"change_{s}"], r[f"ci95_{s}"], "+") for s in steps]
-        lines.append(f"| {r['setting']} | {r['dial']} | {r['n']} | {number(r['at_start'])} | "
+        cells = [stats.fmt(r[f"change_{s}"], r[f"ci95_{s}"], "+") for s in steps]
+        lines.append(f"| {r['setting']} | {r['dial']} | {r['n']} | {stats.fmt(r['at_start'])} | "
                      + " | ".join(cells) + f" | {r['first_moved'] or '-'} |")
     return lines
-
-
-def number(m, half=None, sign=""):
-    """'-' where nothing was logged; a change (sign "+") keeps its sign, and its half-width."""
-    if m is None:
-        return "-"
-    return f"{m:{sign}.3f}" + ("" if half is None else f" ± {half:.3f}")

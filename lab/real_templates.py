@@ -195,7 +195,7 @@ def write_report(name, results=RESULTS, with_figures=True, force=False):
 
 
 def markdown(name, table, spread, decisions):
-    g, s = report.fmt, report.span
+    g, s = stats.fmt, stats.span
     lines = [f"# {name}", "", GRIDS[name]["claim"], "",
              f"Flags: `{' '.join(GRIDS[name]['flags'] + GRIDS[name]['common'])}`; sampling seeds "
              f"{GRIDS[name]['seeds']}; one build a share.", "",

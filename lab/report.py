@@ -24,6 +24,7 @@ import shutil
 import zlib
 
 from lab import dials, reasonings, stats
+from lab.stats import fmt, span
 from plumbing.defaults import GROUP_SIZE
 from lab.grids import GRIDS, done, runs_of, world_of
 from lab.protocol import (BUCKET, COMMON, DIAGNOSTICS, GROUNDED, METRICS, ONSET, PHASE, RESULTS,
@@ -421,16 +422,6 @@ def write_csv(path, rows):
         writer = csv.DictWriter(f, fieldnames=list(rows[0]), lineterminator="\n")
         writer.writeheader()
         writer.writerows(rounded(rows))
-
-
-def fmt(m, half=None):
-    if m is None:
-        return "-"
-    return f"{m:.3f}" if half is None else f"{m:.3f} ± {half:.3f}"
-
-
-def span(low, high):
-    return "-" if low is None else f"{low:.3f} .. {high:.3f}"
 
 
 def markdown(name, rows, decisions, within, world_rows, leads, gradients, searched, replicated,

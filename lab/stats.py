@@ -55,6 +55,23 @@ def interval(xs):
     return m, float(t.ppf(0.975, len(xs) - 1)) * sd / math.sqrt(len(xs)), len(xs)
 
 
+def fmt(m, half=None, sign=""):
+    """A mean (and its interval's half-width) as the reports show it, '-' for none; sign "+" keeps
+    a change's sign.
+
+    >>> fmt(0.3, 0.19634), fmt(-0.05, sign="+"), fmt(0.05, sign="+"), fmt(None)
+    ('0.300 ± 0.196', '-0.050', '+0.050', '-')
+    """
+    if m is None:
+        return "-"
+    return f"{m:{sign}.3f}" + ("" if half is None else f" ± {half:.3f}")
+
+
+def span(low, high):
+    """An interval by its ends, '-' for none."""
+    return "-" if low is None else f"{low:.3f} .. {high:.3f}"
+
+
 def by_seed(values):
     """{(setting, seed): value} -> [the mean over each seed's runs], one number per seed (runs of a
     seed share its prompts: the seed is the independent unit)."""
