@@ -294,6 +294,10 @@ MUTANTS = [
     m("trl-masked-rows-stay-in-the-loss", "scaleout/trl_ragen.py", "RagenGRPOTrainer.drop_groups",
       'out["tool_mask"] = mask * rows[:, None]', 'out["tool_mask"] = mask',
       TRL + "test_gradient_with_dropped_groups_is_that_of_a_batch_without_them[dapo-False-group]"),
+    m("diagnosis-through-the-forward-pass", "mi.py", "diagnose",  # bfloat16 under mixed precision
+      "scores, lengths = cross_scores(model, xs, zs, batch_size, temperature, pad_id)",
+      "scores, lengths = cross_scores_plain(model, xs, zs, temperature), torch.tensor(list(map(len, zs)))",
+      TRL + "test_bf16_the_gpu_default_runs_on_a_cpu_and_the_diagnosis_scores_in_float32"),
     # ------------------------------------------------------------------------------------ bench
     m("bench-gpu-row-fails", "bench/bench_gpu.py", "one_row",
       'flags += ["--groups", "2", "--group-size", "2", "--max-turns", "2", "--probe-prompts", "2",',

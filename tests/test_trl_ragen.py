@@ -1,18 +1,20 @@
 """trl_ragen.py: RAGEN-2's filter and diagnosis inside TRL's GRPOTrainer. Two CPU steps log every
-metric and keep exactly select_groups's groups, and a step that keeps nothing leaves the weights
-and AdamW's state unchanged; the gradient with dropped groups (removed on one process, masked as
-several processes do) is that of a batch that never held them; the entropy bonus under gradient
-accumulation is one batch's; dr_grpo's loss and gradient are train.py's drgrpo's; the diagnosis
-scores the sampled ids; bad flags are one line and exit code 2. A real two-process run (gloo)
-splits a group across processes and both keep the one-process selection; on the same processes,
-multi-turn episodes of different lengths through TRL's server-mode vLLM calls (a fake client) and
-through a policy sharded by torch FSDP. With --filter none the batch and loss are stock
+metric and keep exactly select_groups's groups, and a step that keeps nothing leaves the weights and
+AdamW's state unchanged; the gradient with dropped groups (removed on one process, masked as several
+processes do) is that of a batch that never held them; the entropy bonus under gradient accumulation
+is one batch's; dr_grpo's loss and gradient are train.py's drgrpo's; the diagnosis scores the
+sampled ids, and under --bf16 (the GPU default, run here on the CPU) still in float32 while the
+loss's forward pass runs in bfloat16; bad flags are one line and exit code 2. A real two-process run
+(gloo) splits a group across processes and both keep the one-process selection; on the same
+processes, multi-turn episodes of different lengths through TRL's server-mode vLLM calls (a fake
+client) and through a policy sharded by torch FSDP. With --filter none the batch and loss are stock
 GRPOTrainer's. The policy is mostly scripted (tests/trl_ragen_script.py), so rewards have known
 spread."""
 import contextlib
 import copy
 import dataclasses
 import json
+import math
 import os
 import subprocess
 import sys
@@ -277,6 +279,50 @@ def test_diagnosis_scores_the_sampled_ids_and_logs_their_logprob_diff():
     assert set(mi.DIAGNOSIS_KEYS) - {"retrieval_acc_top2"} <= set(metrics)
     assert len(metrics["diagnosis_logprob_diff"]) == 1
     assert 0 <= metrics["diagnosis_logprob_diff"][0] < 1e-4
+
+
+def scripted_then_sampled(trainer, *settings):
+    """make_policy: the scripted roles at step 1 (groups with spread: an update), the tiny policy's
+    sampler after it (its log-probs: the diagnosis's check)."""
+    if trainer.state.global_step == 0:
+        return script.scripted()(trainer, *settings)
+    return trl_ragen.sampler_policy(trainer, *settings)
+
+
+def test_bf16_the_gpu_default_runs_on_a_cpu_and_the_diagnosis_scores_in_float32(tmp_path):
+    """--bf16, the default on a GPU, on this CPU: accelerate wraps the model's forward pass in
+    bfloat16 autocast (its logits move by more than 1e-2 here), the update of step 1 runs under it
+    and moves the weights, and the diagnosis of step 2 still scores in float32, as train.py's does:
+    it runs the decoder and the output layer itself (logprobs.policy_logprobs), not the wrapped
+    forward pass, so its check against the float32 sampler's log-probs stays below 1e-4."""
+    from transformers import TrainerCallback
+
+    seen = {}
+
+    class Look(TrainerCallback):
+        def on_train_begin(self, args, state, control, model=None, **kw):
+            seen["start"] = [p.detach().clone() for p in model.parameters()]
+
+        def on_step_end(self, args, state, control, model=None, **kw):
+            if state.global_step == 1:
+                seen["after"] = [p.detach().clone() for p in model.parameters()]
+                ids = torch.randint(10, 100, (2, 30), generator=torch.Generator().manual_seed(0))
+                with torch.no_grad():
+                    mixed = model(input_ids=ids).logits.float()                    # [2, 30, V]
+                    plain = model._original_forward(input_ids=ids).logits          # [2, 30, V]
+                seen["gap"] = (mixed - plain).abs().max().item()
+
+    out = tmp_path / "run"
+    argv = script.ARGS + ["--steps", "2", "--bf16", "--out", str(out)]
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(trl_ragen, "step_seeds", lambda *a: [5, 6, 7])
+        assert trl_ragen.main(argv, make_policy=scripted_then_sampled, callbacks=[Look()]) == 0
+    lines = [json.loads(line) for line in open(out / "metrics.jsonl")]
+    assert seen["gap"] > 1e-2  # the forward pass TRL's loss runs is bfloat16's
+    assert lines[0]["num_kept"] == 2 and math.isfinite(lines[0]["loss"]) and lines[0]["grad_norm"] > 0
+    assert all(torch.isfinite(p).all() for p in seen["after"])
+    assert any(not torch.equal(a, b) for a, b in zip(seen["start"], seen["after"]))
+    assert 0 <= lines[1]["diagnosis_logprob_diff"] < 1e-4
 
 
 def rows_of(batch, rows):
