@@ -355,16 +355,7 @@ def _build_smollm2(model, tokenizer, folder, env_name, env_kwargs, settings, dev
     """smollm2_warm_start's build into `folder`, continuing the progress a stopped build saved
     (every SMOLLM2_SAVE_EVERY steps), each step's line with the time it expects is left."""
     steps, partial = settings["steps"], folder + ".partial.pt"
-    start, state, losses = 0, None, []
-    if os.path.isfile(partial):
-        try:
-            saved = torch.load(partial, weights_only=False)
-            model.load_state_dict(saved["model"])
-            start, state, losses = saved["step"], saved["optimizer"], saved["losses"]
-        except Exception as e:  # noqa: BLE001 -- whatever a damaged file raises: start over
-            print(f"the saved progress of the warm start, {partial}, is damaged "
-                  f"({(str(e).strip().splitlines() or [type(e).__name__])[0]}); starting over")
-            model, tokenizer = load_smollm2()
+    model, start, state, losses = demos.saved_progress(partial, model, lambda: load_smollm2()[0])
     model.to(device)
     again = f", continuing at step {start}" if start else ""
     print(f"building SmolLM2's warm start for {env_name}: behaviour cloning on solver "
@@ -377,9 +368,7 @@ def _build_smollm2(model, tokenizer, folder, env_name, env_kwargs, settings, dev
         left = (time.time() - began) / (step + 1 - start) * (steps - step - 1) / 60
         print(f"  step {step + 1}/{steps}: loss {loss:.3f} (about {left:.0f} min left)", flush=True)
         if (step + 1) % SMOLLM2_SAVE_EVERY == 0 and step + 1 < steps:
-            torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(),
-                        "step": step + 1, "losses": losses}, partial + ".tmp")
-            os.replace(partial + ".tmp", partial)
+            demos.keep_progress(partial, model, optimizer, step + 1, losses)
 
     torch.manual_seed(settings["seed"])
     try:

@@ -27,6 +27,7 @@ prior (templates.py) a share of the turns reason with an input-agnostic sentence
 answer still the solver's: a warm start whose template share is known.
 """
 import math
+import os
 import random
 
 import torch
@@ -301,3 +302,29 @@ def imitate(model, tokenizer, env_name, env_kwargs=None, steps=600, batch_size=1
             on_step(step, losses[-1], optimizer)
     model.eval()
     return losses
+
+
+def saved_progress(partial, model, fresh):
+    """The progress a stopped build kept in the file `partial` (keep_progress), loaded into `model`
+    -> (model, step to continue at, optimiser state, losses so far); no file: (model, 0, None, []).
+    A damaged file is said in one line and the build starts over on fresh(), a new model: a load
+    that failed part way may have written some of the weights."""
+    if os.path.isfile(partial):
+        try:
+            saved = torch.load(partial, weights_only=False)
+            model.load_state_dict(saved["model"])
+            return model, saved["step"], saved["optimizer"], saved["losses"]
+        except Exception as e:  # noqa: BLE001 -- whatever a damaged file raises: start over
+            why = (str(e).strip().splitlines() or [type(e).__name__])[0]
+            print(f"the saved progress of the warm start, {partial}, is damaged ({why}); "
+                  f"building it from the start")
+            model = fresh()
+    return model, 0, None, []
+
+
+def keep_progress(partial, model, optimizer, step, losses):
+    """Save a build's progress after `step` steps for saved_progress: written aside, then moved
+    over the last, so a kill leaves one whole file."""
+    torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": step,
+                "losses": losses}, partial + ".tmp")
+    os.replace(partial + ".tmp", partial)

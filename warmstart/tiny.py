@@ -29,6 +29,7 @@ again.
 """
 import contextlib
 import fcntl
+import functools
 import hashlib
 import json
 import os
@@ -292,19 +293,8 @@ def _build(folder, tokenizer, env_name, env_kwargs, steps, seed, progress, sizes
     """Behaviour cloning into `folder`, continuing a saved partial build; progress is saved every
     SAVE_EVERY steps."""
     partial = folder + ".partial.pt"
-    model = build_model(tokenizer, seed=seed, **sizes)
-    start, state, losses = 0, None, []
-    if os.path.isfile(partial):
-        try:
-            saved = torch.load(partial, weights_only=False)
-            model.load_state_dict(saved["model"])
-            start, state, losses = saved["step"], saved["optimizer"], saved["losses"]
-        except Exception as e:  # whatever a damaged file makes unpickling raise: start over
-            why = (str(e).strip().splitlines() or [type(e).__name__])[0]
-            print(f"the saved progress of the warm start, {partial}, is damaged ({why}); "
-                  f"building it from the start")
-            model = build_model(tokenizer, seed=seed, **sizes)
-            start, state, losses = 0, None, []
+    fresh = functools.partial(build_model, tokenizer, seed=seed, **sizes)
+    model, start, state, losses = demos.saved_progress(partial, fresh(), fresh)
     again = f" (continuing at step {start})" if start else ""
     print(f"building the tiny policy's warm start for {env_name}: behaviour cloning on solver "
           f"demonstrations, {steps} steps{again}. A one-time build, cached in {folder}; later runs "
@@ -321,9 +311,7 @@ def _build(folder, tokenizer, env_name, env_kwargs, steps, seed, progress, sizes
             bar.update(1)
             bar.set_postfix(loss=f"{loss:.3f}")
         if (step + 1) % SAVE_EVERY == 0 and step + 1 < steps:
-            torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(),
-                        "step": step + 1, "losses": losses}, partial + ".tmp")
-            os.replace(partial + ".tmp", partial)
+            demos.keep_progress(partial, model, optimizer, step + 1, losses)
 
     threads = torch.get_num_threads()
     torch.set_num_threads(min(BUILD_THREADS, os.cpu_count() or 1))
