@@ -12,7 +12,7 @@ practically never writes the end-of-turn token (one id in 151,936), so every tur
 limit and every answer earns the format penalty: 5 full turns, the longest transcripts a real run
 can reach. Each row is two train.py steps (8 groups x 16 rollouts, the MI diagnosis at step 1 only,
 its time apart in time_scoring; no validation) through train.py's own code, in a fresh process; micro-batch and gradient checkpointing
-are what train.py chooses for the budget (models.memory_plan) unless given. With --budget-gb the
+are what train.py chooses for the budget (memory.memory_plan) unless given. With --budget-gb the
 process may allocate only that much (torch.cuda.set_per_process_memory_fraction): a row that fits
 has really fit in that budget.
 
@@ -91,7 +91,7 @@ def qwen_shaped(size, device, vocab_size=None):
 
 def one_row(args):
     import train
-    from plumbing import models
+    from plumbing import memory, models
     from plumbing.flags import parse_args
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -141,7 +141,7 @@ def one_row(args):
         n_all = sum(p.numel() for p in model.parameters())
         # adapters: about 1% at rank 16 on all linear layers
         n_train = n_all if not args.lora else n_all // 100
-        a.micro_batch, a.grad_checkpointing, a.rollout_batch, _ = models.memory_plan(
+        a.micro_batch, a.grad_checkpointing, a.rollout_batch, _ = memory.memory_plan(
             a, model.config, n_all, n_train, args.budget_gb * 2**30
         )
     models.load_policy = lambda *args: (model, tokenizer, {})

@@ -36,6 +36,25 @@ def atomic_write(path, text):
 
 # -------------------------------------------------------------------------------------- checkpoints
 
+CHECKPOINT_SMALL = 2 * 2 ** 30  # bytes: a checkpoint this small is written every step
+CHECKPOINT_EVERY = 10  # steps between larger checkpoints (on a GPU)
+
+
+def checkpoint_every(device, n_trained):
+    """Steps between checkpoints when --save-every is not given: every step on a CPU and for a
+    small checkpoint (LoRA adapters, SmolLM2); on a GPU a large one (what trains in float32 and
+    AdamW's two moments: 12 bytes a trained parameter, 0.5B PPO's policy and critic about 12 GB)
+    every CHECKPOINT_EVERY steps. A kill then loses the steps since the last checkpoint, which
+    --resume runs again exactly as they ran."""
+    size = 12 * n_trained
+    every = 1 if device.type != "cuda" or size < CHECKPOINT_SMALL else CHECKPOINT_EVERY
+    if device.type == "cuda":
+        print(f"checkpoints: every {every} step{'s' if every > 1 else ''} ({size / 1e9:.1f} GB "
+              f"each; a kill loses at most {every - 1} steps, which --resume runs again "
+              f"exactly; --save-every chooses)")
+    return every
+
+
 def _checkpoint_paths(out):
     return [os.path.join(out, name) for name in ("checkpoint", "checkpoint.tmp", "checkpoint.old")]
 

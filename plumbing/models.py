@@ -1,11 +1,9 @@
 """The models of a run: the policy (tiny, smollm2, a Hugging Face id or folder, or a checkpoint
-of ours), LoRA adapters, the PPO critic, the KL reference, and the GPU memory plan that decides
-micro-batches and rollout batches.
+of ours), the PPO critic and the KL reference, with LoRA adapters (plumbing/lora.py) and the GPU
+memory plan (plumbing/memory.py) applied as the flags ask.
 
 train.py's loop never sees loading: it gets a policy, a critic and a reference that behave alike
-whether the weights are all trained or only LoRA adapters are. With LoRA (peft) only adapters train:
-the reference is the base with its adapters switched off, and the critic is the same frozen base
-seen through a second adapter plus its value head, so no copy of the base exists.
+whether the weights are all trained or only LoRA adapters are.
 """
 
 import contextlib
@@ -19,14 +17,13 @@ import json
 import os
 import shutil
 import time
-import warnings
 
 import torch
 
 import envs
 import ppo
 import rollout
-from plumbing import sampler
+from plumbing import lora, memory
 from warmstart import demos, templates, tiny
 
 
@@ -37,20 +34,20 @@ class ModelError(ValueError):
 def load(a, device, source, env_kwargs):
     """Policy, tokenizer and prompt from `source`; with LoRA the adapters; the critic (PPO), the
     reference (--kl-coef), the optimisers and the lists of trained parameters, as a dict. GPU memory
-    settings that were not given are chosen here (gpu_memory_settings)."""
+    settings that were not given are chosen here (memory.gpu_memory_settings)."""
     policy, tokenizer, prompt = load_policy(a, source, device, env_kwargs)
     if a.lora and not hasattr(policy, "disable_adapter"):
-        policy = add_lora(policy, a)
+        policy = lora.add_lora(policy, a)
     if device.type == "cuda" and None in (a.micro_batch, a.grad_checkpointing, a.rollout_batch):
-        gpu_memory_settings(a, policy, device)
+        memory.gpu_memory_settings(a, policy, device)
     if a.grad_checkpointing:  # transformers' name from 5.24, gradient_checkpointing_ before it
         (getattr(policy, "activation_checkpointing_enable", None)
          or policy.gradient_checkpointing_enable)()
     critic, critic_params = None, []
     if a.algo == "ppo":
-        critic = (make_lora_critic(policy) if a.lora else ppo.make_critic(policy)).to(device)
+        critic = (lora.make_lora_critic(policy) if a.lora else ppo.make_critic(policy)).to(device)
         critic_params = [p for p in critic.parameters() if p.requires_grad]
-        critic_params += lora_params(policy, "critic") if a.lora else []
+        critic_params += lora.lora_params(policy, "critic") if a.lora else []
     reference_model = None
     # the reference is the initial policy, loaded again from its source (the KL term's, and the
     # gradient decomposition's KL column), or a warm start with another template share
@@ -59,7 +56,7 @@ def load(a, device, source, env_kwargs):
         # (flags.check_args makes both warm starts share the policy's vocabulary)
         reference_model = load_policy(dataclasses.replace(a, template_prior=prior), a.model, device,
                                       env_kwargs)[0].eval().requires_grad_(False)
-    policy_params = lora_params(policy, "default") if a.lora else list(policy.parameters())
+    policy_params = lora.lora_params(policy, "default") if a.lora else list(policy.parameters())
     optimizers = [torch.optim.AdamW(policy_params, lr=a.lr, weight_decay=0.0)]
     if critic is not None:
         optimizers.append(torch.optim.AdamW(critic_params, lr=a.critic_lr, weight_decay=0.0))
@@ -122,7 +119,7 @@ def load_policy(a, source, device, env_kwargs):
         from peft import PeftModel
 
         base, tokenizer, prompt = load_policy(a, saved["lora_base"], device, env_kwargs)
-        with quiet_peft():
+        with lora.quiet_peft():
             model = PeftModel.from_pretrained(base, folder, is_trainable=True)
         if a.algo == "ppo" and os.path.isdir(os.path.join(folder, "critic")):
             model.load_adapter(
@@ -487,120 +484,6 @@ def save_policy(run, folder):
         json.dump(info, f)
 
 
-# --------------------------------------------------------------------------------------------- LoRA
-
-
-@contextlib.contextmanager
-def quiet_peft():
-    """peft asks transformers for a name transformers deprecates (is_gradient_checkpointing): a
-    warning for peft's authors, not for the user of a run."""
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", "`is_gradient_checkpointing` is deprecated",
-                                FutureWarning)
-        yield
-
-
-def add_lora(model, a):
-    """Wrap the policy in LoRA adapters (peft): "default" for the policy and, for PPO, "critic"
-    for the critic."""
-    from peft import LoraConfig, get_peft_model
-
-    check_lora(model, a)  # peft's own refusal is a traceback
-    targets = a.lora_targets if a.lora_targets == "all-linear" else a.lora_targets.split(",")
-    config = dict(
-        r=a.lora,
-        lora_alpha=a.lora_alpha,
-        target_modules=targets,
-        lora_dropout=0.0,
-        bias="none",
-        task_type="CAUSAL_LM",
-    )
-    with quiet_peft():
-        peft_model = get_peft_model(model, LoraConfig(**config))
-        if a.algo == "ppo":
-            peft_model.add_adapter("critic", LoraConfig(**config))
-    peft_model.set_adapter("default")
-    return peft_model
-
-
-def lora_layers(model, targets):
-    """{name: module} of the layers LoRA adapts for --lora-targets `targets`: all-linear (as peft
-    reads it) is every linear layer but the output layer; names match the end of a module's, as
-    peft matches them."""
-    output = model.get_output_embeddings()
-    layers = {}
-    for name, m in model.named_modules():
-        if targets == "all-linear":
-            if isinstance(m, torch.nn.Linear) and m is not output:
-                layers[name] = m
-        elif isinstance(m, (torch.nn.Linear, torch.nn.Embedding)) and any(
-                name == t or name.endswith("." + t) for t in targets.split(",")):
-            layers[name] = m
-    return layers
-
-
-def check_lora(model, a):
-    """--lora-targets names layers of `model` that LoRA can adapt (peft matches a name to the end
-    of a module's), and --lora is a rank they can use: else a ModelError naming what the model
-    has. --lora no larger than the largest full rank, min(rows, columns), of the layers it
-    adapts: beyond it every adapter can already learn any update of its layer, and a larger rank
-    only adds parameters (--lora 100000 on the 64-wide tiny policy would write a 1.6 GB
-    checkpoint)."""
-    targets = [] if a.lora_targets == "all-linear" else a.lora_targets.split(",")
-    missing = [t for t in targets if not lora_layers(model, t)]
-    if missing:
-        known = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules()
-                        if isinstance(m, (torch.nn.Linear, torch.nn.Embedding))})
-        raise ModelError(f"--lora-targets {a.lora_targets}: the policy has no layer named "
-                         f"{', '.join(missing)}; its layers: {', '.join(known[:8])} (or "
-                         f"all-linear)")
-    shapes = {name: tuple(m.weight.shape) for name, m in lora_layers(model, a.lora_targets).items()}
-    if not shapes:
-        return
-    name, shape = max(shapes.items(), key=lambda item: min(item[1]))
-    if a.lora > min(shape):
-        raise ModelError(f"--lora {a.lora}: no layer it adapts has a rank above {min(shape)} "
-                         f"({name}: {shape[0]} x {shape[1]}), so a larger adapter only adds "
-                         f"parameters; use --lora {min(shape)} or less")
-
-
-def lora_params(model, adapter):
-    return [p for n, p in model.named_parameters() if f".{adapter}." in n and "lora_" in n]
-
-
-@contextlib.contextmanager
-def adapter(model, name):
-    """Run with LoRA adapter `name` active, then switch back. peft leaves only the active adapter
-    trainable; the critic's adapter is made trainable again for its own optimiser."""
-    before = model.active_adapter
-    model.set_adapter(name)
-    try:
-        yield model
-    finally:
-        model.set_adapter(before)
-        for p in lora_params(model, "critic"):
-            p.requires_grad_(True)
-
-
-class AdapterBody(torch.nn.Module):
-    """The critic's body under LoRA: the policy's frozen base seen through its "critic" adapter. The
-    base is not a submodule here, so the critic's own parameters are its head (the adapter goes to
-    its optimiser)."""
-
-    def __init__(self, peft_model):
-        super().__init__()
-        object.__setattr__(self, "peft_model", peft_model)
-
-    def forward(self, input_ids, attention_mask=None):
-        with adapter(self.peft_model, "critic"):
-            decoder = self.peft_model.get_base_model().get_decoder()
-            return decoder(input_ids=input_ids, attention_mask=attention_mask)
-
-
-def make_lora_critic(peft_model):
-    return ppo.Critic(AdapterBody(peft_model), peft_model.config.get_text_config().hidden_size)
-
-
 @contextlib.contextmanager
 def reference(run):
     """The reference policy for the KL term: the frozen copy, or under LoRA the base with its
@@ -610,148 +493,3 @@ def reference(run):
     else:
         with run.policy.disable_adapter():
             yield run.policy
-
-
-# --------------------------------------------------------------------------------------- GPU memory
-
-
-def gpu_memory_settings(a, policy, device):
-    """--micro-batch, --grad-checkpointing and --rollout-batch when not given, for the GPU's
-    memory, said aloud; a run that cannot fit is refused here, before the critic and the
-    reference are made and any rollout starts (memory_plan)."""
-    total = torch.cuda.get_device_properties(device).total_memory
-    n_all = sum(p.numel() for p in policy.parameters())
-    n_train = sum(p.numel() for p in policy.parameters() if p.requires_grad)
-    plan = memory_plan(a, policy.config.get_text_config(), n_all, n_train, total)
-    a.micro_batch, a.grad_checkpointing, a.rollout_batch, longest = plan
-    ckpt = " --grad-checkpointing" if a.grad_checkpointing else ""
-    print(f"memory: {total / 2 ** 30:.0f} GiB GPU; chose --micro-batch {a.micro_batch}{ckpt} "
-          f"--rollout-batch {a.rollout_batch} for transcripts up to {longest} tokens")
-
-
-CHECKPOINT_SMALL = 2 * 2 ** 30  # bytes: a checkpoint this small is written every step
-CHECKPOINT_EVERY = 10  # steps between larger checkpoints (on a GPU)
-
-
-def checkpoint_every(device, n_trained):
-    """Steps between checkpoints when --save-every is not given: every step on a CPU and for a
-    small checkpoint (LoRA adapters, SmolLM2); on a GPU a large one (what trains in float32 and
-    AdamW's two moments: 12 bytes a trained parameter, 0.5B PPO's policy and critic about 12 GB)
-    every CHECKPOINT_EVERY steps. A kill then loses the steps since the last checkpoint, which
-    --resume runs again exactly as they ran."""
-    size = 12 * n_trained
-    every = 1 if device.type != "cuda" or size < CHECKPOINT_SMALL else CHECKPOINT_EVERY
-    if device.type == "cuda":
-        print(f"checkpoints: every {every} step{'s' if every > 1 else ''} ({size / 1e9:.1f} GB "
-              f"each; a kill loses at most {every - 1} steps, which --resume runs again "
-              f"exactly; --save-every chooses)")
-    return every
-
-
-def resident_bytes(a, n_all, n_train):
-    """What stays in GPU memory through a run: the fp32 weights (a second copy for PPO's critic
-    and for a KL reference, unless LoRA lets both share the base), and the gradients and AdamW's
-    two moments of what trains (the critic's too)."""
-    models = 2 if a.algo == "ppo" else 1
-    copies = 1 if a.lora else models + (1 if a.kl_coef or a.grad_decomp_every else 0)
-    return 4 * n_all * copies + models * 12 * n_train
-
-
-def lora_count(cfg, rank):
-    """The parameters of rank-`rank` LoRA adapters on every linear layer of a Llama-layout
-    decoder (q, k, v, o, gate, up, down), from its shapes: rank x (inputs + outputs) each."""
-    h, i = cfg.hidden_size, cfg.intermediate_size
-    kv = cfg.num_key_value_heads * (h // cfg.num_attention_heads)
-    return cfg.num_hidden_layers * rank * (4 * h + 2 * (h + kv) + 3 * (h + i))
-
-
-def memory_plan(a, cfg, n_all, n_train, total, budget=0.85):
-    """(micro_batch, grad_checkpointing, rollout_batch, longest) for `budget` of `total` bytes at
-    the worst-case transcript length `longest`, estimated from the model's shapes; settings the user
-    gave are kept. A ModelError when nothing fits: what would (cannot_fit).
-
-    Always resident: resident_bytes. The update adds the bf16 activations of one micro-batch: the
-    largest micro-batch (up to the mini-batch) that fits, without checkpointing when 4 sequences fit
-    that way (checkpointing costs ~30% more compute). Rollouts add the bf16 key/value cache of the
-    episodes sampled at once: as many whole groups as fit.
-    """
-    free = budget * total - resident_bytes(a, n_all, n_train)
-    # prompt + turns x (reply + observation), tokens
-    longest = 400 + a.max_turns * (a.max_new_tokens + 300)
-    micro, ckpt = a.micro_batch, a.grad_checkpointing
-    per_seq = update_bytes(cfg, longest)
-    for option in [ckpt] if ckpt is not None else [False, True]:
-        fit = int(free // per_seq[option])
-        if fit >= min(4, a.mini_batch_size) or micro is not None or option or ckpt is not None:
-            micro, ckpt = micro or max(1, min(fit, a.mini_batch_size)), option
-            break
-    # what the user chose is theirs to try; what the plan chooses must fit
-    if free < 0 or a.micro_batch is None and free < micro * per_seq[ckpt]:
-        raise ModelError(cannot_fit(a, cfg, n_all, n_train, total, budget))
-    copies, per_episode = rollout_bytes(a, cfg, n_all, longest)
-    episodes = a.groups * a.group_size
-    fit = min(episodes, int((free - copies) // per_episode))
-    at_once = a.rollout_batch or max(a.group_size, fit // a.group_size * a.group_size)
-    if a.rollout_batch is None and free - copies < at_once * per_episode:
-        raise ModelError(cannot_fit(a, cfg, n_all, n_train, total, budget))
-    return micro, ckpt, at_once, longest
-
-
-def update_bytes(cfg, longest):
-    """{checkpointing: bytes one sequence of `longest` tokens keeps for the backward pass}. A
-    layer keeps, per token under bf16 autocast, 32h + 8i bytes: the fp32 residual stream and two
-    norms' inputs and outputs (8h each in and out of the two norms, 24h with the residual), the
-    bf16 inputs of the seven projections and attention's q, k, v and output (about 8h), and the
-    MLP's bf16 gate, up and activation (8i with the product); with checkpointing only each
-    layer's fp32 input stays, and one layer's activations are rebuilt at a time."""
-    h, i, layers = cfg.hidden_size, cfg.intermediate_size, cfg.num_hidden_layers
-    per_token = 32 * h + 8 * i
-    return {False: layers * longest * per_token, True: longest * (layers * h * 4 + per_token)}
-
-
-def rollout_bytes(a, cfg, n_all, longest):
-    """(the sampler's weights, bytes an episode holds while the rollouts sample): the weights the
-    decode loop multiplies by, made at each call (sampler.sampling_weights: 2 bytes a weight in
-    bfloat16, 4 in float32, q/k/v and gate/up joined); an episode's key/value cache, every turn's
-    slots with room rounded up to sampler.ROOM, in the sampling dtype, and its key/value layer a
-    second time while `select` moves the rows; a prefill's attention mask over the widest new
-    piece of a prompt (the first prompt, or a reply and the next observation) against every slot,
-    the G query heads of a key/value head side by side, as bools and as the additive bias attention
-    makes of them (1 + the sampling dtype's bytes each); and a step's tables over the vocabulary
-    (sampler.sample): the float32 tempered logits, less their largest, its exp and their product
-    for the entropy (4 x 4 bytes) and draw's float64 running sum (8), and with --sample-top-p < 1
-    the nucleus' sorted float32 table, its int64 order, its float64 running sum and two float32
-    tables it makes (28 more)."""
-    size = 4 if (a.sample_dtype or a.dtype) == "float32" else 2
-    kv_heads, head_dim = cfg.num_key_value_heads, cfg.hidden_size // cfg.num_attention_heads
-    slots = (longest + sampler.ROOM) * 2 * kv_heads * head_dim * size
-    widest = max(400, a.max_new_tokens + 300)
-    mask = cfg.num_attention_heads // kv_heads * widest * longest * (1 + size)
-    tables = (24 + (28 if a.sample_top_p < 1 else 0)) * cfg.vocab_size
-    return size * n_all, slots * (cfg.num_hidden_layers + 1) + mask + tables
-
-
-def cannot_fit(a, cfg, n_all, n_train, total, budget):
-    """The line that refuses a run whose weights, optimiser state and one sequence's update or
-    one group's rollouts do not fit `budget` of the GPU: what it needs, and what would fit."""
-    need = resident_bytes(a, n_all, n_train)
-    options = []
-    for flag, change, trained in (("--lora 16", dict(lora=16), lora_count(cfg, 16)),
-                                  ("--algo grpo (no critic)", dict(algo="grpo"), n_train),
-                                  ("--lora 16 --algo grpo", dict(lora=16, algo="grpo"),
-                                   lora_count(cfg, 16))):
-        other = dataclasses.replace(a, **change, micro_batch=None, grad_checkpointing=None,
-                                    rollout_batch=None)
-        if (a.lora, a.algo) != (other.lora, other.algo):
-            try:
-                memory_plan(other, cfg, n_all, trained, total, budget)
-                options.append(flag)
-            except ModelError:
-                pass
-    options = [o for o in options if o.count("--") == 1] or options  # one change, if one does
-    fits = (f"what fits: {' or '.join(options)}" if options else
-            "neither --lora 16 nor --algo grpo fits: a smaller model")
-    return (f"{n_all / 1e9:.1f}B parameters, --algo {a.algo}{f' --lora {a.lora}' if a.lora else ''}: "
-            f"{need / 2 ** 30:.0f} GiB stay resident (weights, gradients, AdamW), and with one "
-            f"sequence of the update and one group of rollouts this does not fit {budget:.0%} of "
-            f"the GPU's {total / 2 ** 30:.0f} GiB; {fits}")

@@ -47,10 +47,10 @@ import torch
 
 import envs
 import rollout
-from plumbing import hardware, models, sampler
-from plumbing.checkpoints import (CheckpointError, atomic_write, checkpoint_step, drop_garbage,
-                                  log_steps, recover_checkpoint, restore, restore_metrics,
-                                  save_checkpoint)
+from plumbing import hardware, lora, models, sampler
+from plumbing.checkpoints import (CheckpointError, atomic_write, checkpoint_every, checkpoint_step,
+                                  drop_garbage, log_steps, recover_checkpoint, restore,
+                                  restore_metrics, save_checkpoint)
 from warmstart import tiny
 from plumbing.flags import UsageError, env_kwargs, read_config
 
@@ -196,9 +196,9 @@ def check_causal_lm(a):
 
 
 def check_lora_targets(a, policy=None):
-    """models.check_lora before anything loads or is built: on `policy`, or (None) on a Hugging
+    """lora.check_lora before anything loads or is built: on `policy`, or (None) on a Hugging
     Face model of this machine, its layers built without weights; a model that cannot be read
-    yet is checked when it loads (models.add_lora)."""
+    yet is checked when it loads (lora.add_lora)."""
     if not a.lora:
         return
     if policy is None:
@@ -211,7 +211,7 @@ def check_lora_targets(a, policy=None):
                 policy = AutoModelForCausalLM.from_config(config)
         except Exception:  # a model that cannot be loaded (yet): models.load says why
             return
-    models.check_lora(policy, a)
+    lora.check_lora(policy, a)
 
 
 # ------------------------------------------------------------------------------------------ the run
@@ -269,7 +269,7 @@ def start(a):
         run = load_run(a, device, ckpt or a.model)
         if a.save_every is None:
             trained = sum(p.numel() for p in run.policy_params + run.critic_params)
-            a.save_every = models.checkpoint_every(device, trained)
+            a.save_every = checkpoint_every(device, trained)
         if a.model != "tiny":
             check_fits(a, run.policy, run.tokenizer, run.prompt)
             if sampler.check_layout(run.policy) is None:

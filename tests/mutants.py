@@ -263,7 +263,8 @@ MUTANTS = [
     m("update-scores-at-temperature-1", "logprobs.py", "_head_logprobs",
       "table = tempered(head(hidden), temperature)", "table = tempered(head(hidden), 1.0)",
       TRAIN + "test_policy_logprobs_score_the_policy_at_its_sampling_temperature"),
-    m("checkpointing-whatever-the-memory", "plumbing/models.py", "memory_plan",
+    # -------------------------------------------------------------------------------- memory.py
+    m("checkpointing-whatever-the-memory", "plumbing/memory.py", "memory_plan",
       "for option in [ckpt] if ckpt is not None else [False, True]:",
       "for option in [ckpt] if ckpt is not None else [True, False]:",
       RUNS + "test_memory_plan_fits_the_budget_and_prefers_no_checkpointing"),

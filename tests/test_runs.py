@@ -20,7 +20,7 @@ import torch
 import logprobs
 import train
 from conftest import CLOCK, tiny_qwen2
-from plumbing import checkpoints, flags, models, runs
+from plumbing import checkpoints, flags, lora, memory, models, runs
 from warmstart import tiny
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -900,18 +900,19 @@ def qwen_config(size):
 def test_memory_plan_fits_the_budget_and_prefers_no_checkpointing():
     qwen05, n = qwen_config("0.5b")
     a = train.Args(max_new_tokens=400)
-    mb24, ckpt24, roll24, longest = models.memory_plan(a, qwen05, n, n, 24 * 2 ** 30)
-    mb80, ckpt80, roll80, _ = models.memory_plan(a, qwen05, n, n, 80 * 2 ** 30)
+    mb24, ckpt24, roll24, longest = memory.memory_plan(a, qwen05, n, n, 24 * 2 ** 30)
+    mb80, ckpt80, roll80, _ = memory.memory_plan(a, qwen05, n, n, 80 * 2 ** 30)
     assert longest == 400 + 5 * 700 and ckpt24 and mb24 >= 1  # 24 GB: checkpointing needed
     assert not ckpt80 and mb80 >= 4  # 80 GB: no checkpointing, 4 sequences at least fit without it
     assert 16 <= roll24 < 128 and roll24 <= roll80 <= 128 and roll24 % 16 == 0  # whole groups of 16
-    lora = dataclasses.replace(a, lora=16)
-    mb_lora, ckpt_lora, roll_lora, _ = models.memory_plan(lora, qwen05, n, 4_000_000, 24 * 2 ** 30)
+    adapters = dataclasses.replace(a, lora=16)
+    mb_lora, ckpt_lora, roll_lora, _ = memory.memory_plan(adapters, qwen05, n, 4_000_000,
+                                                          24 * 2 ** 30)
     # adapters: more room
     assert (not ckpt_lora, mb_lora) >= (not ckpt24, mb24) and roll_lora >= roll24
     given = dataclasses.replace(a, micro_batch=3, grad_checkpointing=False, rollout_batch=32)
     # the user's choice stays
-    assert models.memory_plan(given, qwen05, n, n, 24 * 2 ** 30)[:3] == (3, False, 32)
+    assert memory.memory_plan(given, qwen05, n, n, 24 * 2 ** 30)[:3] == (3, False, 32)
 
 
 def test_the_memory_plan_counts_what_the_update_and_the_sampler_hold():
@@ -926,45 +927,45 @@ def test_the_memory_plan_counts_what_the_update_and_the_sampler_hold():
     a = train.Args(max_new_tokens=400, dtype="bfloat16", sample_dtype="bfloat16")
     longest = 400 + 5 * 700
     h, i, layers = 896, 4864, 24
-    assert models.update_bytes(cfg, longest)[False] == layers * longest * (32 * h + 8 * i)
+    assert memory.update_bytes(cfg, longest)[False] == layers * longest * (32 * h + 8 * i)
     slots = (longest + 256) * 2 * 2 * 64
     mask, tables = 7 * 700 * longest, 24 * 151_936
-    assert models.rollout_bytes(a, cfg, n, longest) == (2 * n, slots * 2 * 25 + 3 * mask + tables)
+    assert memory.rollout_bytes(a, cfg, n, longest) == (2 * n, slots * 2 * 25 + 3 * mask + tables)
     f32 = dataclasses.replace(a, sample_dtype="float32", sample_top_p=0.9)
-    assert models.rollout_bytes(f32, cfg, n, longest) == (
+    assert memory.rollout_bytes(f32, cfg, n, longest) == (
         4 * n, slots * 4 * 25 + 5 * mask + 52 * 151_936)
     total = 80 * 2 ** 30
-    free = 0.85 * total - models.resident_bytes(a, n, n)
-    copies, per_episode = models.rollout_bytes(a, cfg, n, longest)
-    at_once = models.memory_plan(a, cfg, n, n, total)[2]
+    free = 0.85 * total - memory.resident_bytes(a, n, n)
+    copies, per_episode = memory.rollout_bytes(a, cfg, n, longest)
+    at_once = memory.memory_plan(a, cfg, n, n, total)[2]
     assert at_once == min(128, int((free - copies) // per_episode)) // 16 * 16
 
 
-@pytest.mark.parametrize("size, algo, lora, gib, fits", [
+@pytest.mark.parametrize("size, algo, rank, gib, fits", [
     ("0.5b", "ppo", 0, 24, True), ("0.5b", "grpo", 0, 24, True), ("1.5b", "ppo", 0, 80, True),
     ("3b", "ppo", 16, 80, True), ("3b", "ppo", 16, 24, False), ("3b", "grpo", 0, 80, True),
     ("3b", "ppo", 0, 80, False), ("1.5b", "ppo", 0, 24, False), ("3b", "grpo", 0, 24, False)])
-def test_what_cannot_fit_the_gpu_is_refused_naming_what_would(size, algo, lora, gib, fits):
+def test_what_cannot_fit_the_gpu_is_refused_naming_what_would(size, algo, rank, gib, fits):
     """The memory plan with Qwen2.5's published shapes at the main command's 400 tokens a turn:
     3B PPO without LoRA needs about 99 GB resident (fp32 weights of actor and critic, their
-    gradients and AdamW moments), more than 80 GB: one line (a ModelError: exit 2 before the critic
+    gradients and AdamW moments), more than 80 GB: one line (a UsageError: exit 2 before the critic
     is made or a rollout starts) that names what fits; 0.5B PPO and 3B LoRA on 80 GB are accepted.
     On 24 GB 3B fits in no way: beside LoRA's 12 GiB resident, the sampler's bfloat16 weights (5.7
     GiB) and a group's 16 caches at 3,900 tokens (3.4 GiB) do not fit."""
     cfg, n = qwen_config(size)
-    a = train.Args(algo=algo, lora=lora, max_new_tokens=400)
-    trained = models.lora_count(cfg, lora) if lora else n
+    a = train.Args(algo=algo, lora=rank, max_new_tokens=400)
+    trained = memory.lora_count(cfg, rank) if rank else n
     if fits:
-        micro, _, rollout_batch, _ = models.memory_plan(a, cfg, n, trained, gib * 2 ** 30)
+        micro, _, rollout_batch, _ = memory.memory_plan(a, cfg, n, trained, gib * 2 ** 30)
         assert micro >= 1 and rollout_batch >= a.group_size
     else:
-        with pytest.raises(models.ModelError) as e:
-            models.memory_plan(a, cfg, n, trained, gib * 2 ** 30)
+        with pytest.raises(flags.UsageError) as e:
+            memory.memory_plan(a, cfg, n, trained, gib * 2 ** 30)
         said = str(e.value)
         named = "a smaller model" if (size, gib) == ("3b", 24) else "what fits: --lora 16"
         assert "\n" not in said and f"{gib} GiB" in said and named in said, said
-    if (size, algo, lora) == ("3b", "ppo", 0):
-        assert models.resident_bytes(a, n, n) / 1e9 == pytest.approx(98.7, abs=0.1)
+    if (size, algo, rank) == ("3b", "ppo", 0):
+        assert memory.resident_bytes(a, n, n) / 1e9 == pytest.approx(98.7, abs=0.1)
 
 
 def test_a_large_checkpoint_on_a_gpu_is_written_every_ten_steps(capsys):
@@ -972,10 +973,10 @@ def test_a_large_checkpoint_on_a_gpu_is_written_every_ten_steps(capsys):
     policy and critic (12 bytes a trained parameter: about 12 GB) every 10 steps, saying what a
     kill loses."""
     n = QWEN["0.5b"][-1]
-    assert models.checkpoint_every(torch.device("cpu"), 2 * n) == 1
-    assert models.checkpoint_every(torch.device("cuda"), 2 * models.lora_count(qwen_config("3b")[0],
-                                                                               16)) == 1
-    assert models.checkpoint_every(torch.device("cuda"), 2 * n) == 10
+    assert checkpoints.checkpoint_every(torch.device("cpu"), 2 * n) == 1
+    adapters = 2 * memory.lora_count(qwen_config("3b")[0], 16)
+    assert checkpoints.checkpoint_every(torch.device("cuda"), adapters) == 1
+    assert checkpoints.checkpoint_every(torch.device("cuda"), 2 * n) == 10
     assert "(11.9 GB each; a kill loses at most 9 steps" in capsys.readouterr().out
 
 
@@ -987,7 +988,7 @@ def test_lora_adapters_get_the_same_gradients_under_activation_checkpointing():
     ids = torch.randint(0, 40, (2, 12), generator=torch.Generator().manual_seed(0))
     grads = []
     for checkpointing in (False, True):
-        model = models.add_lora(tiny_qwen2(40, seed=1), a)
+        model = lora.add_lora(tiny_qwen2(40, seed=1), a)
         if checkpointing:
             model.activation_checkpointing_enable()
         model.train()
@@ -1000,8 +1001,8 @@ def test_lora_adapters_get_the_same_gradients_under_activation_checkpointing():
         torch.testing.assert_close(grads[1][k], g, rtol=1e-5, atol=1e-7)
 
 
-@pytest.mark.parametrize("lora", [[], ["--lora", "4"]])
-def test_a_run_with_every_part_switched_on_warns_of_nothing(tmp_path, lora):
+@pytest.mark.parametrize("lora_flags", [[], ["--lora", "4"]])
+def test_a_run_with_every_part_switched_on_warns_of_nothing(tmp_path, lora_flags):
     """No library warning reaches a run's output unless it concerns the user: with the diagnosis,
     the probe set, activation checkpointing, PPO's critic and LoRA, every warning is recorded and
     none comes (transformers' deprecation of is_gradient_checkpointing once printed into every
@@ -1009,7 +1010,7 @@ def test_a_run_with_every_part_switched_on_warns_of_nothing(tmp_path, lora):
     import warnings
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
-        assert train.main(SMALL + lora + ["--env", "frozenlake", "--steps", "1", "--mi-every", "1",
+        assert train.main(SMALL + lora_flags + ["--env", "frozenlake", "--steps", "1", "--mi-every", "1",
                                           "--probe-prompts", "2", "--probe-samples", "2",
                                           "--grad-checkpointing", "--out", str(tmp_path / "run")]) == 0
     assert [(w.category.__name__, str(w.message)) for w in seen] == []
