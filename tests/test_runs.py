@@ -1010,9 +1010,10 @@ def test_a_run_with_every_part_switched_on_warns_of_nothing(tmp_path, lora_flags
     import warnings
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
-        assert train.main(SMALL + lora_flags + ["--env", "frozenlake", "--steps", "1", "--mi-every", "1",
-                                          "--probe-prompts", "2", "--probe-samples", "2",
-                                          "--grad-checkpointing", "--out", str(tmp_path / "run")]) == 0
+        assert train.main(SMALL + lora_flags + ["--env", "frozenlake", "--steps", "1",
+                                                "--mi-every", "1", "--probe-prompts", "2",
+                                                "--probe-samples", "2", "--grad-checkpointing",
+                                                "--out", str(tmp_path / "run")]) == 0
     assert [(w.category.__name__, str(w.message)) for w in seen] == []
 
 
