@@ -136,7 +136,8 @@ def main(argv=None):
     finish; a failure ends in one line and an exit code (runs.failed)."""
     run = None
     try:
-        run = runs.start(flags.parse_args(Args, sys.argv[1:] if argv is None else argv))
+        argv = sys.argv[1:] if argv is None else argv
+        run = runs.start(flags.parse_args(Args, argv), argv)
         if run is not None:
             if run.step == 0 and (run.args.val_every or run.args.steps == 0):  # what training adds
                 runs.record(run, {"step": 0, "val_success": validate(run)})

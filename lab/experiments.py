@@ -107,7 +107,8 @@ def archive(folder, name, results=RESULTS):
     """A run's metrics.jsonl, every scalar metric, a real model's logged texts (probe_reasonings)
     and the gradient decomposition's BUCKET numbers, floats to 6 significant digits, gzipped
     without a time stamp (the same log gives the same bytes) to
-    results/<grid>/runs/<run>.jsonl.gz, written atomically. No log: nothing."""
+    results/<grid>/runs/<run>.jsonl.gz, written atomically, with what ran it beside (provenance).
+    No log: nothing."""
     path = os.path.join(folder, "metrics.jsonl")
     if not os.path.isfile(path):
         return None
@@ -129,7 +130,26 @@ def archive(folder, name, results=RESULTS):
     with open(out + ".tmp", "wb") as f:
         f.write(buffer.getvalue())
     os.replace(out + ".tmp", out)
+    provenance(folder, out)
     return out
+
+
+def provenance(folder, out):
+    """Beside the archive, <run>.provenance.json: what ran it -- each process's commit, command
+    line, starting weights and machine (plumbing/runs.py:write_provenance) and the run's resolved
+    settings (config.json); nothing where the run folder has neither (runs made before either)."""
+    kept = {}
+    for key, file in (("provenance", "provenance.json"), ("config", "config.json")):
+        try:
+            with open(os.path.join(folder, file)) as f:
+                kept[key] = json.load(f)
+        except (OSError, ValueError):
+            pass
+    if kept:
+        path = out[:-len(".jsonl.gz")] + ".provenance.json"
+        with open(path + ".tmp", "w") as f:
+            f.write(json.dumps(kept, indent=1, sort_keys=True) + "\n")
+        os.replace(path + ".tmp", path)
 
 
 def six_digits(v):

@@ -37,6 +37,16 @@ def cpu_flags(environ=None, path="/proc/cpuinfo"):
         return frozenset()
 
 
+def cpu_name(path="/proc/cpuinfo"):
+    """The CPU's model name as /proc/cpuinfo gives it ("" where it cannot be read)."""
+    try:
+        with open(path) as f:
+            return next((line.split(":", 1)[1].strip() for line in f
+                         if line.startswith("model name")), "")
+    except OSError:
+        return ""
+
+
 def default_dtype(device_type, tiny, flags=frozenset(), capability=None):
     """The precision a run computes in where --dtype does not say -> (dtype, why). `capability`:
     a GPU's (major, minor) compute capability.

@@ -243,9 +243,10 @@ class Run:
     sample_ctx: object = field(default_factory=contextlib.nullcontext)  # the sampler's autocast
 
 
-def start(a):
+def start(a, argv=()):
     """Resolve the defaults, open (or resume) the run folder, load the models, restore the
-    checkpoint. None: a finished run, nothing to do."""
+    checkpoint, record what runs it (`argv`: its command line). None: a finished run, nothing to
+    do."""
     from transformers.utils import logging as hf_logging
     hf_logging.disable_progress_bar()  # no loading bars of transformers between our lines
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -290,6 +291,7 @@ def start(a):
         restore_metrics(os.path.join(a.out, "metrics.jsonl"), ckpt)
         run.last = last_metrics(os.path.join(a.out, "metrics.jsonl"))
         write_config(a)
+        write_provenance(run, argv)
         run.log = open(os.path.join(a.out, "metrics.jsonl"), "a")
         run.tracker = None if a.report_to == "none" else Tracker(a, run.step)
         if a.steps > 0:
@@ -452,6 +454,57 @@ def finished(a, ckpt):
 def write_config(a):
     settings = {k: v for k, v in dataclasses.asdict(a).items() if k != "resume"}
     atomic_write(os.path.join(a.out, "config.json"), json.dumps(settings, indent=1))
+
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the code that runs
+
+
+def code_commit(root=ROOT):
+    """(the git commit of the code that runs, whether tracked files differ from it) -- (None,
+    None) where the tree is no git checkout (a copied tree, the GPU image)."""
+    import subprocess
+    try:
+        head = subprocess.run(["git", "-C", root, "rev-parse", "HEAD"], capture_output=True,
+                              text=True, timeout=30)
+        changes = subprocess.run(["git", "-C", root, "status", "--porcelain",
+                                  "--untracked-files=no"], capture_output=True, text=True,
+                                 timeout=30)
+    except (OSError, subprocess.SubprocessError):
+        return None, None
+    if head.returncode or changes.returncode:
+        return None, None
+    return head.stdout.strip(), bool(changes.stdout.strip())
+
+
+def weights_digest(model):
+    """sha256 (16 hex digits) of a model's parameters as they are now, in their order: which warm
+    start (with LoRA, which frozen base) a run trained from, whatever machine built it."""
+    digest = hashlib.sha256()
+    for name, p in model.named_parameters():
+        digest.update(name.encode())
+        digest.update(p.detach().float().cpu().contiguous().numpy().tobytes())
+    return digest.hexdigest()[:16]
+
+
+def write_provenance(run, argv):
+    """<out>/provenance.json: one entry each time a process runs the folder (a start, each
+    resume) -- the commit of the code, whether it had changes, the command line, the step it
+    started after, the weights it started from and the machine -- so that an archive says what
+    ran it (lab/experiments.py copies it beside the archive)."""
+    import platform
+    path = os.path.join(run.args.out, "provenance.json")
+    entries = []
+    with contextlib.suppress(OSError, ValueError):
+        with open(path) as f:
+            entries = [e for e in json.load(f) if isinstance(e, dict)]
+    commit, dirty = code_commit()
+    entries.append({"commit": commit, "dirty": dirty, "argv": list(argv), "after_step": run.step,
+                    "weights_sha256": weights_digest(run.policy),
+                    "machine": " ".join((platform.machine(), hardware.cpu_name(),
+                                         torch.cuda.get_device_name() if run.device.type == "cuda"
+                                         else "")).strip(),
+                    "torch": torch.__version__})
+    atomic_write(path, json.dumps(entries, indent=1))
 
 
 def last_metrics(path):

@@ -495,6 +495,12 @@ def test_resume_continues_exactly_like_an_uninterrupted_run(tmp_path, monkeypatc
     assert train.main(common + ["--steps", "2", "--out", broken]) == 0  # "interrupted" after step 2
     assert resume_and_check(monkeypatch, broken, ["--steps", "3"]) == 2
     same_metrics(records(straight), records(broken))
+    ran = json.load(open(os.path.join(broken, "provenance.json")))  # what ran it, each process
+    assert [e["after_step"] for e in ran] == [0, 2] and ran[1]["argv"][0] == "--resume"
+    assert ran[0]["weights_sha256"] == json.load(open(os.path.join(straight, "provenance.json")))[0][
+        "weights_sha256"] != ran[1]["weights_sha256"]  # one warm start; trained weights on resume
+    commit, _ = runs.code_commit()
+    assert ran[0]["commit"] == commit and (commit is None or len(commit) == 40)
 
 
 @pytest.mark.parametrize("with_copy", [True, False])
