@@ -275,3 +275,72 @@ REAL_GRIDS["smollm2-grow"] = dict(
              b=("none", "step", 40), sign=-1,
              text="R2: at step 40 Top-P's template share is below no filter's"),
     ])
+
+# Registered 2026-12-01, before any of its runs, after smollm2-grow's reading: does Top-P hold a
+# real model's rare template where no filter prunes it, and is that WHICH groups Top-P keeps or
+# only HOW FEW? In smollm2-grow (seeds 0-4) Top-P's step-40 template share was above no filter's
+# in 5 of 5 seeds -- against its registered R2 -- and without a filter the share fell in 4 of 5.
+# A reading that fits: RL without a filter prunes the rare template, and Top-P, which keeps about
+# 1.4 of 4 groups an update, slows the pruning. The random subset of Top-P's count (from all 4
+# groups, its own seeded stream: snr_filter.select) keeps as few groups and takes as many
+# optimiser steps (one an update that keeps a group), so it tells the two apart.
+# The same warm start recipe (the pool family's ALPHA = 0.25 build, seed 0) and flags as
+# smollm2-grow, 40 steps, three arms, on new seeds 5-12 (8, paired by seed: a seed's arms share
+# the warm start, the rollouts' seeds of each step and the step-1 probe sample). The diagnosis at
+# steps 1 and 40 only (--mi-every 40), validation at steps 0 and 40 (--val-every 40): a step
+# without either costs the same in every arm. The step-1 diagnosis is scored in each arm (it is
+# the same sample in all three; scoring it once would need a shared cache across processes).
+# The warm start is built on the machine that runs a seed (a float32 build differs in its last
+# bits between CPUs): every archive records the commit that ran it and the sha256 of the weights
+# it started from (<run>.provenance.json), so runs from two builds can be told apart.
+# Rules, written before the first run (the outcome at step 40 is bimodal -- a take-over or not --
+# so a rank test decides the direction, the mean's interval beside it):
+#   R2r  at step 40, Top-P's template share minus no filter's is above 0 (the direction seen in
+#        smollm2-grow): exact Wilcoxon signed-rank test over the 8 new seeds, two-sided 5%, zero
+#        differences dropped (Wilcoxon's rule; with fewer than 6 non-zero differences no p can
+#        reach 5%, so the verdict is undecided): "holds" at p < 0.05 with the positive rank sum
+#        the larger, "contradicted" at p < 0.05 the other way; the paired 95% t interval (7 df)
+#        reported beside it, not deciding;
+#   R3   at step 40, Top-P's share minus the random subset's is above 0 -- does WHICH groups are
+#        kept matter? The same test;
+#   incidence  a run "takes over" when its step-40 template share is at least 0.5: the count per
+#        arm with its 95% Clopper-Pearson interval, and the seeds that take over in more than one
+#        arm (the arms of a seed share its warm start and early batches: not independent events).
+# Seeds 0-4 (smollm2-grow) are reported beside, never pooled into a test. Power, from
+# smollm2-grow's spread of paired differences (SD 0.149 for R2): 8 seeds detect a difference of
+# about 0.17 at 80%; a smaller true effect will read as undecided.
+# Estimate: a no-filter step about 200 s, a Top-P or random one about 112 s with these cadences
+# (smollm2-grow's summed step times less its diagnoses), 24 runs two at a time, one thread each:
+# about 19 h of the 2-core machine, across sessions; seed-major, so a cut grid leaves whole seeds.
+REAL_GRIDS["smollm2-grow-2"] = dict(
+    claim="Does Top-P hold a real model's rare template where no filter prunes it, and is it "
+          "which groups Top-P keeps or only how few? smollm2-grow's warm start and flags, 40 "
+          "steps without a filter, with Top-P 0.9 and with a random subset of Top-P's count, 8 "
+          "new seeds paired (5-12). Truth: the exact share of probe reasonings that are grammar "
+          "sentences. A clear null is a result.",
+    flags=SMOLLM2_GROW,
+    common=["--mi-every", "40", "--val-every", "40", "--threads", "1", "--dtype", "float32",
+            "--no-plot"],
+    world="frozenlake",
+    settings={"none": FILTERS["none"], "topp": FILTERS["topp"],
+              "random": ["--filter", "random", "--control-of", "topp"]},
+    seeds=list(range(5, 13)), seed_major=True, steps=40, table_steps=[0, 1, 40],
+    seconds={"none": 200.0, "topp": 112.0, "random": 112.0},
+    dials=["probe_template_share", "probe_grounded_share", "probe_mi_estimate",
+           "probe_mi_seq_estimate", "probe_work_mi_estimate", "probe_reasoning_entropy_seq",
+           "probe_conditional_entropy_seq", "probe_conditional_entropy", "token_entropy",
+           "probe_retrieval_acc", "probe_action_mi", "response_length"],
+    decide=[
+        dict(kind="wilcoxon", metric="probe_template_share", a=("topp", "step", 40),
+             b=("none", "step", 40), sign=1,
+             text="R2r: at step 40 Top-P's template share is above no filter's (exact Wilcoxon "
+                  "signed-rank, two-sided 5%, seeds 5-12)"),
+        dict(kind="wilcoxon", metric="probe_template_share", a=("topp", "step", 40),
+             b=("random", "step", 40), sign=1,
+             text="R3: at step 40 Top-P's template share is above a random subset of its count's "
+                  "(the same test)"),
+        dict(kind="incidence", metric="probe_template_share", step=40, threshold=0.5,
+             text="incidence: the runs whose step-40 template share is at least 0.5, per arm, "
+                  "with 95% Clopper-Pearson intervals, and the seeds that take over in more than "
+                  "one arm"),
+    ])

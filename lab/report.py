@@ -127,6 +127,8 @@ def decide(name, data, rule, results=RESULTS):
     verdict (no interval, and so no verdict, from fewer than stats.MIN_RUNS seeds)."""
     if rule["kind"] == "search":
         return search(data, rule)
+    if rule["kind"] == "incidence":
+        return incidence(name, data, rule)
     if rule["kind"] == "gradients":
         values = {seed: stats.gradient_stat(records, rule["stat"])
                   for (setting, seed), records in sorted(data.items()) if setting == rule["setting"]}
@@ -137,18 +139,12 @@ def decide(name, data, rule, results=RESULTS):
                 ta, tb = stats.onset(records, rule["a"]), stats.onset(records, rule["b"])
                 values[seed] = tb - ta if ta is not None and tb is not None else None
     else:
-        sides = []
-        for setting, axis, point in (rule["a"], rule["b"]):
-            source = load(setting.split("/")[0], results) if "/" in setting else data
-            setting = setting.split("/")[-1]
-            sides.append({seed: stats.value_on(r, rule["metric"], axis, point)
-                          for (s, seed), r in source.items() if s == setting})
-        a, b = sides
-        values = {s: a[s] - b[s] if a[s] is not None and b[s] is not None else None
-                  for s in sorted(set(a) & set(b))}
+        values = paired(data, rule, results)
     m, half, n = stats.interval(list(values.values()))
     if n == 0:
         verdict = "not run" if not values else "no values"
+    elif rule["kind"] == "wilcoxon":  # the rank test decides; the t interval is shown beside
+        verdict = rank_verdict(list(values.values()), rule["sign"])
     elif half is None:
         verdict = f"{n} runs: no interval"
     else:  # a rule with a margin predicts a - b beyond it, not only beyond 0
@@ -157,6 +153,55 @@ def decide(name, data, rule, results=RESULTS):
     return {"rule": rule["text"], "estimate": m, "low": None if half is None else m - half,
             "high": None if half is None else m + half, "n": n, "verdict": verdict,
             "values": " ".join("-" if v is None else f"{v:.3f}" for v in values.values())}
+
+
+def paired(data, rule, results=RESULTS):
+    """{seed: a - b} of a rule's two sides, each (setting, axis, point) read by stats.value_on
+    (a setting "grid/setting" from another grid's archives), None where either is missing."""
+    sides = []
+    for setting, axis, point in (rule["a"], rule["b"]):
+        source = load(setting.split("/")[0], results) if "/" in setting else data
+        setting = setting.split("/")[-1]
+        sides.append({seed: stats.value_on(r, rule["metric"], axis, point)
+                      for (s, seed), r in source.items() if s == setting})
+    a, b = sides
+    return {s: a[s] - b[s] if a[s] is not None and b[s] is not None else None
+            for s in sorted(set(a) & set(b))}
+
+
+def rank_verdict(diffs, sign):
+    """A Wilcoxon rule's verdict: "holds" when the exact two-sided signed-rank test gives p < 0.05
+    with the rank sum on the predicted side the larger, "contradicted" when on the other, else
+    "undecided"; with p and the rank sums."""
+    p, w_plus, w_minus, n = stats.signed_rank(diffs)
+    ahead = (w_plus - w_minus) * sign
+    verdict = "holds" if p < 0.05 and ahead > 0 else "contradicted" if p < 0.05 else "undecided"
+    return f"{verdict} (p = {p:.4f}; W+ {w_plus:g}, W- {w_minus:g}, {n} non-zero)"
+
+
+def incidence(name, data, rule):
+    """How often a run ends above a threshold: per setting, the runs whose `metric` at `step` is
+    at least `threshold`, out of the runs that logged it, with its 95% Clopper-Pearson interval;
+    and the seeds above it in more than one setting (a seed's settings share its warm start and
+    early batches: not independent events)."""
+    above, parts = {}, []
+    for setting in GRIDS[name]["settings"]:
+        values = {seed: stats.value_at(r, rule["metric"], rule["step"])
+                  for (s, seed), r in sorted(data.items()) if s == setting}
+        values = {seed: v for seed, v in values.items() if v is not None}
+        if not values:
+            continue
+        hits = [seed for seed, v in values.items() if v >= rule["threshold"]]
+        for seed in hits:
+            above.setdefault(seed, []).append(setting)
+        low, high = stats.clopper_pearson(len(hits), len(values))
+        parts.append(f"{setting} {len(hits)}/{len(values)} ({low:.3f} .. {high:.3f})")
+    shared = [f"s{seed} ({', '.join(s)})" for seed, s in sorted(above.items()) if len(s) > 1]
+    verdict = ("not run" if not parts else "; ".join(parts) + "; in more than one setting: "
+               + (", ".join(shared) or "none"))
+    return {"rule": rule["text"], "estimate": None, "low": None, "high": None,
+            "n": sum(int(p.split()[1].split("/")[1]) for p in parts), "verdict": verdict,
+            "values": " ".join(f"s{seed}" for seed in sorted(above))}
 
 
 def search(data, rule):
