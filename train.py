@@ -38,7 +38,7 @@ import mi  # noqa: E402
 import ppo  # noqa: E402
 import rollout  # noqa: E402
 import snr_filter  # noqa: E402
-from plumbing import labels, models, runs, sampler  # noqa: E402
+from plumbing import labels, lora, models, runs, sampler  # noqa: E402
 from plumbing.defaults import MAX_SKIPS, PROBE_SEED_BASE, VAL_SEED_BASE  # noqa: E402
 
 ANALYSIS_KL_COEF = 1e-3  # Fig. 4's KL coefficient without --kl-coef (the paper's analysis runs)
@@ -353,11 +353,14 @@ def train_mode(run):
 
 
 def critic_loss(run, mb):
-    """PPO's clipped value loss on a micro-batch, backward with its token weight -> its value."""
+    """PPO's clipped value loss on a micro-batch, backward with its token weight -> its value.
+    The backward runs in the critic's scope too: checkpointing recomputes the forward there, and
+    a LoRA critic recomputed outside its adapter would get the policy's (lora.critic_scope)."""
     a = run.args
-    loss = ppo.value_loss(critic_pass(run, mb["input_ids"]), mb["old_values"], mb["returns"],
-                          mb["mask"], a.value_clip)
-    (mb["token_weight"] * loss).backward()
+    with lora.critic_scope(run.critic):
+        loss = ppo.value_loss(critic_pass(run, mb["input_ids"]), mb["old_values"], mb["returns"],
+                              mb["mask"], a.value_clip)
+        (mb["token_weight"] * loss).backward()
     return loss
 
 

@@ -108,6 +108,18 @@ def adapter(model, name):
             p.requires_grad_(True)
 
 
+def critic_scope(critic):
+    """The context a critic's forward pass AND its backward pass run in. With activation
+    checkpointing the backward pass runs each layer's forward again, and peft's layers read the
+    active adapter when they run: a LoRA critic's backward outside its adapter would recompute the
+    policy's "default" adapter and give the critic wrong gradients, silently. A critic of its own
+    weights (full fine-tuning) needs no context."""
+    body = getattr(critic, "body", None)
+    if isinstance(body, AdapterBody):
+        return adapter(body.peft_model, "critic")
+    return contextlib.nullcontext()
+
+
 class AdapterBody(torch.nn.Module):
     """The critic's body under LoRA: the policy's frozen base seen through its "critic" adapter. The
     base is not a submodule here, so the critic's own parameters are its head (the adapter goes to

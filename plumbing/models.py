@@ -40,9 +40,8 @@ def load(a, device, source, env_kwargs):
         policy = lora.add_lora(policy, a)
     if device.type == "cuda" and None in (a.micro_batch, a.grad_checkpointing, a.rollout_batch):
         memory.gpu_memory_settings(a, policy, device)
-    if a.grad_checkpointing:  # transformers' name from 5.24, gradient_checkpointing_ before it
-        (getattr(policy, "activation_checkpointing_enable", None)
-         or policy.gradient_checkpointing_enable)()
+    if a.grad_checkpointing:
+        enable_checkpointing(policy)
     critic, critic_params = None, []
     if a.algo == "ppo":
         critic = (lora.make_lora_critic(policy) if a.lora else ppo.make_critic(policy)).to(device)
@@ -70,6 +69,19 @@ def load(a, device, source, env_kwargs):
         policy_params=policy_params,
         critic_params=critic_params,
     )
+
+
+def enable_checkpointing(model):
+    """Activation checkpointing, non-reentrant, said explicitly: the reentrant kind recomputes
+    under torch.utils.checkpoint's old rule, which gives frozen-input layers (LoRA's, behind a
+    frozen embedding) no gradient, and which transformers' default has been in some releases.
+    transformers names it activation_checkpointing_enable from 5.24, gradient_checkpointing_enable
+    before."""
+    kwargs = {"use_reentrant": False}
+    if hasattr(model, "activation_checkpointing_enable"):
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
 
 
 def load_policy(a, source, device, env_kwargs):

@@ -1,6 +1,7 @@
 """runs.py and checkpoints.py: flags, the run folder, checkpoints and resume. A run survives a kill at
 every moment that matters and resumes exactly; bad input is one line and exit code 2, leaving nothing
 behind; running out of memory is exit 3."""
+import contextlib
 import dataclasses
 import errno
 import json
@@ -13,11 +14,13 @@ import socket
 import subprocess
 import sys
 import time
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 import logprobs
+import ppo
 import train
 from conftest import CLOCK, tiny_qwen2
 from plumbing import checkpoints, flags, lora, memory, models, runs
@@ -996,7 +999,7 @@ def test_lora_adapters_get_the_same_gradients_under_activation_checkpointing():
     for checkpointing in (False, True):
         model = lora.add_lora(tiny_qwen2(40, seed=1), a)
         if checkpointing:
-            model.activation_checkpointing_enable()
+            models.enable_checkpointing(model)
         model.train()
         logp, _ = logprobs.policy_logprobs(model, ids, torch.ones(2, 11))
         logp.sum().backward()
@@ -1005,6 +1008,61 @@ def test_lora_adapters_get_the_same_gradients_under_activation_checkpointing():
     assert all(g.abs().max() > 0 for k, g in grads[1].items() if "lora_B" in k)  # (A's: 0 at B = 0)
     for k, g in grads[0].items():
         torch.testing.assert_close(grads[1][k], g, rtol=1e-5, atol=1e-7)
+
+
+def checkpointing_used(model):
+    """How the layers of `model` recompute: {use_reentrant} of their checkpoint function."""
+    import functools
+    return {getattr(m._gradient_checkpointing_func, "keywords", {}).get("use_reentrant")
+            for m in model.modules() if getattr(m, "gradient_checkpointing", False)
+            and isinstance(getattr(m, "_gradient_checkpointing_func", None), functools.partial)}
+
+
+@pytest.mark.parametrize("rank", [4, 0])
+def test_every_trainable_gradient_is_the_same_with_and_without_checkpointing(rank):
+    """PPO's update, policy and critic, with LoRA (rank 4: the critic is the policy's base seen
+    through its "critic" adapter) and with full fine-tuning (rank 0: the critic its own copy):
+    every trainable gradient, both adapters' and the value head's among them, is the same with
+    activation checkpointing as without. Under checkpointing the critic's backward recomputes its
+    layers, so it must run inside the critic's adapter (lora.critic_scope): outside it, the
+    recompute ran the policy's adapter and the critic's gradients were off by 100%, with no sign.
+    Both adapters' B matrices and the value head are made non-zero first, so that each term has a
+    gradient that the other adapter's recompute would change."""
+    a = train.Args(lora=rank, algo="ppo", lora_alpha=8.0, value_clip=0.5)
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, 40, (2, 12), generator=g)
+    mask = torch.ones(2, 11)
+    mb = dict(input_ids=ids, mask=mask, old_values=torch.randn(2, 11, generator=g),
+              returns=torch.randn(2, 11, generator=g), token_weight=1.0)
+    grads = []
+    for checkpointing in (False, True):
+        policy = tiny_qwen2(40, seed=1)
+        if rank:
+            policy = lora.add_lora(policy, a)
+            with torch.no_grad():
+                for name, p in policy.named_parameters():
+                    if "lora_B" in name:
+                        p.copy_(0.3 * torch.randn(p.shape, generator=torch.Generator().manual_seed(
+                            len(name) + (7 if ".critic." in name else 0))))
+        if checkpointing:
+            models.enable_checkpointing(policy)
+            assert checkpointing_used(policy) == {False}  # non-reentrant, said explicitly
+        critic = lora.make_lora_critic(policy) if rank else ppo.make_critic(policy)
+        with torch.no_grad():
+            critic.head.weight.normal_(generator=torch.Generator().manual_seed(2))
+        run = SimpleNamespace(policy=policy, critic=critic, args=a, ctx=contextlib.nullcontext())
+        policy.train(), critic.train()
+        logp, _ = logprobs.policy_logprobs(policy, ids, mask)
+        logp.sum().backward()
+        train.critic_loss(run, mb)
+        trained = list(policy.named_parameters()) + [("critic." + k, p) for k, p in
+                                                     critic.named_parameters()]
+        grads.append({k: p.grad.clone() for k, p in trained if p.requires_grad})
+    assert grads[0] and grads[0].keys() == grads[1].keys()
+    assert any(".critic." in k for k in grads[0]) == bool(rank)
+    for k, grad in grads[0].items():
+        assert grad.abs().max() > 0, k
+        torch.testing.assert_close(grads[1][k], grad, rtol=1e-4, atol=1e-6, msg=k)
 
 
 @pytest.mark.parametrize("lora_flags", [[], ["--lora", "4"]])
