@@ -9,6 +9,7 @@ alike across prompts); and how often the phrases of a pretrained model's chat, w
 demonstrations never write, appear ("Let me ...", "step by step").
 """
 import math
+import re
 
 from lab.grids import GRIDS
 from plumbing.defaults import PROBE_SEED_BASE
@@ -72,6 +73,9 @@ def relabel(name, data, prompts, samples_per_prompt):
     return data
 
 
+SUFFIX = re.compile(r"\bTry (?:Up|Down|Left|Right)\.")  # the sentence, not "Trying ..."
+
+
 def cap_and_suffix(data):
     """table.md's lines on two things a reading of the probe MI needs beside it: the summed MI
     against its cap, log N (a reasoning that restates its input's cells finds its prompt whatever
@@ -92,8 +96,8 @@ def cap_and_suffix(data):
              "| step | share with \"Try <move>.\" | summed H(Z\\|X) |", "|---|---|---|"]
     for step in sorted({r["step"] for r in points}):
         at = [r for r in points if r["step"] == step]
-        tried = [sum("Try" in t for t in r["probe_reasonings"]) / len(r["probe_reasonings"])
-                 for r in at]
+        tried = [sum(bool(SUFFIX.search(t)) for t in r["probe_reasonings"])
+                 / len(r["probe_reasonings"]) for r in at]
         entropy = [r["probe_conditional_entropy_seq"] for r in at]
         lines.append(f"| {step} | {sum(tried) / len(tried):.3f} | "
                      f"{sum(entropy) / len(entropy):.3f} |")

@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 from scipy.stats import t
 
 import train
-from lab import experiments, grids, protocol, real_grids, report, stats
+from lab import experiments, grids, protocol, real_grids, reasonings, report, stats
 from plumbing import defaults, flags
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -855,3 +855,15 @@ def test_the_real_templates_report_decides_its_rules_on_archives_whose_answer_is
     numbers = json.load(open(tmp_path / "flat" / "smollm2-templates" / "numbers.json"))
     last = numbers["decisions"][-1]
     assert last["kind"] == "verdict" and last["verdict"] != "holds"
+
+
+def test_the_suffix_share_counts_the_demonstrations_sentence_not_the_substring():
+    """"Try <move>." is the demonstrations' random suffix; "Trying the way ..." or "Try again" is
+    not it, and the share once counted them."""
+    texts = [" go 1 Down. Try Left.", " Trying the way down.", " Try again.", " Try Up.",
+             " Try Down. Then right."]
+    record = {"step": 1, "probe_reasonings": texts, "probe_mi_seq_estimate": 1.0,
+              "probe_retrieval_chance": 0.25, "probe_retrieval_acc": 0.5,
+              "probe_conditional_entropy_seq": 2.0}
+    lines = reasonings.cap_and_suffix({("none", 0): [record]})
+    assert "| 1 | 0.600 | 2.000 |" in lines

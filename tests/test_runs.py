@@ -712,7 +712,8 @@ def test_a_kill_at_every_file_operation_then_resume_is_exact(tmp_path, monkeypat
         else:
             assert train.main(common + ["--out", out]) == 0
         same_metrics(records(straight), records(out))
-        assert sorted(os.listdir(out)) == [".lock", "checkpoint", "config.json", "metrics.jsonl"]
+        assert sorted(os.listdir(out)) == [".lock", "checkpoint", "config.json", "metrics.jsonl",
+                                        "provenance.json"]
         kill_at += 1
     assert kill_at >= 8  # config + 3 saves of 1-3 renames each
 
