@@ -1,18 +1,74 @@
-"""The policy's log-probabilities at the tokens that matter, without full logits: what the warm
-start (demos.py), the update (train.py) and cross-scoring (mi.py) all compute, in a file below all
+"""The policy's log-probabilities and entropy: one definition, and the memory-saving way the update,
+the warm start (warmstart/demos.py) and cross-scoring (mi.py) compute it, in a file below all
 three so that each can import it.
 
-    log pi(y_t | ids[:t]) = log softmax(W h_t / temperature)[y_t]      only where mask[t] = 1
+    log pi(y_t | ids[:t]) = log softmax(logits_t / temperature)[y_t]            (tempered)
+    H(pi_t)               = -sum_v pi_t(v) log pi_t(v)                          (entropy)
 
-(the log-softmax in float64, as sampler.py's: what a reply was sampled with is what it scores.)
-
-The transformer body runs once; the output layer W runs only on the hidden states h_t at the
-positions that matter, a chunk at a time (policy_logprobs, head_logprobs): no [B, T, V] tensor.
+pi is the policy that sampled: its logits divided by the rollouts' temperature, as verl and TRL
+divide them before every log-prob; the log-softmax in float64, as the sampler's sums (plumbing/
+sampler.sample), so that what a reply was sampled with is what it scores. `token_logprobs` and
+`token_entropy` are the definition over full logits [B, T, V]; `policy_logprobs` computes the same
+numbers (tests hold them equal) with the transformer body run once and the output layer only on
+the hidden states at the positions that matter, a chunk at a time (head_logprobs): no [B, T, V]
+tensor, which for Qwen's 151,936-token vocabulary is most of a GPU's memory.
 """
 import inspect
 
 import torch
 import torch.utils.checkpoint
+
+
+# ------------------------------------------------------------------------------ the definition
+
+def tempered(logits, temperature=1.0):
+    """log pi = log softmax(logits / temperature) over the vocabulary [..., V], in float64: the
+    one definition of the policy that the update scores and the diagnosis cross-scores (mi.py), and
+    the sampler draws from (plumbing/sampler.sample: float32 tables, the same float64 sums).
+    float64, because a float32 sum over a large vocabulary drifts with one sign, and a reply's
+    score would stray from the log-prob it was sampled with.
+
+    >>> tempered(torch.tensor([0.0, 2.0]), 2.0).exp()      # softmax([0, 1]) = [1, e] / (1 + e)
+    tensor([0.2689, 0.7311], dtype=torch.float64)
+    """
+    if not temperature > 0:
+        raise ValueError(f"temperature must be > 0, got {temperature!r}")
+    return torch.log_softmax(logits.double() / temperature, dim=-1)
+
+
+def entropy(table):
+    """H(pi) = -sum_v pi_v log pi_v from a log-softmax table [..., V] -> [...]; a token of log-prob
+    -inf adds 0 (0 log 0 = 0), a nan stays nan.
+
+    >>> entropy(torch.tensor([0.0, -float("inf")])).item() == 0.0
+    True
+    """
+    return -(table.exp() * table.clamp(min=torch.finfo(table.dtype).min)).sum(-1)
+
+
+def token_logprobs(logits, tokens, temperature=1.0):
+    """log pi(tokens[b, t]) under the tempered policy at logits[b, t] -> [B, T], float64. Logits
+    and tokens must be aligned (pass logits[:, :-1] and ids[:, 1:]).
+
+    >>> token_logprobs(torch.tensor([[[0., 1.0986123]]]), torch.tensor([[1]]))  # p = [1/4, 3/4]
+    tensor([[-0.2877]], dtype=torch.float64)
+    """
+    if logits.shape[:-1] != tokens.shape:
+        raise ValueError(f"logits {tuple(logits.shape)} and tokens {tuple(tokens.shape)} are not "
+                         "aligned; pass logits[:, :-1] and ids[:, 1:]")
+    return tempered(logits, temperature).gather(-1, tokens.unsqueeze(-1)).squeeze(-1)  # [B, T]
+
+
+def token_entropy(logits, temperature=1.0):
+    """The tempered policy's entropy at every position of logits [B, T, V] -> [B, T], float64.
+
+    >>> token_entropy(torch.zeros(1, 1, 4))   # uniform over 4: log 4
+    tensor([[1.3863]], dtype=torch.float64)
+    """
+    return entropy(tempered(logits, temperature))                               # [B, T]
+
+
+# ------------------------------------------------------- the same numbers, without full logits
 
 
 def policy_logprobs(model, input_ids, mask, with_entropy=False, temperature=1.0,
@@ -22,9 +78,9 @@ def policy_logprobs(model, input_ids, mask, with_entropy=False, temperature=1.0,
     [B, T] is right-padded: a causal mask already hides the padding at the end from every real
     token, so no attention mask is passed (the fast kernel).
 
-    pi is the policy that sampled: softmax(logits / temperature), the rollouts' temperature (as
-    verl and TRL divide the logits before every log-prob). Scoring samples drawn at T = 0.7 with
-    the T = 1 softmax would make the ratio, the entropy bonus and the KL those of another policy.
+    pi is the policy that sampled (tempered, at the rollouts' temperature): scoring samples drawn
+    at T = 0.7 with the T = 1 softmax would make the ratio, the entropy bonus and the KL those of
+    another policy.
 
     share_prefix: rows that share their first tokens (prefix_cells) run them once
     (shared_prefix_hidden). That pays where many rows share a long prompt and go on briefly, as
@@ -34,9 +90,9 @@ def policy_logprobs(model, input_ids, mask, with_entropy=False, temperature=1.0,
     The output layer is what costs memory: full logits are [B, T, V] floats (V = 151,936 for
     Qwen). Here the hidden states are gathered at the masked positions ([N, D]), and the output
     layer runs on them a chunk at a time (head_logprobs), so the backward pass keeps only the
-    [N, D] inputs and recomputes one chunk's [n, V] logits at a time. Equal to ppo.token_logprobs
-    and ppo.entropy_from_logits on the full tempered logits (tests check it). Works for peft
-    models (the adapters stay active).
+    [N, D] inputs and recomputes one chunk's [n, V] logits at a time. Equal to token_logprobs and
+    token_entropy on the full logits (tests check it). Works for peft models (the adapters stay
+    active).
     """
     lm = model.get_base_model() if hasattr(model, "get_base_model") else model
     at = mask.bool()                                                           # [B, T-1]
@@ -130,11 +186,8 @@ def head_logprobs(lm, hidden, targets, with_entropy=False, temperature=1.0, chun
     chunk_elements / V positions at a time under torch.utils.checkpoint, so neither the forward nor
     the backward pass holds more than one chunk's [n, V] logits (in float64 for mi.cross_scores,
     whose sums over a reply's tokens are compared with the sampler's)."""
-    if not temperature > 0:
-        raise ValueError(f"temperature must be > 0, got {temperature!r}")
-    head = lm.get_output_embeddings()
-    size = max(1, chunk_elements // head.weight.shape[0])
-    parts = [torch.utils.checkpoint.checkpoint(_head_logprobs, head, h, y, with_entropy,
+    size = max(1, chunk_elements // lm.get_output_embeddings().weight.shape[0])
+    parts = [torch.utils.checkpoint.checkpoint(_head_logprobs, lm, h, y, with_entropy,
                                                temperature, dtype, use_reentrant=False)
              for h, y in zip(hidden.split(size), targets.split(size))]  # [n, D], [n] each
     out = [torch.cat([p[i] for p in parts]) if parts else hidden.new_zeros(0, dtype=dtype)
@@ -142,30 +195,27 @@ def head_logprobs(lm, hidden, targets, with_entropy=False, temperature=1.0, chun
     return out[0], out[1] if with_entropy else None
 
 
-def _head_logprobs(head, hidden, targets, with_entropy, temperature, dtype):
-    table = tempered(head(hidden), temperature)                                # [n, V]
+def _head_logprobs(lm, hidden, targets, with_entropy, temperature, dtype):
+    table = tempered(output_logits(lm, hidden), temperature)                   # [n, V]
     logp = table.gather(1, targets[:, None])[:, 0].to(dtype)                   # [n]
     return (logp, entropy(table).to(dtype)) if with_entropy else (logp,)
 
 
-def tempered(logits, temperature=1.0):
-    """log pi = log softmax(logits / temperature) over the vocabulary [..., V], in float64: the
-    one definition of the policy that the update scores and the diagnosis cross-scores (mi.py), and
-    the sampler draws from (plumbing/sampler.sample: float32 tables, the same float64 sums).
-    float64, because a float32 sum over a large vocabulary drifts with one sign, and a reply's
-    score would stray from the log-prob it was sampled with.
+def output_logits(lm, hidden):
+    """The logits the model's own forward pass gives from its last hidden states [..., D] ->
+    [..., V]: its output layer, then what that forward applies after it, read off its config --
+    Cohere's logit_scale (a product), Granite's logits_scaling (a quotient), Gemma 2's and 3's
+    soft cap (cap * tanh(logits / cap)). Scoring with the bare output layer would score another
+    policy than the one that sampled (tests/test_train.py holds both equal for each of these
+    layouts)."""
+    logits = lm.get_output_embeddings()(hidden)                                # [..., V]
+    cfg = lm.config.get_text_config()
+    if getattr(cfg, "logit_scale", None) is not None:
+        logits = logits * cfg.logit_scale
+    if getattr(cfg, "logits_scaling", None) is not None:
+        logits = logits / cfg.logits_scaling
+    cap = getattr(cfg, "final_logit_softcapping", None)
+    if cap:
+        logits = torch.tanh(logits / cap) * cap
+    return logits
 
-    >>> tempered(torch.tensor([0.0, 2.0]), 2.0).exp()      # softmax([0, 1]) = [1, e] / (1 + e)
-    tensor([0.2689, 0.7311], dtype=torch.float64)
-    """
-    return torch.log_softmax(logits.double() / temperature, dim=-1)
-
-
-def entropy(table):
-    """H(pi) = -sum_v pi_v log pi_v from a log-softmax table [..., V] -> [...]; a token of log-prob
-    -inf adds 0 (0 log 0 = 0), a nan stays nan.
-
-    >>> entropy(torch.tensor([0.0, -float("inf")])).item() == 0.0
-    True
-    """
-    return -(table.exp() * table.clamp(min=torch.finfo(table.dtype).min)).sum(-1)

@@ -101,34 +101,7 @@ def aggregate(loss, mask, mode, norm_length=None):
     # END SOLUTION grpo
 
 
-# -------------------------------------------------------------------------------- policy quantities
-
-def token_logprobs(logits, tokens):
-    """log pi(tokens[b, t]) under softmax(logits[b, t]) -> [B, T]. Logits and tokens must already be
-    aligned (the caller passes logits[:, :-1] and ids[:, 1:]); computed as logit - logsumexp in (at
-    least) float32, stable.
-
-    >>> token_logprobs(torch.tensor([[[0., 1.0986123]]]), torch.tensor([[1]]))  # p = [1/4, 3/4]
-    tensor([[-0.2877]])
-    """
-    if logits.shape[:-1] != tokens.shape:
-        raise ValueError(f"logits {tuple(logits.shape)} and tokens {tuple(tokens.shape)} are not "
-                         "aligned; pass logits[:, :-1] and ids[:, 1:]")
-    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))   # [B, T, V] bf16 -> fp32
-    picked = logits.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)           # [B, T]
-    return picked - torch.logsumexp(logits, dim=-1)                        # [B, T]
-
-
-def entropy_from_logits(logits):
-    """Entropy of softmax(logits) per position -> [B, T]: H = logsumexp(z) - sum_v p_v z_v.
-
-    >>> entropy_from_logits(torch.zeros(1, 1, 4))   # uniform over 4: log 4
-    tensor([[1.3863]])
-    """
-    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))   # [B, T, V]
-    p = torch.softmax(logits, dim=-1)                                      # [B, T, V]
-    return torch.logsumexp(logits, dim=-1) - (p * logits).sum(-1)          # [B, T]
-
+# ------------------------------------------------------------------------------------ the KL term
 
 def kl_estimate(logp, ref_logp, kind):
     """Per-token estimate of KL(pi || ref) from tokens sampled from pi, delta = logp - ref_logp:
@@ -356,5 +329,5 @@ def make_critic(policy_model):
 def critic_values(critic, input_ids, attention_mask):
     """Values [B, T]; values[:, t] scores the prefix ids[:, :t+1], i.e. the state before token t+1
     is produced -- the same alignment as logits, so pair values[:, :-1] with
-    token_logprobs(logits[:, :-1], ids[:, 1:])."""
+    logprobs.token_logprobs(logits[:, :-1], ids[:, 1:])."""
     return critic(input_ids, attention_mask)

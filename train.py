@@ -195,6 +195,7 @@ def diagnose(run, episodes, rng):
     out = mi.diagnose(run.policy, prompts, samples, [e.group for e in picked], **scoring(run))
     out["mi_zscore_ema"], run.state["std_ema"] = mi.mi_zscore_ema(out, run.state["std_ema"])
     keys = mi.DIAGNOSIS_KEYS + ("diagnosis_logprob_diff",)
+    runs.check_exact(run, "diagnosis_logprob_diff", out.get("diagnosis_logprob_diff"))
     return {**{k: out[k] for k in keys if k in out}, **gap, **labels.labels(run, picked, episodes)}
 
 
@@ -214,6 +215,7 @@ def probe(run):
     samples, gap = sampled_in_float32(run, [e.first for e in episodes])
     out = mi.probe(run.policy, samples, a.probe_samples, copies=labels.copies(run, seeds),
                    **scoring(run))
+    runs.check_exact(run, "probe_diagnosis_logprob_diff", out["diagnosis_logprob_diff"])
     out.update(gap, **labels.labels(run, episodes, episodes), **labels.texts(run, episodes))
     return {"probe_" + k: v for k, v in out.items() if not k.endswith("upper_bound")}
 

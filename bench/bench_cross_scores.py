@@ -26,7 +26,6 @@ import torch  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import mi  # noqa: E402
-import ppo  # noqa: E402
 
 
 def build_word_tokenizer(vocab_size):
@@ -65,7 +64,7 @@ def naive_scores(model, tokenizer, prompts, reasonings, batch_size):
         # [B, T]
         mask = (torch.arange(width)[None] < torch.tensor([len(s) for s in seqs])[:, None]).long()
         logits = model(input_ids=ids, attention_mask=mask).logits[:, :-1]  # [B, T - 1, V]
-        logp = ppo.token_logprobs(logits, ids[:, 1:])  # [B, T - 1]
+        logp = torch.log_softmax(logits.float(), -1).gather(-1, ids[:, 1:, None])[..., 0]  # [B, T - 1]
         for r, (m, j) in enumerate(chunk):
             scores[m, j] = (logp[r] * target[r]).sum()
     return scores
@@ -80,7 +79,8 @@ def policy_forward(model, tokenizer, prompts, reasonings, owner):
             for z, j in zip(reasonings, owner)
         ]
     )  # [M, T], equal lengths here
-    return ppo.token_logprobs(model(input_ids=ids).logits[:, :-1], ids[:, 1:])  # [M, T - 1]
+    logits = model(input_ids=ids).logits[:, :-1]  # [M, T - 1, V]
+    return torch.log_softmax(logits.float(), -1).gather(-1, ids[:, 1:, None])[..., 0]  # [M, T - 1]
 
 
 def median_seconds(fns, repeats):

@@ -45,7 +45,6 @@ import torch  # noqa: E402
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import envs  # noqa: E402
 import logprobs  # noqa: E402
-import ppo  # noqa: E402
 import rollout  # noqa: E402
 import snr_filter  # noqa: E402
 import train  # noqa: E402
@@ -106,8 +105,9 @@ def plain_logprobs(model, input_ids, mask, with_entropy=False, temperature=1.0):
     """Full logits at every position, then log-probs and entropies from them (the plain update's forward)."""
     attention_mask = plain_attention(input_ids)
     logits = model(input_ids=input_ids, attention_mask=attention_mask).logits[:, :-1] / temperature  # [b, T-1, V]
-    logp = ppo.token_logprobs(logits, input_ids[:, 1:]) * mask
-    return logp, ppo.entropy_from_logits(logits) * mask if with_entropy else None
+    table = torch.log_softmax(logits.float(), -1)  # float32, as the plain update it stands for
+    logp = table.gather(-1, input_ids[:, 1:, None])[..., 0] * mask                          # [b, T-1]
+    return logp, logprobs.entropy(table) * mask if with_entropy else None
 
 
 PAD = [0]  # the pad id, set in main

@@ -68,6 +68,25 @@ class Diverged(Exception):
         self.what, self.step = what, step
 
 
+class NotExact(Exception):
+    """The diagnosis's token-exactness check far off: a reasoning's score under its own prompt is
+    not the log-prob it was sampled with, so the scorer and the sampler are two policies."""
+
+
+EXACT = 1e-2  # nats a reasoning: float32 rounding gives ~1e-5 (SmolLM2's 30 layers: 1.2e-4)
+
+
+def check_exact(run, what, diff):
+    """Stop the run, naming the check, where `what` (a diagnosis_logprob_diff) exceeds EXACT: its
+    MI and its update's ratio would score another policy than the one that sampled. Not with
+    --retokenize, which scores re-tokenised text (the official way) and is off by design."""
+    if diff is not None and diff > EXACT and not run.args.retokenize:
+        raise NotExact(f"step {run.step + 1}: the diagnosis scores what was sampled {diff:.3g} nats away "
+                       f"from the log-probs it was sampled with ({what} above {EXACT:g}): this "
+                       f"model's forward pass computes its logits otherwise than the scorer "
+                       f"(logprobs.output_logits), so neither its MI nor its update can be trusted")
+
+
 @contextlib.contextmanager
 def finite_sampling(step):
     """The sampler's error on a distribution that is not finite (sampler.draw, as torch.multinomial
@@ -131,6 +150,11 @@ def failed(e, run):
         return 2
     if isinstance(e, Diverged):
         print(f"error: {diverged(e, run.args, run.step, run.created)}", file=sys.stderr)
+        return 2
+    if isinstance(e, NotExact):
+        if not run.step and not run.args.resume:  # as a failed start: the folder as it was found
+            unmake(run.args.out, run.created)
+        print(f"error: {e}", file=sys.stderr)
         return 2
     if isinstance(e, torch.OutOfMemoryError):
         frames = reversed(traceback.extract_tb(e.__traceback__))

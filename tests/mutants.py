@@ -267,8 +267,12 @@ MUTANTS = [
       "setattr(gguf, n, f)", "pass",
       "tests/test_smollm2.py::test_while_converting_a_gguf_file_is_read_once_then_gguf_is_as_it_was"),
     m("update-scores-at-temperature-1", "logprobs.py", "_head_logprobs",
-      "table = tempered(head(hidden), temperature)", "table = tempered(head(hidden), 1.0)",
+      "table = tempered(output_logits(lm, hidden), temperature)",
+      "table = tempered(output_logits(lm, hidden), 1.0)",
       TRAIN + "test_policy_logprobs_score_the_policy_at_its_sampling_temperature"),
+    m("scored-with-the-bare-output-layer", "logprobs.py", "output_logits",
+      "if cap:", "if False:",
+      "tests/test_logprobs.py::test_the_chunks_score_what_the_models_own_forward_gives"),
     # -------------------------------------------------------------------------------- memory.py
     m("checkpointing-whatever-the-memory", "plumbing/memory.py", "memory_plan",
       "for option in [ckpt] if ckpt is not None else [False, True]:",

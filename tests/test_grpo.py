@@ -8,7 +8,8 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 from grpo import episode_advantages_to_tokens, group_advantages
-from ppo import aggregate, kl_estimate, policy_loss, token_logprobs
+from logprobs import token_logprobs
+from ppo import aggregate, kl_estimate, policy_loss
 
 
 def grpo_loss(logp, old_logp, adv, mask, agg="seq-mean-token-mean", **kw):

@@ -7,8 +7,9 @@ from hypothesis import given, settings, strategies as st
 
 import ppo
 from conftest import tiny_qwen2
-from ppo import (aggregate, clipped_policy_loss, entropy_from_logits, gae, kl_estimate, masked_mean,
-                 masked_whiten, policy_loss, token_logprobs, value_loss)
+from logprobs import token_logprobs
+from ppo import (aggregate, clipped_policy_loss, gae, kl_estimate, masked_mean, masked_whiten,
+                 policy_loss, value_loss)
 
 
 # --------------------------------------------------------------------------------------- reductions
@@ -106,45 +107,6 @@ def test_policy_loss_is_the_clipped_loss_minus_the_entropy_bonus_plus_the_kl_ter
     assert alone.item() == pytest.approx(clipped_policy_loss(logp, old, adv, mask)[0].item())
     with pytest.raises(ValueError, match="ref_logp"):
         policy_loss(logp, old, adv, mask, kl_coef=0.1)
-
-
-# -------------------------------------------------------------------------------- policy quantities
-
-def test_token_logprobs_example_and_reference():
-    lp = token_logprobs(torch.tensor([[[0.0, math.log(3.0)]]]), torch.tensor([[1]]))
-    assert lp.item() == pytest.approx(math.log(0.75), abs=1e-6)
-    g = torch.Generator().manual_seed(0)
-    logits = torch.randn(3, 5, 7, generator=g)
-    tokens = torch.randint(0, 7, (3, 5), generator=g)
-    want = torch.log(torch.softmax(logits, -1)).gather(-1, tokens[..., None])[..., 0]
-    torch.testing.assert_close(token_logprobs(logits, tokens), want)
-
-
-def test_token_logprobs_stable_at_large_scale():
-    logits = torch.tensor([[[1e4, 0.0, -1e4]]])
-    lp = token_logprobs(logits, torch.tensor([[1]]))
-    assert lp.item() == pytest.approx(-1e4)   # exactly 0 - 1e4; a naive softmax would give -inf
-
-
-def test_token_logprobs_misaligned_raises():
-    with pytest.raises(ValueError, match="aligned"):
-        token_logprobs(torch.zeros(1, 4, 5), torch.zeros(1, 3, dtype=torch.long))
-
-
-def test_entropy_closed_form():
-    assert entropy_from_logits(torch.zeros(1, 1, 4)).item() == pytest.approx(math.log(4))
-    g = torch.Generator().manual_seed(1)
-    p = torch.rand(2, 3, 6, generator=g, dtype=torch.float64) + 0.01
-    p = p / p.sum(-1, keepdim=True)
-    logits = torch.log(p) + 5.0                   # any shift gives the same softmax
-    want = -(p * torch.log(p)).sum(-1)
-    torch.testing.assert_close(entropy_from_logits(logits).double(), want, atol=1e-5, rtol=1e-5)
-    # peaked distributions stay finite and accurate (exact value from the float64 probabilities)
-    for z in (20.0, 100.0):
-        q = torch.softmax(torch.tensor([z, 0.0, 0.0], dtype=torch.float64), -1)
-        exact = -(q * torch.log(q)).sum().item()
-        h = entropy_from_logits(torch.tensor([[[z, 0.0, 0.0]]])).item()
-        assert math.isfinite(h) and h == pytest.approx(exact, abs=1e-6)
 
 
 # ------------------------------------------------------------------------------------ KL estimators

@@ -1097,6 +1097,15 @@ def own_model_folder(tmp_path, kind):
         model = GPT2LMHeadModel(GPT2Config(vocab_size=len(tokenizer), n_embd=32, n_layer=2, n_head=2,
                                            eos_token_id=tokenizer.eos_token_id,
                                            bos_token_id=tokenizer.eos_token_id))
+    elif kind == "gemma2":  # soft-capped logits, as large as a trained model's (tens)
+        from transformers import Gemma2Config, Gemma2ForCausalLM
+        model = Gemma2ForCausalLM(Gemma2Config(
+            vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, head_dim=8, final_logit_softcapping=30.0,
+            pad_token_id=tokenizer.eos_token_id, bos_token_id=tokenizer.eos_token_id,
+            eos_token_id=tokenizer.eos_token_id))
+        with torch.no_grad():
+            model.model.norm.weight.fill_(40.0)
     else:
         model = LlamaForCausalLM(LlamaConfig(vocab_size=len(tokenizer), hidden_size=32,
                                              intermediate_size=64, num_hidden_layers=2,
@@ -1107,22 +1116,41 @@ def own_model_folder(tmp_path, kind):
     return folder
 
 
-@pytest.mark.parametrize("kind", ["gpt2", "llama"])
+def own_model_argv(folder, out):
+    return ["--model", folder, "--env", "frozenlake", "--groups", "2", "--group-size", "2",
+            "--max-turns", "2", "--max-new-tokens", "6", "--steps", "2", "--mi-every", "1",
+            "--mi-samples", "4", "--probe-prompts", "2", "--probe-samples", "2", "--filter", "none",
+            "--val-every", "0", "--no-plot", "--threads", "1", "--out", out]
+
+
+@pytest.mark.parametrize("kind", ["gpt2", "llama", "gemma2"])
 def test_a_users_own_model_folder_trains_with_the_diagnosis(tmp_path, capsys, kind):
-    """A folder of another architecture (GPT-2) trains through its own forward pass and cache, one
-    line saying so and why; the Llama layout through the decode loop, without that line. Both run
-    2 steps of PPO with the diagnosis, token-exact, and update."""
+    """A folder of another architecture (GPT-2; Gemma 2, which soft-caps its logits) trains
+    through its own forward pass and cache, one line saying so and why; the Llama layout through
+    the decode loop, without that line. Each runs 2 steps of PPO with the diagnosis, token-exact
+    (Gemma 2's logits of tens included), and updates."""
     out = str(tmp_path / "run")
-    argv = ["--model", own_model_folder(tmp_path, kind), "--env", "frozenlake", "--groups", "2",
-            "--group-size", "2", "--max-turns", "2", "--max-new-tokens", "6", "--steps", "2",
-            "--mi-every", "1", "--mi-samples", "4", "--probe-prompts", "2", "--probe-samples", "2",
-            "--filter", "none", "--val-every", "0", "--no-plot", "--threads", "1", "--out", out]
-    assert train.main(argv) == 0
+    assert train.main(own_model_argv(own_model_folder(tmp_path, kind), out)) == 0
     said = capsys.readouterr().out
-    assert ("samples through its own forward pass" in said) == (kind == "gpt2")
+    assert ("samples through its own forward pass" in said) == (kind != "llama")
     steps = records(out)
     assert [r["step"] for r in steps] == [1, 2] and all(r["optimizer_steps"] == 1 for r in steps)
     assert all(r["diagnosis_logprob_diff"] < 1e-4 for r in steps)
+
+
+def test_a_model_scored_otherwise_than_it_samples_is_stopped_in_one_line(tmp_path, capsys,
+                                                                        monkeypatch):
+    """Where the scorer and the model's forward disagree (here the soft cap left out of the
+    scores, as it once was), the token-exactness check is far off at the first diagnosis: the run
+    stops there in one line naming the check, exit 2, and leaves no folder, instead of training
+    on another policy's log-probs."""
+    import logprobs
+    folder, out = own_model_folder(tmp_path, "gemma2"), str(tmp_path / "run")
+    monkeypatch.setattr(logprobs, "output_logits",
+                        lambda lm, hidden: lm.get_output_embeddings()(hidden))
+    last = fails(own_model_argv(folder, out), capsys,
+                 "step 1: the diagnosis scores what was sampled", started=True)
+    assert "diagnosis_logprob_diff above 0.01" in last and not os.path.exists(out)
 
 
 def test_what_cannot_run_is_one_line_before_anything_loads(tmp_path, capsys):

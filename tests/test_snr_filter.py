@@ -10,7 +10,8 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from conftest import tiny_qwen2
-from ppo import clipped_policy_loss, kl_estimate, token_logprobs
+from logprobs import token_logprobs
+from ppo import clipped_policy_loss, kl_estimate
 from snr_filter import (filter_stats, gradient_decomposition, group_scores, rv_buckets,
                         select_groups, task_gradient_bound)
 

@@ -144,8 +144,8 @@ def test_policy_logprobs_equal_the_full_logits_and_their_gradient(tmp_path):
     ids, mask = batch["input_ids"], batch["policy_mask"][:, 1:]  # right-padded [B, T], [B, T-1]
     # plain: [B, T-1, V]
     logits = run.policy(input_ids=ids, attention_mask=batch["attention_mask"]).logits[:, :-1]
-    plain = ppo.token_logprobs(logits, ids[:, 1:]) * mask
-    plain_entropy = ppo.entropy_from_logits(logits) * mask
+    plain = logprobs.token_logprobs(logits, ids[:, 1:]).float() * mask  # the definition
+    plain_entropy = logprobs.token_entropy(logits).float() * mask
     (plain.sum() + plain_entropy.sum()).backward()
     plain_grads = [p.grad.clone() for p in run.policy.parameters()]
     run.policy.zero_grad()
@@ -177,7 +177,8 @@ def test_shared_prefixes_run_once_and_change_nothing(tmp_path, checkpointing):
     assert cells[2][0] == [6, 7] and 0 < cells[2][1] < prompt[6] - 1  # what lone rows share
     run.policy.train()
     logits = run.policy(input_ids=ids, attention_mask=batch["attention_mask"]).logits[:, :-1]
-    plain, plain_entropy = ppo.token_logprobs(logits, ids[:, 1:]) * mask, ppo.entropy_from_logits(logits) * mask
+    plain = logprobs.token_logprobs(logits, ids[:, 1:]).float() * mask
+    plain_entropy = logprobs.token_entropy(logits).float() * mask
     (plain.sum() + plain_entropy.sum()).backward()
     plain_grads = [p.grad.clone() for p in run.policy.parameters()]
     run.policy.zero_grad()
@@ -206,7 +207,7 @@ def test_policy_logprobs_score_the_policy_at_its_sampling_temperature(tmp_path):
         logits = run.policy(input_ids=ids, attention_mask=batch["attention_mask"]).logits[:, :-1]
     assert ppo.masked_mean((logp - sampled).abs(), mask) < 1e-4
     assert ppo.masked_mean((at_one - sampled).abs(), mask) > 0.05
-    torch.testing.assert_close(entropy, ppo.entropy_from_logits(logits / 0.7) * mask, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(entropy, logprobs.token_entropy(logits, 0.7).float() * mask, atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("model, groups, turns", [("tiny", 2, 2), ("smollm2", 1, 1)])
@@ -319,16 +320,16 @@ def test_the_update_equals_a_plain_full_batch_step(tmp_path, algo):
     agg = train.AGGREGATION[algo]
     with torch.no_grad():
         logits = b.policy(input_ids=ids, attention_mask=batch["attention_mask"]).logits[:, :-1]
-        old = ppo.token_logprobs(logits, ids[:, 1:])
+        old = logprobs.token_logprobs(logits, ids[:, 1:]).float()
         if algo == "ppo":
             values = b.critic(ids, batch["attention_mask"])[:, :-1]
             adv, returns = ppo.gae(batch["token_rewards"][:, 1:], values, mask)
         else:
             adv = grpo.episode_advantages_to_tokens(grpo.group_advantages(rewards).reshape(-1), mask)
     logits = b.policy(input_ids=ids, attention_mask=batch["attention_mask"]).logits[:, :-1]
-    logp = ppo.token_logprobs(logits, ids[:, 1:])
+    logp = logprobs.token_logprobs(logits, ids[:, 1:]).float()
     pg_loss, _ = ppo.clipped_policy_loss(logp, old, adv, mask, agg=agg)
-    loss = pg_loss - b.args.entropy_coef * ppo.aggregate(ppo.entropy_from_logits(logits), mask, agg)
+    loss = pg_loss - b.args.entropy_coef * ppo.aggregate(logprobs.token_entropy(logits).float(), mask, agg)
     loss.backward()
     if algo == "ppo":
         ppo.value_loss(b.critic(ids, batch["attention_mask"])[:, :-1], values, returns, mask, 0.5).backward()
