@@ -60,7 +60,7 @@ def make_env(name, **kwargs):
     return cls(**kwargs)
 
 
-# ------------------------------------------------------------------------- what a real model reads
+# -------------------------------------------------------------------------- what a policy is shown
 
 OBSERVATIONS = ("grid", "coords")  # --observation: the paper's bare grid, or with its coordinates
 # the objects the coordinates line names, per world: (name, the grid symbols that show it)
@@ -90,6 +90,67 @@ def coordinates(name, grid):
     return ", ".join(f"{label} " + (", ".join(f"({r},{c})" for r, c in where(grid, symbols))
                                     or "none")
                      for label, symbols in COORDINATES[name]) + "."
+
+
+# The tiny policy's observation line (rollout.tiny_user): where the objects are and the way between
+# them, a perception aid (a 2-layer network trained for minutes reads neither coordinates off a grid
+# nor their differences); which way to go is still the policy's to choose.
+# the objects the tiny policy's positions line names, per world: (name, grid symbols that show
+# it); the coordinates line's but FrozenLake's holes, which the tiny policy is not told
+OBJECTS = {"sokoban": COORDINATES["sokoban"], "frozenlake": COORDINATES["frozenlake"][:2]}
+NEIGHBOURS = (("Up", -1, 0), ("Down", 1, 0), ("Left", 0, -1), ("Right", 0, 1))
+
+
+def object_cells(env_name, grid):
+    """The cells of each object OBJECTS names, in its order:
+    object_cells("frozenlake", "P_\\n_G") == [[(0, 0)], [(1, 1)]]."""
+    return [where(grid, symbols) for _, symbols in OBJECTS[env_name]]
+
+
+def way_between(frm, to):
+    """How far cell `to` lies from `frm`, rows then columns, always both:
+    way_between((0, 2), (1, 1)) == '1 Down, 1 Left'."""
+    (dr, dc) = (to[0] - frm[0], to[1] - frm[1])
+    return f"{abs(dr)} {'Up' if dr < 0 else 'Down'}, {abs(dc)} {'Left' if dc < 0 else 'Right'}"
+
+
+def positions(env_name, obs):
+    """Where the objects of a grid are, and how far apart, as text (a way is always rows, then
+    columns):
+
+    >>> positions("frozenlake", "P_\\n_G")
+    'Player (0,0), goal (1,1). Goal: 1 Down, 1 Right.'
+
+    Sokoban adds the way from the player to the box and from the box to the target (one-box rooms),
+    then what lies next to the player (`around`).
+    """
+    cells = object_cells(env_name, obs)
+    at = [", ".join(f"({r},{c})" for r, c in found) or "none" for found in cells]
+    text = ", ".join(f"{name} {where}" for (name, _), where in zip(OBJECTS[env_name], at)) + "."
+    one_each = all(len(found) == 1 for found in cells)
+    if env_name == "frozenlake":
+        return text + f" Goal: {way_between(cells[0][0], cells[1][0])}." if one_each else text
+    if one_each:
+        text += (f" Box: {way_between(cells[0][0], cells[1][0])}. "
+                 f"Target: {way_between(cells[1][0], cells[2][0])}.")
+    return text + f" {around(obs)}" if len(cells[0]) == 1 else text
+
+
+def around(obs):
+    """What lies next to the Sokoban player; outside the grid counts as wall.
+
+    >>> around("###\\n#PX\\n#_#")
+    'Around: Up wall, Down floor, Left wall, Right box.'
+    """
+    rows = obs.split("\n")
+    (r, c), = where(obs, "PS")
+
+    def cell(rr, cc):
+        inside = 0 <= rr < len(rows) and 0 <= cc < len(rows[rr])
+        return Sokoban.SYMBOLS[rows[rr][cc]] if inside else "wall"
+
+    ways = ", ".join(f"{name} {cell(r + dr, c + dc)}" for name, dr, dc in NEIGHBOURS)
+    return f"Around: {ways}."
 
 
 # ---------------------------------------------------------------------------- reading model replies

@@ -6,8 +6,8 @@ three so that each can import it.
     H(pi_t)               = -sum_v pi_t(v) log pi_t(v)                          (entropy)
 
 pi is the policy that sampled: its logits divided by the rollouts' temperature, as verl and TRL
-divide them before every log-prob; the log-softmax in float64, as the sampler's sums (plumbing/
-sampler.sample), so that what a reply was sampled with is what it scores. `token_logprobs` and
+divide them before every log-prob; the log-softmax in float64, as the sampler's sums
+(generate.sample), so that what a reply was sampled with is what it scores. `token_logprobs` and
 `token_entropy` are the definition over full logits [B, T, V]; `policy_logprobs` computes the same
 numbers (tests hold them equal) with the transformer body run once and the output layer only on
 the hidden states at the positions that matter, a chunk at a time (head_logprobs): no [B, T, V]
@@ -24,7 +24,7 @@ import torch.utils.checkpoint
 def tempered(logits, temperature=1.0):
     """log pi = log softmax(logits / temperature) over the vocabulary [..., V], in float64: the
     one definition of the policy that the update scores and the diagnosis cross-scores (mi.py), and
-    the sampler draws from (plumbing/sampler.sample: float32 tables, the same float64 sums).
+    the sampler draws from (generate.sample: float32 tables, the same float64 sums).
     float64, because a float32 sum over a large vocabulary drifts with one sign, and a reply's
     score would stray from the log-prob it was sampled with.
 
@@ -161,7 +161,9 @@ def shared_prefix_hidden(decoder, ids, n):
 
 def cache_keyword(module):
     """The name under which a Hugging Face model takes its key/value cache: `cache` from
-    transformers 5.24, `past_key_values` before (and a `past_key_values` that 5.24 still reads)."""
+    transformers 5.24, `past_key_values` before (and a `past_key_values` that 5.24 still reads).
+    A peft model passes its keywords on to the model it wraps: that model's name."""
+    module = module.get_base_model() if hasattr(module, "get_base_model") else module
     return "cache" if "cache" in inspect.signature(module.forward).parameters else "past_key_values"
 
 

@@ -84,6 +84,42 @@ def with_coordinates(env_name):
     return user
 
 
+TINY_SYSTEM = "Reach the goal. Think in <think> </think>, then act in <answer> </answer>."
+
+
+def tiny_user(env_name):
+    """The tiny policy's user turn: the grid, then (Sokoban, FrozenLake) its positions line
+    (envs.positions) -- and nothing else, so every turn of a world has the same shape and the
+    newest line sits at a fixed distance before the reasoning that reads it.
+
+    >>> tiny_user("frozenlake")("P_\\n_G", 0.0, 10, 1)
+    'P_\\n_G\\nPlayer (0,0), goal (1,1). Goal: 1 Down, 1 Right.'
+    """
+    if env_name not in envs.OBJECTS:
+        return lambda obs, turn_reward, actions_left, turn: obs
+    return lambda obs, turn_reward, actions_left, turn: obs + "\n" + envs.positions(env_name, obs)
+
+
+def prompts(env_name, tiny=False, observation="grid"):
+    """The prompt pieces a run plays with (play's `system` and `user`; none given: the paper's),
+    chosen here for every run:
+      a real model (Qwen2.5, SmolLM2, a folder of one): the paper's system_prompt and user_message
+        on the bare grid, RAGEN's; with --observation coords each grid followed by its coordinates
+        (with_coordinates), where things are but not the way;
+      the tiny policy (--model tiny, the default on a CPU): TINY_SYSTEM, one line, and tiny_user,
+        the grid and a line that names the way to the goal (envs.positions): a 64-wide network
+        cloned from demonstrations in minutes reads no coordinates off a grid, so it is handed
+        them, and what it learns by RL is which move to make and how to say so.
+    A run writes the first prompt it renders into its folder (prompt.txt), as the policy read it.
+
+    >>> prompts("frozenlake"), sorted(prompts("frozenlake", tiny=True))
+    ({}, ['system', 'user'])
+    """
+    if tiny:
+        return {"system": TINY_SYSTEM, "user": tiny_user(env_name)}
+    return {"user": with_coordinates(env_name)} if observation == "coords" else {}
+
+
 # -------------------------------------------------------------------- chat template, token by token
 def _render(tokenizer, messages, add_generation_prompt):
     return tokenizer.apply_chat_template(
@@ -219,31 +255,42 @@ class Episode:
             self.entropies += list(entropies) if entropies is not None else [0.0] * len(tokens)
 
 
-def play(policy, tokenizer, env_name, seeds, group_size, env_kwargs=None, max_turns=5,
-         max_actions_per_turn=2, system=None, prefill="<think>", user=user_message,
-         noise_seeds=None):
-    """Play len(seeds) groups x group_size rollouts for at most max_turns turns; each turn one
-    policy call for all running episodes (episodes that ended are not generated for). system: None
-    (system_prompt(env)), a string, or a function env -> string; user: the function that writes each
-    user turn (user_message's signature); noise_seeds: one transition-noise seed per episode, in
-    the order returned (default: seed * 1000 + k for rollout k of a group; a caller holding only
-    part of a group passes the numbers of the rollouts it holds). Returns the episodes group by
-    group."""
+@dataclass
+class Turns:
+    """How an episode is played, beside its policy and seeds (play's keywords): the world's
+    settings, at most `max_turns` turns of at most `max_actions_per_turn` actions, and the prompt
+    pieces -- `system`: None (system_prompt(env)), a string, or a function env -> string; `user`:
+    the function that writes each user turn (user_message's signature); `prefill`: what the
+    assistant's turn starts with (prompts chooses system and user for a run)."""
+    env_kwargs: dict = None
+    max_turns: int = 5
+    max_actions_per_turn: int = 2
+    system: object = None
+    user: object = user_message
+    prefill: str = "<think>"
+
+
+def play(policy, tokenizer, env_name, seeds, group_size, noise_seeds=None, **turns):
+    """Play len(seeds) groups x group_size rollouts, as `turns` (Turns' fields) say; each turn one
+    policy call for all running episodes (episodes that ended are not generated for).
+    noise_seeds: one transition-noise seed per episode, in the order returned (default: seed * 1000
+    + k for rollout k of a group; a caller holding only part of a group passes the numbers of the
+    rollouts it holds). Returns the episodes group by group."""
+    how = Turns(**turns)
     if not (isinstance(group_size, int) and 1 <= group_size <= 1000):
         raise ValueError(f"group_size must be an int in 1..1000, got {group_size!r}")
-    if max_turns < 1 or max_actions_per_turn < 1:
-        raise ValueError(f"max_turns and max_actions_per_turn must be >= 1, got {max_turns}, "
-                         f"{max_actions_per_turn}")
+    if how.max_turns < 1 or how.max_actions_per_turn < 1:
+        raise ValueError(f"max_turns and max_actions_per_turn must be >= 1, got {how.max_turns}, "
+                         f"{how.max_actions_per_turn}")
     if noise_seeds is None:
         noise_seeds = [seed * 1000 + k for seed in seeds for k in range(group_size)]
     if len(noise_seeds) != len(seeds) * group_size:
         raise ValueError(f"need one noise seed per episode ({len(seeds) * group_size}), got "
                          f"{len(noise_seeds)}")
-    episodes = [start(tokenizer, env_name, g, seed, noise_seeds[g * group_size + k], env_kwargs,
-                      system, user, prefill, max_actions_per_turn)
+    episodes = [start(tokenizer, env_name, g, seed, noise_seeds[g * group_size + k], how)
                 for g, seed in enumerate(seeds) for k in range(group_size)]
     stop_ids = end_of_turn_ids(tokenizer)
-    for turn in range(1, max_turns + 1):
+    for turn in range(1, how.max_turns + 1):
         running = [e for e in episodes if not e.done]
         if not running:
             break
@@ -253,41 +300,43 @@ def play(policy, tokenizer, env_name, seeds, group_size, env_kwargs=None, max_tu
                 f"policy returned {len(generations)} generations for {len(running)} prompts"
             )
         for e, gen in zip(running, generations):
-            ended = act(e, gen, tokenizer, stop_ids, turn, prefill, max_actions_per_turn)
-            e.done = e.done or turn == max_turns
+            ended = act(e, gen, tokenizer, stop_ids, turn, how)
+            e.done = e.done or turn == how.max_turns
             if not e.done:  # the next observation: only the template tokens new since the reply
-                between = _encode(tokenizer, _after_assistant(tokenizer, user(
+                between = _encode(tokenizer, _after_assistant(tokenizer, how.user(
                     e.env.render(), e.turn_rewards[-1], e.env.max_steps - e.num_actions,
-                    turn + 1), prefill))
+                    turn + 1), how.prefill))
                 if ended and between and between[0] == e.ids[-1]:
                     between = between[1:]  # the policy wrote the end-of-turn token itself
                 e.append(between, 0.0)
     return episodes
 
 
-def start(tokenizer, env_name, group, seed, noise_seed, env_kwargs, system, user, prefill,
-          max_actions_per_turn):
+def start(tokenizer, env_name, group, seed, noise_seed, how):
     """A new episode: the world reset to its layout (`seed`) and noise (`noise_seed`), the turn-1
-    prompt rendered through the chat template and encoded, up to and including `prefill`."""
-    env = envs.make_env(env_name, **(env_kwargs or {}))
+    prompt rendered through the chat template (`how`: Turns) and encoded, up to and including its
+    prefill."""
+    env = envs.make_env(env_name, **(how.env_kwargs or {}))
     obs, info = env.reset(seed=seed, noise_seed=noise_seed)
-    sys_text = system_prompt(env, max_actions_per_turn) if system is None else (
+    system = how.system
+    sys_text = system_prompt(env, how.max_actions_per_turn) if system is None else (
         system(env) if callable(system) else system)
     messages = [{"role": "system", "content": sys_text},
-                {"role": "user", "content": user(obs, 0.0, env.max_steps, 1)}]
+                {"role": "user", "content": how.user(obs, 0.0, env.max_steps, 1)}]
     prompt_text = _render(tokenizer, messages, add_generation_prompt=True)
-    ids = _encode(tokenizer, prompt_text + prefill)
+    ids = _encode(tokenizer, prompt_text + how.prefill)
     return Episode(env=env, group=group, seed=seed, noise_seed=noise_seed, ids=ids,
                    policy_mask=[0.0] * len(ids), logprobs=[0.0] * len(ids),
                    prompt_text=prompt_text, entropies=[0.0] * len(ids),
                    success=bool(info.get("success", False)))
 
 
-def act(e, gen, tokenizer, stop_ids, turn, prefill, max_actions_per_turn):
+def act(e, gen, tokenizer, stop_ids, turn, how):
     """One turn of episode `e` after the policy replied `gen`: the reply recorded (turn 1 also as
     the diagnosis' FirstTurn), parsed as the official loop does, its valid actions among the first
-    max_actions_per_turn pieces stepped, the turn's reward (with the format penalty) recorded ->
-    whether the policy ended its turn itself (with an end-of-turn token)."""
+    how.max_actions_per_turn pieces stepped, the turn's reward (with the format penalty) recorded
+    -> whether the policy ended its turn itself (with an end-of-turn token)."""
+    prefill, max_actions_per_turn = how.prefill, how.max_actions_per_turn
     tokens = list(gen.token_ids)
     if gen.logprobs is None:
         e.logprobs = None

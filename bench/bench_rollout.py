@@ -36,7 +36,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import envs  # noqa: E402
 import rollout  # noqa: E402
 from plumbing import sampler  # noqa: E402
-from warmstart import demos, tiny  # noqa: E402
+from warmstart import tiny  # noqa: E402
 from bench_cross_scores import median_seconds  # noqa: E402
 
 
@@ -145,7 +145,7 @@ def main():
                 seeds,
                 args.group_size,
                 max_turns=args.turns,
-                system=demos.TINY_SYSTEM,
+                system=rollout.TINY_SYSTEM,
             )
         return sum(sum(e.response_lengths) for e in episodes)
 

@@ -44,6 +44,7 @@ import torch  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import envs  # noqa: E402
+import generate  # noqa: E402
 import logprobs  # noqa: E402
 import rollout  # noqa: E402
 import snr_filter  # noqa: E402
@@ -87,7 +88,7 @@ def plain_policy(model, tokenizer, max_new_tokens, temperature=1.0, top_p=1.0):
             )
         new = out[:, width:]
         logprobs = torch.stack(tables, 1)[:, : new.shape[1]].gather(-1, new[..., None])[..., 0]
-        return sampler.as_generations(new.tolist(), logprobs.tolist(), stop_ids)
+        return generate.as_generations(new.tolist(), logprobs.tolist(), stop_ids)
 
     return policy
 

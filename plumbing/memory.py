@@ -99,7 +99,7 @@ def rollout_bytes(a, cfg, n_all, longest):
     piece of a prompt (the first prompt, or a reply and the next observation) against every slot,
     the G query heads of a key/value head side by side, as bools and as the additive bias attention
     makes of them (1 + the sampling dtype's bytes each); and a step's tables over the vocabulary
-    (sampler.sample): the float32 tempered logits, less their largest, its exp and their product
+    (generate.sample): the float32 tempered logits, less their largest, its exp and their product
     for the entropy (4 x 4 bytes) and draw's float64 running sum (8), and with --sample-top-p < 1
     the nucleus' sorted float32 table, its int64 order, its float64 running sum and two float32
     tables it makes (28 more)."""

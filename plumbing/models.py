@@ -94,7 +94,7 @@ def load_policy(a, source, device, env_kwargs):
                                                template_prior=a.template_prior,
                                                template_kind=a.template_kind)
                             if a.warm_start else load_smollm2())
-        return model.to(device), tokenizer, real_prompt(a.env, a.observation)
+        return model.to(device), tokenizer, rollout.prompts(a.env, observation=a.observation)
     if source == "tiny":
         try:
             model, tokenizer = tiny.load_tiny(
@@ -113,7 +113,7 @@ def load_policy(a, source, device, env_kwargs):
             why = "a file is in the way" if in_the_way else e.strerror or str(e)
             raise ModelError(f"--tiny-cache {a.tiny_cache}: cannot use it as the warm start's "
                              f"cache folder ({why})") from None
-        return model.to(device), tokenizer, tiny.prompts(a.env)
+        return model.to(device), tokenizer, rollout.prompts(a.env, tiny=True)
     folder = os.path.expanduser(source)
     saved = {}  # what a checkpoint of ours adds: its prompt, its attention kernel, its LoRA base
     if os.path.isfile(os.path.join(folder, "policy.json")):
@@ -140,15 +140,8 @@ def load_policy(a, source, device, env_kwargs):
         model.set_adapter("default")
         return model.to(device), tokenizer, prompt
     model, tokenizer = load_hf(source, saved.get("attn_implementation"))
-    tiny_prompt = saved.get("prompt") == "tiny"
-    prompt = tiny.prompts(a.env) if tiny_prompt else real_prompt(a.env, a.observation)
+    prompt = rollout.prompts(a.env, saved.get("prompt") == "tiny", a.observation)
     return model.to(device), tokenizer, prompt
-
-
-def real_prompt(env_name, observation):
-    """rollout.play's prompt pieces for a real model: the paper's (system_prompt, user_message on
-    the bare grid), or with --observation coords each grid followed by its coordinates."""
-    return {"user": rollout.with_coordinates(env_name)} if observation == "coords" else {}
 
 
 def load_hf(source, attn_implementation=None):
@@ -385,7 +378,7 @@ def _build_smollm2(model, tokenizer, folder, env_name, env_kwargs, settings, dev
     try:
         demos.imitate(model, tokenizer, env_name, env_kwargs, steps=steps, start=start, state=state,
                       batch_size=settings["batch_size"], lr=settings["lr"], seed=settings["seed"],
-                      turns=settings["turns"], prompt=real_prompt(env_name, observation),
+                      turns=settings["turns"], prompt=rollout.prompts(env_name, observation=observation),
                       reason=demos.work_out if observation == "coords" else demos.describe,
                       template_prior=template_prior, on_step=on_step,
                       pool=templates.real_template(template_kind) if template_prior else ())

@@ -52,6 +52,7 @@ from plumbing.checkpoints import (CheckpointError, atomic_write, checkpoint_ever
                                   drop_garbage, log_steps, recover_checkpoint, restore,
                                   restore_metrics, save_checkpoint)
 from warmstart import tiny
+from plumbing.defaults import VAL_SEED_BASE
 from plumbing.flags import UsageError, env_kwargs, read_config
 
 TINY_THREADS = 2  # --threads for the tiny policy on a CPU, whatever the machine: results depend on it
@@ -89,7 +90,7 @@ def check_exact(run, what, diff):
 
 @contextlib.contextmanager
 def finite_sampling(step):
-    """The sampler's error on a distribution that is not finite (sampler.draw, as torch.multinomial
+    """The sampler's error on a distribution that is not finite (generate.draw, as torch.multinomial
     says it), as Diverged at `step`."""
     try:
         yield
@@ -279,7 +280,7 @@ def start(a, argv=()):
     if a.model == "tiny":  # before a warm start is built for a world whose prompts cannot fit
         policy, tokenizer = tiny.load_tiny(a.env, env_kwargs(a), warm_start=False)
         check_lora_targets(a, policy)
-        check_fits(a, policy, tokenizer, tiny.prompts(a.env))
+        check_fits(a, policy, tokenizer, rollout.prompts(a.env, tiny=True))
     else:
         check_causal_lm(a)
         check_lora_targets(a)
@@ -316,6 +317,7 @@ def start(a, argv=()):
         run.last = last_metrics(os.path.join(a.out, "metrics.jsonl"))
         write_config(a)
         write_provenance(run, argv)
+        write_prompt(run)
         run.log = open(os.path.join(a.out, "metrics.jsonl"), "a")
         run.tracker = None if a.report_to == "none" else Tracker(a, run.step)
         if a.steps > 0:
@@ -529,6 +531,18 @@ def write_provenance(run, argv):
                                          else "")).strip(),
                     "torch": torch.__version__})
     atomic_write(path, json.dumps(entries, indent=1))
+
+
+def write_prompt(run):
+    """<out>/prompt.txt: the turn-1 prompt of the first validation seed's layout as the policy
+    reads it -- its token ids decoded, special tokens and the "<think>" it ends on included --
+    with the prompt pieces rollout.prompts chose for this run."""
+    a = run.args
+    how = rollout.Turns(env_kwargs=env_kwargs(a), max_turns=a.max_turns,
+                        max_actions_per_turn=a.max_actions_per_turn, **run.prompt)
+    episode = rollout.start(run.tokenizer, a.env, 0, VAL_SEED_BASE, 0, how)
+    atomic_write(os.path.join(a.out, "prompt.txt"),
+                 run.tokenizer.decode(episode.ids, skip_special_tokens=False))
 
 
 def last_metrics(path):

@@ -1,42 +1,30 @@
-"""Sampling many episodes at once: a Hugging Face causal LM as the policy that rollout.play calls,
-decoded the way gpt-fast decodes (pytorch-labs/gpt-fast): a prefill, then a loop of identical
-steps over a key/value cache that is allocated once and written at positions.
+"""The faster layer under generate.py's plain sampler, for Llama-layout decoders (Llama, SmolLM2,
+Qwen2 / 2.5, Qwen3; the tiny policy is a Qwen2): the same sampling law and the same loop of
+identical steps (generate.sample, generate.decode), with a prefill and a step of its own, written as
+gpt-fast writes a decoder (pytorch-labs/gpt-fast). Any other causal LM samples through
+generate.own_forward. tests/test_sampler.py holds the two equal token for token.
 
-Apart from the agent-environment loop: rollout.play needs only some policy(prompt_ids, envs) ->
-list[rollout.Generation] (tests and demos pass scripted ones), while what is here is what makes a
-real model's rollouts run at the hardware's pace, and the tiny policy's fast on a CPU.
+The cache. Allocated once and written at positions: rows are episodes; every row writes its k-th
+fed token into the same slot k, so the slot a step writes is one number the host knows without
+asking the device. Where rows differ in length, slots hold holes (left padding, the steps after a
+row stopped) that a boolean mask `valid` hides; every token gets its own transcript's position id,
+so attention and RoPE see exactly what a fresh forward pass over the transcript sees. Each turn's
+prompt is the last turn's transcript plus the reply and the new observation, so an episode keeps
+its rows between turns and encodes only the new tokens (turn 5 of a 700-token Sokoban transcript
+costs its ~100 new tokens, not 700). What the prompts share is encoded once: the system prompt on
+one row, then each distinct prompt's rest, then the group's rows copied from it.
 
-The sampling law. Each new token is drawn from softmax(logits / temperature) (or its top-p
-nucleus), and the drawn token's tempered full-vocabulary log-prob and that distribution's entropy
-are recorded -- what a training forward pass recomputes (tests check it; in float32 the update
-takes them from here). With top_p < 1 the log-prob of the renormalised nucleus is not what is
-recorded: training compares against the tempered full policy.
-
-The cache. Rows are episodes; every row writes its k-th fed token into the same slot k, so the
-slot a step writes is one number the host knows without asking the device. Where rows differ in
-length, slots hold holes (left padding, the steps after a row stopped) that a boolean mask `valid`
-hides; every token gets its own transcript's position id, so attention and RoPE see exactly what a
-fresh forward pass over the transcript sees. Each turn's prompt is the last turn's transcript plus
-the reply and the new observation, so an episode keeps its rows between turns and encodes only the
-new tokens (turn 5 of a 700-token Sokoban transcript costs its ~100 new tokens, not 700). What the
-prompts share is encoded once: the system prompt on one row, then each distinct prompt's rest,
-then the group's rows copied from it.
-
-The step. Llama-layout decoders (Llama, SmolLM2, Qwen2 / 2.5, Qwen3: the tiny policy is a Qwen2)
-run through `forward`, which calls the model's own norms, rotary tables and embedding but does the
-products and the attention itself: the G query heads that share a key/value head are laid side by
-side as G query rows of that head, so grouped keys and values are read as they are, never copied
-G times (the trick of flash-decoding). The weights are made at every call from the live ones
+The step. `forward` calls the model's own norms, rotary tables and embedding but does the products
+and the attention itself: the G query heads that share a key/value head are laid side by side as
+G query rows of that head, so grouped keys and values are read as they are, never copied G times
+(the trick of flash-decoding). The weights are made at every call from the live ones
 (sampling_weights: q, k and v joined, gate and up joined, LoRA adapters merged, in autocast's
 dtype, transposed where the CPU multiplies that layout faster). Nothing in a step asks the device
-anything: stopped rows are masked on the device, and whether every row has stopped, or a
-distribution stopped being finite, is read every `check_every` steps (each a wait for the device
-on a GPU, free on a CPU). So on a GPU the step -- the forward pass and the next token's sampling,
-sampling_step, its uniform numbers drawn before it -- is captured once as a CUDA graph over the
-cache's tensors and replayed (graphed_step), in the turns after too while the cache keeps its
-tensors: one launch a token instead of hundreds, what torch.compile's "reduce-overhead" mode would
-record, without a compiler. Any other causal LM samples through its own forward pass and cache
-(own_forward): slower, the same law.
+anything, so on a GPU the step -- the forward pass and the next token's sampling, sampling_step,
+its uniform numbers drawn before it -- is captured once as a CUDA graph over the cache's tensors
+and replayed (graphed_step), in the turns after too while the cache keeps its tensors: one launch
+a token instead of hundreds, what torch.compile's "reduce-overhead" mode would record, without a
+compiler.
 """
 import dataclasses
 import functools
@@ -44,101 +32,14 @@ import functools
 import torch
 import torch.nn.functional as F
 
+import generate
 import logprobs
 import rollout
+from generate import sample, uniforms
 from plumbing import hardware
 
-LLAMA_LAYOUT = ("llama", "qwen2", "qwen3")  # decoders `forward` runs; others: own_forward
+LLAMA_LAYOUT = ("llama", "qwen2", "qwen3")  # decoders `forward` runs; others: generate.py
 ROOM = 256  # the cache grows by this many slots at a time: few reallocations, few shapes
-
-
-def as_generations(tokens, logprobs, stop_ids, entropies=None):
-    """Sampled rows [B][N], their log-probs (and the entropies [B][N] of the distributions they
-    were drawn from, if given) as Generations, each ending after its first end-of-turn token; a
-    row without one was cut by the token limit. Rows sampled together run to the same length, so
-    what follows a row's stop is dropped here.
-
-    >>> out = as_generations([[5, 9, 0], [5, 6, 7]], [[-1.0, -2.0, 0.0], [-1.0, -1.0, -1.0]], [9])
-    >>> [(g.token_ids, g.logprobs, g.cut) for g in out]
-    [([5, 9], [-1.0, -2.0], False), ([5, 6, 7], [-1.0, -1.0, -1.0], True)]
-    """
-    out = []
-    for b, (row, lp) in enumerate(zip(tokens, logprobs)):
-        end = next((i + 1 for i, t in enumerate(row) if t in stop_ids), None)
-        out.append(rollout.Generation(row[:end], lp[:end], cut=end is None,
-                                      entropies=None if entropies is None else entropies[b][:end]))
-    return out
-
-
-# ------------------------------------------------------------------------------ the sampling law
-
-def nucleus(probs, top_p):
-    """Top-p filtering of unnormalised probabilities [B, V]: zero every token whose likelier tokens
-    already hold top_p of the row's mass -> [B, V] (unnormalised; draw does not need the sum to be
-    1). The most likely token always stays. The running sums in float64.
-
-    >>> nucleus(torch.tensor([[0.2, 1.2, 0.6]]), 0.7)
-    tensor([[0.0000, 1.2000, 0.6000]])
-    """
-    ranked, order = probs.sort(dim=-1, descending=True)                        # [B, V]
-    running = ranked.cumsum(-1, dtype=torch.float64)                           # [B, V]
-    drop = running - ranked >= top_p * running[:, -1:]                         # [B, V]
-    return torch.zeros_like(probs).scatter(-1, order, ranked.masked_fill(drop, 0.0))
-
-
-def draw(probs, u=None):
-    """One token a row from unnormalised probabilities [B, V], by inverse transform: a uniform
-    number a row (`u` [B, 1], drawn here when not given), scaled to the row's total, looked up in
-    its running sum (float64: a float32 sum over a large vocabulary drifts) -> ([B] tokens, [B]
-    whether the row was finite). The same law as torch.multinomial, which draws an exponential for
-    every entry of the row (with a 49,152-token vocabulary, most of a step's sampling time); this
-    draws one number. A token of probability 0 is never drawn. A row that is not finite (nan and
-    inf run on into its total) draws a meaningless token; the caller reads the flags when it next
-    checks, without a wait for the device here.
-
-    >>> draw(torch.tensor([[0.0, 2.0, 0.0], [1.0, 0.0, 0.0]]))[0].tolist()
-    [1, 0]
-    """
-    cdf = probs.cumsum(-1, dtype=torch.float64)                                # [B, V]
-    if u is None:
-        u = uniforms(len(probs), cdf.device)
-    token = torch.searchsorted(cdf, u * cdf[:, -1:], right=True)[:, 0]         # [B]
-    return token.clamp_max(probs.shape[-1] - 1), torch.isfinite(cdf[:, -1])
-
-
-def uniforms(rows, device):
-    """The uniform numbers `draw` looks up, [rows, 1], from torch's global generator."""
-    return torch.rand(rows, 1, dtype=torch.float64, device=device)
-
-
-def sample(logits, temperature, top_p, forced=None, u=None):
-    """The next token of each row from its logits [B, V] -> (token [B], its log-prob [B], the
-    distribution's entropy [B], finite [B]), all of the tempered full distribution; temperature 0
-    is greedy (the log-probs then at temperature 1); `forced` [B]: these tokens instead, scored as
-    if drawn (a replay of given replies); `u`: draw's uniform numbers, where drawn before.
-
-    The tables are float32 -- x = logits / temperature, x less its row's largest, and its exp --
-    and only the sums over the vocabulary are float64 (a float32 sum over 150,000 terms drifts
-    with one sign): log pi(token) = x_token - max - log(sum exp(x - max)) and the entropy
-    log(sum) - sum(exp(x - max)(x - max)) / sum. So the recorded log-prob is logprobs.tempered's
-    float64 one (what the update and the diagnosis score) up to the float32 rounding of x, ~1e-7
-    of |x|, at a third of a float64 table's bytes. A row is finite when x holds no nan and its
-    largest entry is finite: a token masked to -inf is a legitimate zero (0 log 0 = 0)."""
-    x = logits.float() / (temperature or 1.0)                                  # [B, V]
-    top = x.amax(-1, keepdim=True)                                             # [B, 1]
-    shifted = x - top                                                          # [B, V]
-    e = shifted.exp()                                                          # [B, V]
-    total = e.sum(-1, dtype=torch.float64)                                     # [B]
-    if forced is not None:
-        token = forced                                                         # [B]
-    elif temperature == 0:
-        token = x.argmax(-1)                                                   # [B]
-    else:
-        token = draw(e if top_p == 1.0 else nucleus(e, top_p), u)[0]          # [B]
-    logp = (x.gather(1, token[:, None])[:, 0].double() - top[:, 0].double()) - total.log()
-    spread = (e * shifted.clamp(min=torch.finfo(x.dtype).min)).sum(-1, dtype=torch.float64)
-    finite = ~x.isnan().any(-1) & torch.isfinite(top[:, 0])                    # [B]
-    return token, logp, total.log() - spread / total, finite
 
 
 # --------------------------------------------------------------------- the cache and the decoder
@@ -195,7 +96,7 @@ def select(cache, index):
 def check_layout(model):
     """The model's base causal LM if the decode loop can run it -- the Llama layout without a
     sliding window, LoRA adapters (not DoRA) -- else None: such a model samples through its own
-    forward pass and cache (own_forward)."""
+    forward pass and cache (generate.own_forward)."""
     lm = model.get_base_model() if hasattr(model, "get_base_model") else model
     cfg = lm.config
     kind = getattr(cfg, "model_type", None)
@@ -395,49 +296,18 @@ def cuda_graph(run):
     return replay
 
 
-# -------------------------------------------------------- any other model: its own forward
-
-def own_forward(model, prompt_ids, pad, device):
-    """A model the decode loop cannot run (another architecture: GPT-2, Gemma, Phi...) through its
-    own forward pass and key/value cache: the prompts left-padded and encoded whole, then one token
-    a step, a stopped row fed a hole -> (the first logits [B, V], advance(token, running) -> the
-    next logits). Slower: nothing is kept across turns, and the model's own layers run."""
-    B, width = len(prompt_ids), max(map(len, prompt_ids))
-    ids = torch.full((B, width), pad, dtype=torch.long)                        # [B, W]
-    mask = torch.zeros((B, width), dtype=torch.long)                           # [B, W]
-    for b, p in enumerate(prompt_ids):
-        ids[b, width - len(p):], mask[b, width - len(p):] = torch.tensor(p, dtype=torch.long), 1
-    ids, mask = ids.to(device), mask.to(device)
-    positions = (mask.cumsum(1) - 1).clamp(min=0)                              # [B, W]
-    out = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True)
-    state = dict(cache=logprobs.cache_of(out), mask=mask, position=positions[:, -1] + 1)
-
-    def advance(token, running):
-        state["mask"] = torch.cat([state["mask"], running[:, None].long()], 1)  # [B, W + t]
-        out = model(input_ids=token[:, None], attention_mask=state["mask"],
-                    position_ids=state["position"][:, None], use_cache=True,
-                    **{logprobs.cache_keyword(model): state["cache"]})
-        state["cache"] = logprobs.cache_of(out)
-        state["position"] = state["position"] + running.long()
-        return out.logits[:, -1]
-    return out.logits[:, -1], advance
-
-
 # ------------------------------------------------------------------------------------- the policy
 
 def hf_policy(model, tokenizer, max_new_tokens, temperature=1.0, top_p=1.0, check_every=None,
               capture=None, transposed=None):
-    """A Hugging Face causal LM as a policy(prompt_ids, envs) -> list[Generation]: one batched call
-    for all prompts, each stopping at an end-of-turn token or after max_new_tokens; temperature 0
-    means greedy (log-probs then at temperature 1). Sampling settings are explicit, so a
-    checkpoint's generation_config (e.g. Qwen's repetition penalty and top_k) cannot change the
-    distribution. Runs on the model's device in its current mode and dtype (sample in eval mode:
-    no dropout; under autocast, in its dtype). `check_every`: steps between two looks at whether
-    every row has stopped (default 8 on a GPU, 1 on a CPU, where a look costs nothing).
-    `capture`: how the sampling step is captured (graphed_step): None, as a CUDA graph on a GPU and
-    not on a CPU; False, never; or a function (cuda_graph's contract). A capture that fails is said
-    once, and the turns after it run eagerly. `transposed`: the weights' layout (None: by the
-    hardware, plumbing/hardware.py).
+    """generate.policy, faster where the model has the Llama layout (check_layout): the same
+    policy(prompt_ids, envs) -> list[Generation] and the same law and loop, with this module's
+    prefill and step. `check_every`: steps between two looks at the device (default 8 on a GPU, 1
+    on a CPU, where a look costs nothing). `capture`: how the sampling step is captured
+    (graphed_step): None, as a CUDA graph on a GPU and not on a CPU; False, never; or a function
+    (cuda_graph's contract). A capture that fails is said once, and the turns after it run
+    eagerly. `transposed`: the weights' layout (None: by the hardware, plumbing/hardware.py). A
+    model of another layout samples through generate.policy.
 
     The policy remembers the cache of its last call, one row per prompt. A prompt that continues a
     remembered row (the row's tokens are a prefix of it) reuses the row and encodes only its new
@@ -445,12 +315,12 @@ def hf_policy(model, tokenizer, max_new_tokens, temperature=1.0, top_p=1.0, chec
     `policy(prompt_ids, forced=replies)` scores given replies instead of sampling (each a list of
     token ids): their log-probs and entropies as the loop computes them, nothing remembered.
     """
-    if not (isinstance(max_new_tokens, int) and max_new_tokens >= 1):
-        raise ValueError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
-    if temperature < 0 or not 0 < top_p <= 1:
-        raise ValueError(f"need temperature >= 0 and 0 < top_p <= 1, got {temperature}, {top_p}")
-    stop_ids, pad = rollout.end_of_turn_ids(tokenizer), rollout.pad_token_id(tokenizer)
+    law = generate.Sampling(max_new_tokens, temperature, top_p,
+                            check_every or generate.looks_every(model))
     lm = check_layout(model) if model is not None else None
+    if lm is None:
+        return generate.policy(model, tokenizer, max_new_tokens, temperature, top_p, check_every)
+    stop_ids, pad = generate.stop_ids(model, tokenizer), rollout.pad_token_id(tokenizer)
     flags = hardware.cpu_flags()
     last = {"rows": {}, "capture": capture}  # the last call's cache, {key: (row, its tokens)}
 
@@ -458,53 +328,15 @@ def hf_policy(model, tokenizer, max_new_tokens, temperature=1.0, top_p=1.0, chec
     def policy(prompt_ids, env_list=None, forced=None):  # the environments are not needed
         device, B = model.device, len(prompt_ids)
         keys = [id(env) for env in env_list] if env_list is not None else list(range(B))
-        every = check_every or (8 if device.type == "cuda" else 1)
         n_max = max_new_tokens if forced is None else max(1, max(map(len, forced)))
-        lengths = torch.full((B,), n_max, device=device)                       # [B]
-        if forced is not None:
-            lengths = torch.tensor([len(f) for f in forced], device=device)
-            forced = torch.tensor([list(f) + [pad] * (n_max - len(f)) for f in forced],
-                                  dtype=torch.long, device=device)             # [B, N]
-        if lm is None:
-            logits, forward_of = own_forward(model, prompt_ids, pad, device)
-
-            def advance(token, running, forced_next):
-                return sample(forward_of(token, running), temperature, top_p, forced_next)
-        else:
-            logits, advance = start(prompt_ids, keys, device, forced is None, n_max)
-
-        # ---- the loop of identical steps: sample, record, feed; a stopped row is fed padding
-        # into a hole. Every `every` steps one look at the device: has every row stopped?
-        tokens = torch.full((B, n_max), pad, dtype=torch.long, device=device)  # [B, N]
-        logps = torch.zeros(B, n_max, dtype=torch.float64, device=device)     # [B, N]
-        entropies = torch.zeros(B, n_max, dtype=torch.float64, device=device)  # [B, N]
-        fed = torch.zeros(B, n_max, dtype=torch.bool, device=device)          # [B, N]
-        running = torch.ones(B, dtype=torch.bool, device=device)               # [B]
-        finite = torch.ones(B, dtype=torch.bool, device=device)                # [B]
-        stop = torch.tensor(stop_ids, device=device)
-        drawn = sample(logits, temperature, top_p, None if forced is None else forced[:, 0])
-        for t in range(n_max):
-            token, logps[:, t], entropies[:, t], ok = drawn
-            tokens[:, t] = torch.where(running, token, pad)
-            finite &= ok | ~running
-            fed[:, t] = running  # this token enters the cache for the rows that were running
-            still = running & ~torch.isin(tokens[:, t], stop) & (t + 1 < lengths)
-            if t == n_max - 1 or (t + 1) % every == 0 and not looks_alive(still, finite):
-                break
-            drawn = advance(tokens[:, t], running, None if forced is None else forced[:, t + 1])
-            running = still
-        n = t + 1
-        if not finite.all():  # nan and inf would run on into the totals of the next turns
-            raise RuntimeError("probability tensor contains a number that is not finite")
-        fed[:, n - 1] = False  # the last token sampled was not fed (the loop ends before it)
-        tokens, fed = tokens[:, :n].cpu().tolist(), fed[:, :n].cpu().tolist()  # [B, n]
-        logps = logps[:, :n].cpu().tolist()  # [B, n], float64 as mi.cross_scores
-        entropies = entropies[:, :n].float().cpu().tolist()                    # [B, n]
-        if lm is not None and forced is None:
+        logits, advance = start(prompt_ids, keys, device, forced is None, n_max)
+        tokens, logps, entropies, fed = generate.decode(logits, advance, law, stop_ids, pad,
+                                                        forced)
+        if forced is None:
             last["rows"] = {key: (b, p + [t for t, f in zip(row, on) if f])
                             for b, (key, p, row, on) in enumerate(zip(keys, prompt_ids, tokens,
                                                                       fed))}
-        return as_generations(tokens, logps, stop_ids, entropies)
+        return generate.as_generations(tokens, logps, stop_ids, entropies)
 
     def start(prompt_ids, keys, device, remember, n_max):
         """The decode loop's start: the cache (the remembered one where every prompt continues a
@@ -597,12 +429,6 @@ def hf_policy(model, tokenizer, max_new_tokens, temperature=1.0, top_p=1.0, chec
         return logits, advance
 
     return policy
-
-
-def looks_alive(still, finite):
-    """The loop's one look at the device: some row still running and every distribution finite
-    (a non-finite one ends the loop and is raised after it)."""
-    return bool(still.any() & finite.all())
 
 
 def _continued_rows(remembered, prompt_ids, keys):

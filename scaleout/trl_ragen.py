@@ -173,8 +173,10 @@ def rollout_function(env_name, seeds, env_kwargs=None, max_turns=5, max_actions_
                     runs.finite_sampling(trainer.state.global_step + 1):
                 policy = make_policy(trainer, model, max_new_tokens, temperature, top_p)
                 episodes = rollout.play(policy, trainer.processing_class, env_name, env_seeds, 1,
-                                        env_kwargs, max_turns, max_actions_per_turn,
-                                        noise_seeds=noise, **(prompt or {}))
+                                        noise_seeds=noise, env_kwargs=env_kwargs,
+                                        max_turns=max_turns,
+                                        max_actions_per_turn=max_actions_per_turn,
+                                        **(prompt or {}))
         finally:
             trainer.model.train(training)
         return as_completions(episodes)
@@ -468,7 +470,7 @@ def load_model(a, cuda):
     from warmstart import tiny
     if a.model == "tiny":
         return (*tiny.load_tiny(a.env, runs.env_kwargs(a), cache_dir=a.tiny_cache,
-                                warm_start=a.warm_start), tiny.prompts(a.env))
+                                warm_start=a.warm_start), rollout.prompts(a.env, tiny=True))
     try:
         if a.model == "smollm2":
             model, tokenizer = (models.smollm2_warm_start(a.env, runs.env_kwargs(a))

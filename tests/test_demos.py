@@ -22,16 +22,16 @@ def small_model(tokenizer):
 
 
 def test_the_user_turn_is_the_grid_and_the_positions_line(tok):
-    assert demos.positions("sokoban", "######\n#P_XO#\n######") == (
+    assert envs.positions("sokoban", "######\n#P_XO#\n######") == (
         "Player (1,1), box (1,3), target (1,4). Box: 0 Down, 2 Right. Target: 0 Down, 1 Right. "
         "Around: Up wall, Down wall, Left wall, Right floor.")
     # two boxes: no ways
-    assert demos.positions("sokoban", "######\n#PXXO#\n#O___#\n######").endswith(
+    assert envs.positions("sokoban", "######\n#PXXO#\n#O___#\n######").endswith(
         "target (1,4), (2,1). Around: Up wall, Down target, Left wall, Right box.")
     # off the grid is wall
-    assert demos.around("P_") == "Around: Up wall, Down wall, Left wall, Right floor."
-    assert demos.prompts("bandit")["user"]("Phoenix: pays 0.1", 0.0, 1, 1) == "Phoenix: pays 0.1"
-    text = demos.prompts("frozenlake")["user"]("P_\n_G", 0.5, 7, 2)
+    assert envs.around("P_") == "Around: Up wall, Down wall, Left wall, Right floor."
+    assert rollout.prompts("bandit", tiny=True)["user"]("Phoenix: pays 0.1", 0.0, 1, 1) == "Phoenix: pays 0.1"
+    text = rollout.prompts("frozenlake", tiny=True)["user"]("P_\n_G", 0.5, 7, 2)
     # no turn, reward or count text
     assert text == "P_\n_G\nPlayer (0,0), goal (1,1). Goal: 1 Down, 1 Right."
     # words, each with the space before it
@@ -41,7 +41,7 @@ def test_the_user_turn_is_the_grid_and_the_positions_line(tok):
     # every turn of a world has the same shape: the line sits at a fixed distance
     for seed in range(20):
         obs, _ = env.reset(seed=seed)
-        lengths.add(len(tok.encode(demos.prompts("sokoban")["user"](obs, 0.0, 10, 1))))
+        lengths.add(len(tok.encode(rollout.prompts("sokoban", tiny=True)["user"](obs, 0.0, 10, 1))))
     assert len(lengths) == 1
     episode = demos.demonstrations(tok, "frozenlake", [3])[0]
     # demonstrations use the same prompts

@@ -423,7 +423,7 @@ def test_silent_bug_each_reply_is_sampled_from_its_own_prompt():
     torch.manual_seed(0)
     policy = sampler.hf_policy(model, tokenizer, max_new_tokens=6)
     episodes = rollout.play(policy, tokenizer, "frozenlake", [11, 12, 13], 2, max_turns=1,
-                            **tiny.prompts("frozenlake"))
+                            **rollout.prompts("frozenlake", tiny=True))
     batch = rollout.collate(episodes, rollout.pad_token_id(tokenizer))
     mask = batch["policy_mask"][:, 1:]                                     # [B, T-1]
     with torch.no_grad():

@@ -121,7 +121,7 @@ def test_the_shares_a_real_models_run_logs_are_exact():
         "grounded_share": 2 / 4, "flipped_share": 0.0, "borrowed_share": 1 / 4,
         "ungrounded_share": 1 / 4, "template_share": 0.0}
     tiny_run = types.SimpleNamespace(args=flags.Args(env="frozenlake", model="tiny"),
-                                     prompt=tiny.prompts("frozenlake"))
+                                     prompt=rollout.prompts("frozenlake", tiny=True))
     assert set(labels.labels(tiny_run, episodes, episodes)) == {"template_share"}
 
 

@@ -21,9 +21,10 @@ import torch
 
 import logprobs
 import ppo
+import rollout
 import train
 from conftest import CLOCK, tiny_qwen2
-from plumbing import checkpoints, flags, lora, memory, models, runs
+from plumbing import checkpoints, defaults, flags, lora, memory, models, runs
 from warmstart import tiny
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -183,7 +184,7 @@ def test_large_but_real_settings_are_kept(tmp_path):
             "20", "--max-new-tokens", "256", "--mi-every", "1000"]
     a = flags.parse_args(train.Args, argv + ["--model", "tiny", "--no-warm-start"])
     runs.resolve_defaults(a, torch.device("cpu"))
-    runs.check_fits(a, *tiny.load_tiny(a.env, warm_start=False), tiny.prompts(a.env))
+    runs.check_fits(a, *tiny.load_tiny(a.env, warm_start=False), rollout.prompts(a.env, tiny=True))
     # a group of one is plain PPO without a filter: it learns from the critic
     flags.parse_args(train.Args, ["--group-size", "1", "--filter", "none", "--algo", "ppo"])
     # one group without the diagnosis; a control with its count; one trajectory per optimiser step
@@ -523,6 +524,23 @@ def test_the_log_is_cut_back_to_its_checkpoints_step_exactly(tmp_path, capsys, w
     assert "damaged" not in capsys.readouterr().out
 
 
+def test_the_run_folder_shows_the_prompt_the_policy_reads(tmp_path):
+    """prompt.txt: the turn-1 prompt as the tiny policy reads it (rollout.prompts' choice for it:
+    its one-line system prompt, the grid and the line naming the way), up to the "<think>" it
+    samples after -- the very token ids an episode of that layout starts from."""
+    out = str(tmp_path / "run")
+    assert train.main(SMALL + ["--env", "frozenlake", "--steps", "1", "--mi-every", "0",
+                               "--out", out]) == 0
+    text = open(os.path.join(out, "prompt.txt")).read()
+    assert rollout.TINY_SYSTEM in text and "Goal: " in text and text.endswith("<think>")
+    assert "Answer as" not in text  # the paper's system prompt is a real model's
+    run_tokenizer = tiny.load_tiny("frozenlake", warm_start=False)[1]
+    episode = rollout.play(lambda ids, worlds: [rollout.Generation([])] * len(ids), run_tokenizer,
+                           "frozenlake", [defaults.VAL_SEED_BASE], 1, max_turns=2,
+                           **rollout.prompts("frozenlake", tiny=True))[0]
+    assert run_tokenizer.encode(text, add_special_tokens=False) == episode.first.prompt_ids
+
+
 def test_resume_keeps_the_runs_settings_and_leaves_a_finished_run_alone(tmp_path, capsys):
     out = str(tmp_path / "run")
     assert train.main(SMALL + ["--steps", "2", "--out", out, "--mi-every", "0"]) == 0
@@ -713,7 +731,7 @@ def test_a_kill_at_every_file_operation_then_resume_is_exact(tmp_path, monkeypat
             assert train.main(common + ["--out", out]) == 0
         same_metrics(records(straight), records(out))
         assert sorted(os.listdir(out)) == [".lock", "checkpoint", "config.json", "metrics.jsonl",
-                                        "provenance.json"]
+                                        "prompt.txt", "provenance.json"]
         kill_at += 1
     assert kill_at >= 8  # config + 3 saves of 1-3 renames each
 

@@ -9,8 +9,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+import generate
 import rollout
-from plumbing import sampler
+from plumbing import flags, sampler
 from test_rollout import DEVICES, LAKE, SYSTEM, make_model, make_tokenizer, scripted
 
 
@@ -100,7 +101,7 @@ def test_the_loop_waits_for_the_device_only_when_it_looks_and_keeps_its_cache(
     from torch.overrides import TorchFunctionMode
 
     events, storage = [], set()
-    decode_step, looks_alive = sampler.decode_step, sampler.looks_alive
+    decode_step, looks_alive = sampler.decode_step, generate.looks_alive
 
     def step(lm, weights, cache, *args):
         events.append("step")
@@ -118,7 +119,7 @@ def test_the_loop_waits_for_the_device_only_when_it_looks_and_keeps_its_cache(
             return func(*args, **(kwargs or {}))
 
     monkeypatch.setattr(sampler, "decode_step", step)
-    monkeypatch.setattr(sampler, "looks_alive", look)
+    monkeypatch.setattr(generate, "looks_alive", look)
     policy = sampler.hf_policy(make_model(tokenizer), tokenizer, max_new_tokens=40, temperature=0.7,
                                top_p=0.5, check_every=every)
     torch.manual_seed(1)
@@ -174,6 +175,57 @@ def test_a_model_of_another_layout_samples_through_its_own_forward(tokenizer, te
     torch.testing.assert_close(batch["logprobs"][:, 1:][mask], recomputed[mask], atol=1e-4, rtol=0)
     if temperature == 0:
         assert (table.argmax(-1)[mask] == batch["input_ids"][:, 1:][mask]).all()
+
+
+@pytest.mark.parametrize("transposed, lora", [(False, False), (True, False), (False, True)])
+@pytest.mark.parametrize("temperature, top_p", [(1.0, 1.0), (0.7, 0.9), (0.0, 1.0)])
+def test_the_fast_layer_samples_the_plain_samplers_tokens(tokenizer, temperature, top_p,
+                                                         transposed, lora):
+    """The decode loop (merged weights -- LoRA's adapters merged in -- either layout, its cache
+    kept across turns) is a drop-in for generate.py's plain sampler (the model's own forward pass
+    and cache, encoded afresh every turn): from the same random stream, three-turn episodes get
+    the same tokens, token for token, and the same log-probs and entropies within float32
+    rounding."""
+    model = make_model(tokenizer, seed=5)
+    if lora:  # adapters that change the policy: B non-zero
+        from plumbing import lora as adapters
+        model = adapters.add_lora(model, flags.Args(lora=4, lora_alpha=8.0, algo="grpo"))
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if "lora_B" in name:
+                    p.normal_(std=0.5, generator=torch.Generator().manual_seed(len(name)))
+    assert sampler.check_layout(model) is not None
+    runs = []
+    for policy in (generate.policy(model, tokenizer, 12, temperature, top_p),
+                   sampler.hf_policy(model, tokenizer, 12, temperature, top_p,
+                                     transposed=transposed)):
+        torch.manual_seed(3)
+        runs.append(rollout.play(policy, tokenizer, "frozenlake", [0, 1, 2], 2, max_turns=3,
+                                 system=SYSTEM))
+    plain, fast = runs
+    assert max(e.turns for e in plain) == 3
+    assert temperature == 0 or len({len(e.ids) for e in plain}) > 1  # rows of other lengths
+    for a, b in zip(plain, fast):
+        assert a.ids == b.ids and a.responses == b.responses
+        torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs),
+                                   atol=1e-5, rtol=0)
+        torch.testing.assert_close(torch.tensor(a.entropies), torch.tensor(b.entropies),
+                                   atol=1e-5, rtol=0)
+
+
+def test_a_reply_ends_at_every_end_id_the_generation_config_names(tokenizer):
+    """Qwen2.5's generation config ends on <|endoftext|> beside the template's <|im_end|>: a reply
+    that writes it ends there (not cut), in both samplers, instead of running on to the limit."""
+    model = make_model(tokenizer, seed=5)
+    other = tokenizer.convert_tokens_to_ids(tokenizer.tokenize("Right")[0])
+    model.generation_config.eos_token_id = [rollout.end_of_turn_ids(tokenizer)[0], other]
+    assert generate.stop_ids(model, tokenizer)[-1] == other
+    with torch.no_grad():  # every token but `other` made impossible: it is the first one drawn
+        model.lm_head.bias = torch.nn.Parameter(torch.full((len(tokenizer),), -1e4))
+        model.lm_head.bias[other] = 0.0
+    for policy in (generate.policy(model, tokenizer, 8), sampler.hf_policy(model, tokenizer, 8)):
+        (g,) = policy([tokenizer.encode("<think>", add_special_tokens=False)])
+        assert g.token_ids == [other] and not g.cut
 
 
 def test_greedy_picks_the_argmax_of_a_full_forward_pass(tokenizer):
@@ -247,12 +299,12 @@ def test_greedy_sampling_replays_a_learned_transcript(tokenizer):
 
 
 def test_draw_follows_the_probabilities_and_flags_what_is_not_finite():
-    """sampler.draw's inverse transform has torch.multinomial's law: over 40,000 draws a row, each
+    """generate.draw's inverse transform has torch.multinomial's law: over 40,000 draws a row, each
     token's frequency lies within 4 standard errors of its probability (the probabilities
     unnormalised, one row with zeros that are never drawn); a row with a nan or inf is flagged."""
     probs = torch.tensor([[0.1, 0.2, 0.3, 0.4], [0.0, 3.0, 0.0, 1.0]], dtype=torch.float64)
     torch.manual_seed(0)
-    draws, finite = sampler.draw(probs.repeat(40_000, 1))
+    draws, finite = generate.draw(probs.repeat(40_000, 1))
     draws = draws.view(40_000, 2)                                                    # [n, 2]
     assert finite.all()
     p = probs / probs.sum(-1, keepdim=True)
@@ -260,7 +312,7 @@ def test_draw_follows_the_probabilities_and_flags_what_is_not_finite():
     assert ((freq - p).abs() <= 4 * (p * (1 - p) / 40_000).sqrt() + 1e-12).all(), freq
     assert freq[1, 0] == freq[1, 2] == 0
     for bad in (math.nan, math.inf):
-        assert sampler.draw(torch.tensor([[0.5, bad], [0.5, 0.5]]))[1].tolist() == [False, True]
+        assert generate.draw(torch.tensor([[0.5, bad], [0.5, 0.5]]))[1].tolist() == [False, True]
 
 
 # --------------------------------------------------------- replays, captures and weight changes
@@ -441,10 +493,10 @@ def test_greedy_over_a_masked_vocabulary_is_finite_and_its_entropy_a_number():
     stay finite, never take it, and the entropy counts it as 0 log 0 = 0; a nan is not finite."""
     logits = torch.tensor([[0.0, -math.inf, 1.0], [2.0, 0.0, -math.inf]])
     for temperature in (0.0, 1.0):
-        token, logp, entropy, finite = sampler.sample(logits, temperature, 1.0)
+        token, logp, entropy, finite = generate.sample(logits, temperature, 1.0)
         assert finite.all() and torch.isfinite(logp).all() and torch.isfinite(entropy).all()
         assert token.tolist() != [1, 2] and 1 not in token[:1].tolist() and 2 not in token[1:].tolist()
-    assert sampler.sample(logits, 0.0, 1.0)[0].tolist() == [2, 0]
+    assert generate.sample(logits, 0.0, 1.0)[0].tolist() == [2, 0]
     p = torch.tensor([1.0, math.e]) / (1 + math.e)
-    assert sampler.sample(logits, 0.0, 1.0)[2][0].item() == pytest.approx(-(p * p.log()).sum().item())
-    assert not sampler.sample(torch.tensor([[0.0, math.nan]]), 0.0, 1.0)[3].any()
+    assert generate.sample(logits, 0.0, 1.0)[2][0].item() == pytest.approx(-(p * p.log()).sum().item())
+    assert not generate.sample(torch.tensor([[0.0, math.nan]]), 0.0, 1.0)[3].any()

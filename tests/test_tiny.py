@@ -86,7 +86,7 @@ def test_chat_template_renders_multi_turn_like_qwen(tok):
                     "<|im_start|>assistant\n<think> a </think> <answer> Up </answer><|im_end|>\n"
                     "<|im_start|>user\nU2<|im_end|>\n<|im_start|>assistant\n")
     default = tok.apply_chat_template(messages[1:2], tokenize=False, add_generation_prompt=False)
-    assert default == f"<|im_start|>system\n{demos.TINY_SYSTEM}<|im_end|>\n<|im_start|>user\nU1<|im_end|>\n"
+    assert default == f"<|im_start|>system\n{rollout.TINY_SYSTEM}<|im_end|>\n<|im_start|>user\nU1<|im_end|>\n"
     assert tok.eos_token == "<|im_end|>" and tok.pad_token == "<|endoftext|>"
     assert rollout.end_of_turn_ids(tok) == [tok.convert_tokens_to_ids("<|im_end|>")]
     for special in ("<|im_start|>", "<|im_end|>", "<think>", "||"):

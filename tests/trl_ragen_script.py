@@ -125,7 +125,7 @@ def fsdp_episodes(trainer):
     sharded = FSDP(copy.deepcopy(plain), auto_wrap_policy=ModuleWrapPolicy({layer}),
                    device_id=torch.device("cpu"), use_orig_params=True)
     func = trl_ragen.rollout_function("sokoban", lambda step: [5, 6, 7], max_turns=1 + rank,
-                                      max_new_tokens=8, prompt=tiny.prompts("sokoban"))
+                                      max_new_tokens=8, prompt=rollout.prompts("sokoban", tiny=True))
     seen = {}
     for name, model, version in (("plain", plain, None), ("fsdp", sharded, 1)):
         trainer.model = trainer.model_wrapped = model

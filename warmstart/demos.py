@@ -37,87 +37,9 @@ import logprobs
 import ppo
 import rollout
 
-TINY_SYSTEM = "Reach the goal. Think in <think> </think>, then act in <answer> </answer>."
 # demonstrations use seeds from here on, away from the small seeds used for validation
 DEMO_SEEDS = 1_000_000
 ROUND = 4  # batches of demonstrations played at once, then cut by length
-# the objects a positions line names, per world: (name, grid symbols that show it); the
-# coordinates line's (envs.COORDINATES) but FrozenLake's holes, which the tiny policy is not told
-OBJECTS = {"sokoban": envs.COORDINATES["sokoban"], "frozenlake": envs.COORDINATES["frozenlake"][:2]}
-NEIGHBOURS = (("Up", -1, 0), ("Down", 1, 0), ("Left", 0, -1), ("Right", 0, 1))
-
-
-# ----------------------------------------------------------------------------- what the policy sees
-
-def _cells(env_name, grid):
-    """The cells of each object OBJECTS names, in its order: _cells("frozenlake", "P_\\n_G") ==
-    [[(0, 0)], [(1, 1)]]."""
-    return [envs.where(grid, symbols) for _, symbols in OBJECTS[env_name]]
-
-
-def _way(frm, to):
-    """How far cell `to` lies from `frm`, rows then columns, always both: _way((0, 2), (1, 1)) ==
-    '1 Down, 1 Left'."""
-    (dr, dc) = (to[0] - frm[0], to[1] - frm[1])
-    return f"{abs(dr)} {'Up' if dr < 0 else 'Down'}, {abs(dc)} {'Left' if dc < 0 else 'Right'}"
-
-
-def positions(env_name, obs):
-    """Where the objects of a grid are, and how far apart, as text (a way is always rows, then
-    columns):
-
-    >>> positions("frozenlake", "P_\\n_G")
-    'Player (0,0), goal (1,1). Goal: 1 Down, 1 Right.'
-
-    Sokoban adds the way from the player to the box and from the box to the target (one-box rooms),
-    then what lies next to the player (`around`).
-    """
-    cells = _cells(env_name, obs)
-    at = [", ".join(f"({r},{c})" for r, c in found) or "none" for found in cells]
-    text = ", ".join(f"{name} {where}" for (name, _), where in zip(OBJECTS[env_name], at)) + "."
-    one_each = all(len(found) == 1 for found in cells)
-    if env_name == "frozenlake":
-        return text + f" Goal: {_way(cells[0][0], cells[1][0])}." if one_each else text
-    if one_each:
-        text += f" Box: {_way(cells[0][0], cells[1][0])}. Target: {_way(cells[1][0], cells[2][0])}."
-    return text + f" {around(obs)}" if len(cells[0]) == 1 else text
-
-
-def around(obs):
-    """What lies next to the Sokoban player; outside the grid counts as wall.
-
-    >>> around("###\\n#PX\\n#_#")
-    'Around: Up wall, Down floor, Left wall, Right box.'
-    """
-    rows = obs.split("\n")
-    (r, c), = envs.where(obs, "PS")
-
-    def cell(rr, cc):
-        inside = 0 <= rr < len(rows) and 0 <= cc < len(rows[rr])
-        return envs.Sokoban.SYMBOLS[rows[rr][cc]] if inside else "wall"
-
-    ways = ", ".join(f"{name} {cell(r + dr, c + dc)}" for name, dr, dc in NEIGHBOURS)
-    return f"Around: {ways}."
-
-
-def user_turn(env_name):
-    """The tiny policy's user turn: the grid, then (Sokoban, FrozenLake) the positions line -- and
-    nothing else, so every turn of a world has the same shape and the newest line sits at a fixed
-    distance before the reasoning that reads it. Real models get rollout.user_message and the plain
-    grid.
-
-    >>> user_turn("frozenlake")("P_\\n_G", 0.0, 10, 1)
-    'P_\\n_G\\nPlayer (0,0), goal (1,1). Goal: 1 Down, 1 Right.'
-    """
-    if env_name not in OBJECTS:
-        return lambda obs, turn_reward, actions_left, turn: obs
-    return lambda obs, turn_reward, actions_left, turn: obs + "\n" + positions(env_name, obs)
-
-
-def prompts(env_name):
-    """The prompt pieces rollout.play takes for the tiny policy: its one-line system prompt and
-    its user turns."""
-    return {"system": TINY_SYSTEM, "user": user_turn(env_name)}
 
 
 # -------------------------------------------------------------------------------- what it is taught
@@ -145,13 +67,14 @@ def describe(env, plan):
         push = _next_push(env, plan)
         if not push:  # the solver found no plan: the box is stuck, and the turn tries a random move
             return "Stuck."
-        player, boxes, targets = _cells(env.name, env.render())
-        ways = (f"Box {_way(player[0], boxes[0])}. Target {_way(boxes[0], targets[0])}. "
+        player, boxes, targets = envs.object_cells(env.name, env.render())
+        ways = (f"Box {envs.way_between(player[0], boxes[0])}. "
+                f"Target {envs.way_between(boxes[0], targets[0])}. "
                 if len(boxes) == len(targets) == 1 else "")
-        return f"{ways}Push {push[0]} from {_way(player[0], push[1])}."
+        return f"{ways}Push {push[0]} from {envs.way_between(player[0], push[1])}."
     if env.name == "frozenlake":
-        (player,), (goal,) = _cells(env.name, env.render())
-        return f"Goal: {_way(player, goal)}."
+        (player,), (goal,) = envs.object_cells(env.name, env.render())
+        return f"Goal: {envs.way_between(player, goal)}."
     if env.name == "bandit":
         expected = env.high_reward * env.high_prob
         return f"{env.risky} expects {expected:g}, {env.safe} pays {env.low_reward:g}."
@@ -170,8 +93,9 @@ def work_out(env, plan):
     """
     if env.name != "frozenlake":
         return describe(env, plan)
-    (player,), (goal,) = _cells(env.name, env.render())
-    return f"From ({player[0]},{player[1]}) to ({goal[0]},{goal[1]}): {_way(player, goal)}."
+    (player,), (goal,) = envs.object_cells(env.name, env.render())
+    way = envs.way_between(player, goal)
+    return f"From ({player[0]},{player[1]}) to ({goal[0]},{goal[1]}): {way}."
 
 
 def demonstration(env, rng, noise=0.2, max_actions=2, template_prior=0.0, pool=(), filler=None,
@@ -231,7 +155,7 @@ def demonstrations(tokenizer, env_name, seeds, env_kwargs=None, noise=0.2, seed=
                          template_prior=template_prior, pool=pool, filler=filler, reason=reason)
     return rollout.play(policy, tokenizer, env_name, seeds, 1, env_kwargs=env_kwargs,
                         max_turns=max_turns, max_actions_per_turn=max_actions_per_turn,
-                        **(prompts(env_name) if prompt is None else prompt))
+                        **(rollout.prompts(env_name, tiny=True) if prompt is None else prompt))
 
 
 # -------------------------------------------------------------------------------- behaviour cloning

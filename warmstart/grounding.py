@@ -1,7 +1,7 @@
 """The exact label of input dependence for a real model's reasoning: does a sampled reasoning state
 its own input's way, another input's way, or neither?
 
-The tiny policy reads its way in its prompt (demos.positions) and its template share is known by
+The tiny policy reads its way in its prompt (envs.positions) and its template share is known by
 construction (templates.py). A real model reading the coordinates (--observation coords) is taught
 to work the way out from them (demos.work_out: "From (1,0) to (3,1): 2 Down, 1 Right."), so on
 FrozenLake a reasoning can be labelled exactly by the first way it states, rows then columns:

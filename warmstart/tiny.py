@@ -68,7 +68,7 @@ PIECE = (r" ?</?think>| ?</?answer>| ?\|\||"
 CHAT_TEMPLATE = (
     "{%- if messages[0]['role'] == 'system' %}"
     "{{- '<|im_start|>system\\n' + messages[0]['content'] + '<|im_end|>\\n' }}"
-    "{%- else %}{{- '<|im_start|>system\\n" + demos.TINY_SYSTEM + "<|im_end|>\\n' }}{%- endif %}"
+    "{%- else %}{{- '<|im_start|>system\\n" + rollout.TINY_SYSTEM + "<|im_end|>\\n' }}{%- endif %}"
     "{%- for message in messages %}{%- if not (loop.first and message['role'] == 'system') %}"
     "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
     "{%- endif %}{%- endfor %}"
@@ -76,17 +76,12 @@ CHAT_TEMPLATE = (
 CHECKED_FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json")
 
 
-def prompts(env_name):
-    """The tiny policy's prompt pieces for rollout.play (demos.prompts)."""
-    return demos.prompts(env_name)
-
-
 # ---------------------------------------------------------------------------------------- tokenizer
 
 def _sample_texts(seeds=range(8), with_templates=False):
     """Every kind of text the rollout loop writes for tiny: system prompts, user turns,
     demonstrations, numbers; and the template grammar's sentences when asked (templates.py)."""
-    texts = [demos.TINY_SYSTEM, CHAT_TEMPLATE, "Try Push from none expects pays", "user assistant"]
+    texts = [rollout.TINY_SYSTEM, CHAT_TEMPLATE, "Try Push from none expects pays", "user assistant"]
     rng = random.Random(0)
     for name in envs.ENVS:
         for seed in seeds:
@@ -95,7 +90,7 @@ def _sample_texts(seeds=range(8), with_templates=False):
             texts += [rollout.system_prompt(env, k) for k in (1, 2)]
             texts += [
                 user(obs, 0.0, env.max_steps, 1)
-                for user in (demos.user_turn(name), rollout.user_message)
+                for user in (rollout.tiny_user(name), rollout.user_message)
             ]
             texts.append(demos.demonstration(env, rng, noise=0.5))
             texts.append(obs + "\n" + "\n".join(env.actions))
