@@ -21,6 +21,7 @@ clipped value loss. Optional KL penalty against a reference policy uses the k1 /
 (Schulman, "Approximating KL divergence", 2020).
 """
 import copy
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -132,9 +133,25 @@ def kl_estimate(logp, ref_logp, kind):
 
 # ---------------------------------------------------------------------------------------- the actor
 
-def clipped_policy_loss(logp, old_logp, adv, mask, clip_low=0.2, clip_high=0.28, agg="token-mean",
-                        clip_c=3.0, norm_length=None):
-    """PPO's clipped surrogate with the dual clip, aggregated by `agg` (aggregate) -> (loss, stats):
+@dataclass(frozen=True)
+class Coefficients:
+    """The actor objective's settings, with the reference's defaults (clip 0.2 / 0.28, the dual
+    clip c = 3, as verl names them): how its per-token terms aggregate (`agg`, and Dr.GRPO's
+    constant `norm_length`: aggregate), the clip's bounds and the dual clip `clip_c` (None: off),
+    the entropy bonus's coefficient, and the KL term's coefficient and estimator (kl_estimate)."""
+    agg: str = "token-mean"
+    clip_low: float = 0.2
+    clip_high: float = 0.28
+    clip_c: float = 3.0
+    entropy_coef: float = 0.0
+    kl_coef: float = 0.0
+    kl_kind: str = "k3"
+    norm_length: int = None
+
+
+def clipped_policy_loss(logp, old_logp, adv, mask, coef=Coefficients()):
+    """PPO's clipped surrogate with the dual clip, aggregated by coef.agg (aggregate) -> (loss,
+    stats):
 
         l = max(-A r, -A clip(r, 1 - clip_low, 1 + clip_high));   l = min(l, -A c) where A < 0.
 
@@ -156,6 +173,7 @@ def clipped_policy_loss(logp, old_logp, adv, mask, clip_low=0.2, clip_high=0.28,
     >>> clipped_policy_loss(r4, torch.zeros(1, 1), a, torch.ones(1, 1))[0]   # min(max(4, 0.8), 3)
     tensor(3.)
     """
+    clip_low, clip_high, clip_c = coef.clip_low, coef.clip_high, coef.clip_c
     if clip_c is not None and not clip_c > 1.0:
         raise ValueError(f"the dual clip c must be > 1 (or None); got {clip_c!r}")
     # BEGIN SOLUTION clip_loss
@@ -170,7 +188,7 @@ def clipped_policy_loss(logp, old_logp, adv, mask, clip_low=0.2, clip_high=0.28,
         capped = (adv < 0) & (per_token > cap)
         per_token = torch.where(capped, cap, per_token)
     # END SOLUTION clip_loss
-    loss = aggregate(per_token, mask, agg, norm_length)
+    loss = aggregate(per_token, mask, coef.agg, coef.norm_length)
     with torch.no_grad():
         stats = {
             "clip_frac": masked_mean((clipped > unclipped).float(), mask).item(),
@@ -180,18 +198,17 @@ def clipped_policy_loss(logp, old_logp, adv, mask, clip_low=0.2, clip_high=0.28,
     return loss, stats
 
 
-def policy_loss(logp, old_logp, advantages, mask, agg="token-mean", *, entropy=None,
-                entropy_coef=0.0, ref_logp=None, kl_coef=0.0, kl_kind="k3", clip_low=0.2,
-                clip_high=0.28, clip_c=3.0, norm_length=None):
+def policy_loss(logp, old_logp, advantages, mask, coef=Coefficients(), entropy=None,
+                ref_logp=None):
     """The actor's objective, the one PPO, GRPO and Dr.GRPO train on (they differ only in their
-    advantages and `agg`) -> (loss, terms):
+    advantages and coef.agg) -> (loss, terms):
 
         loss = agg(clipped surrogate) - entropy_coef * agg(entropy) + kl_coef * agg(KL estimate)
 
     logp, old_logp, advantages, mask, entropy, ref_logp: [B, T] per policy token. Every term is
-    aggregated the same way (`agg`, `norm_length`: aggregate). The entropy bonus needs `entropy`
-    (the policy's token entropy, with its gradient); the KL term, when kl_coef != 0, needs
-    `ref_logp`, the reference policy's log-probs (kl_estimate of kind `kl_kind`).
+    aggregated the same way (coef.agg, coef.norm_length: aggregate). The entropy bonus needs
+    `entropy` (the policy's token entropy, with its gradient); the KL term, when kl_coef != 0,
+    needs `ref_logp`, the reference policy's log-probs (kl_estimate of kind coef.kl_kind).
 
     terms: "pg_loss", and "entropy_loss" (the aggregated entropy) with `entropy` given, and
     "kl_loss" with kl_coef != 0: 0-d tensors still in the graph, so that
@@ -199,20 +216,20 @@ def policy_loss(logp, old_logp, advantages, mask, agg="token-mean", *, entropy=N
     "clip_frac", "clip_frac_lower", "approx_kl" (floats, from clipped_policy_loss).
 
     >>> z = torch.zeros(1, 2); m = torch.ones(1, 2); h = torch.tensor([[1., 3.]])
-    >>> policy_loss(z, z, torch.tensor([[1., 3.]]), m, entropy=h, entropy_coef=0.5)[0]  # -2 - 1
+    >>> policy_loss(z, z, torch.tensor([[1., 3.]]), m, Coefficients(entropy_coef=0.5), h)[0]
     tensor(-3.)
     """
-    pg_loss, terms = clipped_policy_loss(logp, old_logp, advantages, mask, clip_low, clip_high, agg,
-                                         clip_c, norm_length)
+    pg_loss, terms = clipped_policy_loss(logp, old_logp, advantages, mask, coef)
     terms["pg_loss"], loss = pg_loss, pg_loss
     if entropy is not None:
-        terms["entropy_loss"] = aggregate(entropy, mask, agg, norm_length)
-        loss = loss - entropy_coef * terms["entropy_loss"]
-    if kl_coef != 0.0:
+        terms["entropy_loss"] = aggregate(entropy, mask, coef.agg, coef.norm_length)
+        loss = loss - coef.entropy_coef * terms["entropy_loss"]
+    if coef.kl_coef != 0.0:
         if ref_logp is None:
             raise ValueError("kl_coef != 0 needs ref_logp (log-probs of the reference policy)")
-        terms["kl_loss"] = aggregate(kl_estimate(logp, ref_logp, kl_kind), mask, agg, norm_length)
-        loss = loss + kl_coef * terms["kl_loss"]
+        kl = kl_estimate(logp, ref_logp, coef.kl_kind)                         # [B, T]
+        terms["kl_loss"] = aggregate(kl, mask, coef.agg, coef.norm_length)
+        loss = loss + coef.kl_coef * terms["kl_loss"]
     return loss, terms
 
 

@@ -39,17 +39,19 @@ torch tensors; outputs are torch tensors.
 Order of the file: the remedy first (select_groups, filter_stats, group_scores), then the
 mechanism it rests on (the bound, the spread buckets, the gradient decomposition), then the
 controls (select_control, zero_spread_split), and last `select`: what train.py's --filter flags
-mean, decided here once for train.py and scaleout/trl_ragen.py.
+mean (Filter), decided here once for train.py and scaleout/trl_ragen.py.
 """
+import dataclasses
 import math
 import numbers
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 import logprobs
 from grpo import group_advantages
-from ppo import policy_loss
+from ppo import Coefficients, kl_estimate, policy_loss
 
 MODES = ("none", "topp", "topk")  # the filters (select_groups)
 CONTROLS = ("random", "bottom")  # controls for the filter's claims, not remedies (select_control)
@@ -261,69 +263,79 @@ def _grad_norm_and_grads(loss, params):
     return math.sqrt(sum(g.double().pow(2).sum() for g in grads).item()), grads
 
 
-def gradient_decomposition(model, input_ids, mask, rewards, ref_logp=None, *, n_buckets=6,
-                           normalize_std=False, kl_kind="k3", kl_coef=1.0, entropy_coef=1.0,
-                           agg="token-mean", temperature=1.0, advantages=None, norm_length=None):
+def gradient_decomposition(model, batch, rewards, coef=Coefficients(entropy_coef=1.0, kl_coef=1.0),
+                           temperature=1.0, n_buckets=6):
     """Norms of the task, KL and entropy gradients per reward-spread bucket -- the data of Fig. 4.
 
-    Inputs: a Hugging Face causal LM; input_ids [B, T], right-padded; mask [B, T-1] over
-    ids[:, 1:], 1 at the policy's own tokens; rewards [G, K], the total reward of each trajectory,
-    B = G * K in group-major order; ref_logp [B, T-1], the reference's log-probs (None: the policy
-    itself at this moment, so the KL term sits at its minimum and its gradient is exactly 0, as
-    at step 1 of training). The ratio's old log-probs are the current ones (the first PPO epoch:
-    ratio 1, so no clip binds). Every log-prob is the sampling policy's, softmax(logits /
-    temperature), as in training.
+    Inputs: a Hugging Face causal LM; `batch` as train.py's: input_ids [B, T], right-padded; mask
+    [B, T-1] over ids[:, 1:], 1 at the policy's own tokens; optionally ref_logp [B, T-1], the
+    reference's log-probs (absent: the policy itself at this moment, so the KL term sits at its
+    minimum and its gradient is exactly 0, as at step 1 of training), and advantages [B, T-1], the
+    token advantages an update trains on (absent: each trajectory's r - mean_g(r), the group-mean
+    baseline, so the sqrt(RV) scaling shows; GRPO's std division would remove it for every group
+    with spread); rewards [G, K], the total reward of each trajectory, B = G * K in group-major
+    order; `coef` the loss's settings (ppo.Coefficients: its aggregation, the KL estimator and
+    both coefficients). The ratio's old log-probs are the current ones (the first PPO epoch: ratio
+    1, so no clip binds). Every log-prob is the sampling policy's, at `temperature`, as in
+    training.
 
-    Per bucket of groups (rv_buckets on the std of rewards) one forward pass
-    (logprobs.policy_logprobs), then three backward passes (torch.autograd.grad: no optimiser
-    step, the parameters and their .grad left as they were), each a term of ppo.policy_loss:
-      task     the clipped loss with the group-mean baseline A = r - mean_g(r) on every policy
-               token (no std division by default, so the sqrt(RV) scaling shows; normalize_std
-               gives GRPO's, which removes it for every group with spread), or the given token
-               `advantages` [B, T-1] an update trains on (train.py: PPO's whitened GAE or GRPO's)
-      kl       kl_coef * aggregate(kl_estimate(logp, ref_logp, kl_kind))
-      entropy  -entropy_coef * aggregate(token entropy) (the bonus enters the loss with a minus)
-    Returns one dict per bucket (lowest spread first): bucket, groups, n_groups, mean_std,
-    mean_var, task_grad_norm, kl_grad_norm, entropy_grad_norm, reg_grad_norm (the norm of the KL
-    + entropy gradient). theory.md Sec. 3 has the pseudocode.
+    Per bucket of groups (rv_buckets on the std of rewards): bucket_gradients. Returns one dict per
+    bucket (lowest spread first): bucket, groups, n_groups, mean_std, mean_var, task_grad_norm,
+    kl_grad_norm, entropy_grad_norm, reg_grad_norm (the norm of the KL + entropy gradient).
+    theory.md Sec. 3 has the pseudocode.
     """
     r = _finite_float64(rewards, "rewards")                                    # [G, K]
     if r.dim() != 2:
         raise ValueError(f"rewards must be [G, K]; got shape {tuple(r.shape)}")
     G, K = r.shape
-    B, T = input_ids.shape
+    ids, mask = batch["input_ids"], batch["mask"]
+    B, T = ids.shape
     if B != G * K or mask.shape != (B, T - 1):
         raise ValueError(f"need input_ids [B, T] and mask [B, T - 1] with B = G * K = {G * K}; got "
-                         f"{tuple(input_ids.shape)} and {tuple(mask.shape)}")
+                         f"{tuple(ids.shape)} and {tuple(mask.shape)}")
+    kl_estimate(torch.zeros(1), torch.zeros(1), coef.kl_kind)  # an unknown estimator: refused now
     std = group_scores(r, "std")                                           # [G]
+    advantages = batch.get("advantages")
     if advantages is None:  # each trajectory's r - mean_g(r) on all its tokens
-        adv = group_advantages(r, normalize_std=normalize_std).reshape(B, 1)           # [B, 1]
-        advantages = adv.float().to(input_ids.device).expand(B, T - 1)                 # [B, T-1]
-    params = [p for p in model.parameters() if p.requires_grad]
+        adv = group_advantages(r, normalize_std=False).reshape(B, 1)                   # [B, 1]
+        advantages = adv.float().to(ids.device).expand(B, T - 1)                       # [B, T-1]
     results = []
     for i, groups in enumerate(rv_buckets(std, n_buckets)):
-        rows = (groups[:, None] * K + torch.arange(K)).reshape(-1).to(input_ids.device)  # [b]
-        m = mask[rows].float()                                             # [b, T-1]
-        logp, entropy = logprobs.policy_logprobs(model, input_ids[rows], m, with_entropy=True,
-                                                 temperature=temperature)  # [b, T-1]
-        ref = ref_logp[rows] if ref_logp is not None else logp.detach()    # [b, T-1]
-        # the training loss, its three terms taken apart (each coefficient 1 there, applied here)
-        _, terms = policy_loss(logp, logp.detach(), advantages[rows].float(), m, agg,
-                               entropy=entropy, entropy_coef=1.0, ref_logp=ref, kl_coef=1.0,
-                               kl_kind=kl_kind, norm_length=norm_length)
-        task_norm, _ = _grad_norm_and_grads(terms["pg_loss"], params)
-        kl_norm, kl_grads = _grad_norm_and_grads(kl_coef * terms["kl_loss"], params)
-        entropy_norm, entropy_grads = _grad_norm_and_grads(-entropy_coef * terms["entropy_loss"],
-                                                           params)
-        reg_sq = sum((k.double() + e.double()).pow(2).sum()
-                     for k, e in zip(kl_grads, entropy_grads))
-        results.append({
-            "bucket": i, "groups": groups.tolist(), "n_groups": len(groups),
-            "mean_std": std[groups].mean().item(), "mean_var": (std[groups] ** 2).mean().item(),
-            "task_grad_norm": task_norm, "kl_grad_norm": kl_norm,
-            "entropy_grad_norm": entropy_norm, "reg_grad_norm": math.sqrt(reg_sq.item()),
-        })
+        rows = (groups[:, None] * K + torch.arange(K)).reshape(-1).to(ids.device)      # [b]
+        part = {"input_ids": ids[rows], "mask": mask[rows].float(),
+                "advantages": advantages[rows].float(),
+                "ref_logp": None if batch.get("ref_logp") is None else batch["ref_logp"][rows]}
+        results.append({"bucket": i, "groups": groups.tolist(), "n_groups": len(groups),
+                        "mean_std": std[groups].mean().item(),
+                        "mean_var": (std[groups] ** 2).mean().item(),
+                        **bucket_gradients(model, part, coef, temperature)})
     return results
+
+
+def bucket_gradients(model, part, coef, temperature):
+    """One bucket's rows (`part`: input_ids, mask, advantages and ref_logp as
+    gradient_decomposition's batch): one forward pass (logprobs.policy_logprobs), then three
+    backward passes (torch.autograd.grad: no optimiser step, the parameters and their .grad left
+    as they were), each a term of ppo.policy_loss:
+      task     the clipped loss with the bucket's advantages
+      kl       kl_coef * aggregate(kl_estimate(logp, ref_logp, kl_kind))
+      entropy  -entropy_coef * aggregate(token entropy) (the bonus enters the loss with a minus)
+    -> {task_grad_norm, kl_grad_norm, entropy_grad_norm, reg_grad_norm}."""
+    m = part["mask"]                                                           # [b, T-1]
+    logp, entropy = logprobs.policy_logprobs(model, part["input_ids"], m, with_entropy=True,
+                                             temperature=temperature)          # [b, T-1]
+    ref = logp.detach() if part["ref_logp"] is None else part["ref_logp"]      # [b, T-1]
+    # the training loss, its three terms taken apart (each coefficient 1 there, applied here)
+    alone = dataclasses.replace(coef, entropy_coef=1.0, kl_coef=1.0)
+    _, terms = policy_loss(logp, logp.detach(), part["advantages"], m, alone, entropy, ref)
+    params = [p for p in model.parameters() if p.requires_grad]
+    task_norm, _ = _grad_norm_and_grads(terms["pg_loss"], params)
+    kl_norm, kl_grads = _grad_norm_and_grads(coef.kl_coef * terms["kl_loss"], params)
+    entropy_norm, entropy_grads = _grad_norm_and_grads(-coef.entropy_coef * terms["entropy_loss"],
+                                                       params)
+    reg_sq = sum((k.double() + e.double()).pow(2).sum() for k, e in zip(kl_grads, entropy_grads))
+    return {"task_grad_norm": task_norm, "kl_grad_norm": kl_norm,
+            "entropy_grad_norm": entropy_norm, "reg_grad_norm": math.sqrt(reg_sq.item())}
 
 
 # ------------------------------------------------------------------------------------- the controls
@@ -385,21 +397,32 @@ def zero_spread_split(rewards, success):
             "zero_var_fail_frac": int((zero & ~ok.any(1)).sum()) / G}
 
 
-# ----------------------------------------------------------------------------------- the flags
+# -------------------------------------------------------------------------------- the step
 
-def select(a, rewards, step=0):
+@dataclass(frozen=True)
+class Filter:
+    """Which groups an update keeps (train.py's --filter flags): `mode`, a filter (MODES) or a
+    control (CONTROLS) that keeps as many groups as `control_of` would; the filters' `top_p` and
+    `top_k`; `include_zero` and `prob_mode` as select_groups reads them."""
+    mode: str = "topp"
+    top_p: float = 0.9
+    top_k: float = 0.5
+    include_zero: bool = False
+    prob_mode: str = "linear"
+    control_of: str = "topk"
+
+
+def select(rewards, how=Filter(), seed=0, step=0):
     """train.py's step 3 -> (keep [G], filter_stats): which groups to train on, from the spread
-    (unbiased std) of their total rewards [G, K], as the flags `a` (filter, top_p, top_k,
-    include_zero, filter_prob_mode, control_of, seed) say. The random control draws from its own
-    stream of (seed, step): the same choice on a resume."""
+    (unbiased std) of their total rewards [G, K], as `how` says. The random control draws from
+    its own stream of (seed, step): the same choice on a resume."""
     scores = group_scores(rewards)                                               # [G]
-    named = a.control_of if a.filter in CONTROLS else a.filter  # whose count is kept
-    value = a.top_p if named == "topp" else a.top_k
-    if a.filter in CONTROLS:
-        draw = int(np.random.default_rng([a.seed, step, CONTROL_STREAM]).integers(2 ** 62))
-        keep = select_control(scores, a.filter, named, value, a.include_zero,
-                                         a.filter_prob_mode, torch.Generator().manual_seed(draw))
+    named = how.control_of if how.mode in CONTROLS else how.mode  # whose count is kept
+    value = how.top_p if named == "topp" else how.top_k
+    if how.mode in CONTROLS:
+        draw = int(np.random.default_rng([seed, step, CONTROL_STREAM]).integers(2 ** 62))
+        keep = select_control(scores, how.mode, named, value, how.include_zero, how.prob_mode,
+                              torch.Generator().manual_seed(draw))
     else:
-        keep = select_groups(scores, a.filter, value, a.include_zero,
-                                        a.filter_prob_mode)
+        keep = select_groups(scores, how.mode, value, how.include_zero, how.prob_mode)
     return keep, filter_stats(scores, keep)

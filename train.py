@@ -77,7 +77,7 @@ def train(run):
             m["grad_decomposition"] = decompose_gradients(run, episodes, rewards)
 
         # 3. the filter: whole groups, before any advantage is computed
-        keep, stats = snr_filter.select(a, rewards, step)                                 # [G]
+        keep, stats = snr_filter.select(rewards, runs.filter_of(a), a.seed, step)         # [G]
         m.update(stats, time_scoring=time.time() - t1, skipped=not keep.any())
         m.update(snr_filter.zero_spread_split(rewards, [e.success for e in episodes]))
 
@@ -105,7 +105,7 @@ def update_policy(run, episodes, rewards, shuffle):
     collation: nothing of them (padding width, advantages, normalisers) reaches the update. Each
     mini-batch is one optimiser step, its gradient summed over micro-batches weighted to add up to
     the mini-batch's loss; the logged numbers are the mini-batches' mean."""
-    a, agg = run.args, AGGREGATION[run.args.algo]
+    a, coef = run.args, coefficients(run.args)
     batch = before_update(run, episodes, rewards)  # 4-5: old log-probs, reference, advantages
     train_mode(run)
     logs = {}
@@ -114,13 +114,10 @@ def update_policy(run, episodes, rewards, shuffle):
                                        shuffle):
             zero_grad(run)
             terms = {}
-            for mb in micro_batches(batch, mini_batch, a.micro_batch, agg):           # [b, w-1]
+            for mb in micro_batches(batch, mini_batch, a.micro_batch, coef.agg):      # [b, w-1]
                 logp, entropy = policy_pass(run, mb["input_ids"], mb["mask"], with_entropy=True)
-                loss, parts = ppo.policy_loss(
-                    logp, mb["old_logp"], mb["advantages"], mb["mask"], agg, entropy=entropy,
-                    entropy_coef=a.entropy_coef, ref_logp=mb.get("ref_logp"), kl_coef=a.kl_coef,
-                    kl_kind=a.kl_kind, clip_low=a.clip_low, clip_high=a.clip_high,
-                    clip_c=a.clip_c or None, norm_length=flags.response_budget(a))
+                loss, parts = ppo.policy_loss(logp, mb["old_logp"], mb["advantages"], mb["mask"],
+                                              coef, entropy, mb.get("ref_logp"))
                 (mb["weight"] * loss).backward()
                 parts["loss"] = loss
                 if run.critic is not None:
@@ -135,6 +132,13 @@ def update_policy(run, episodes, rewards, shuffle):
     out["tokens_trained"] = a.epochs * int(batch["lengths"].sum())  # through the model, per pass
     out["tokens_scored"] = a.epochs * int(batch["mask"].sum())  # through its output layer
     return {**out, **batch["checks"]}
+
+
+def coefficients(a):
+    """The loss's settings from the flags: the algorithm's aggregation, the clip (--clip-c 0: no
+    dual clip), the entropy bonus, the KL term, Dr.GRPO's constant normaliser."""
+    return ppo.Coefficients(AGGREGATION[a.algo], a.clip_low, a.clip_high, a.clip_c or None,
+                            a.entropy_coef, a.kl_coef, a.kl_kind, flags.response_budget(a))
 
 
 def main(argv=None):
@@ -269,13 +273,9 @@ def decompose_gradients(run, episodes, rewards):
     --kl-kind at its --kl-coef or, without one, at the analysis runs' 0.001."""
     a = run.args
     batch = before_update(run, episodes, rewards, reference=True)
+    coef = dataclasses.replace(coefficients(a), kl_coef=a.kl_coef or ANALYSIS_KL_COEF)
     with run.ctx:
-        buckets = snr_filter.gradient_decomposition(
-            run.policy, batch["input_ids"], batch["mask"], rewards, batch["ref_logp"],
-            kl_coef=a.kl_coef or ANALYSIS_KL_COEF, kl_kind=a.kl_kind,
-            entropy_coef=a.entropy_coef, temperature=a.temperature,
-            advantages=batch["advantages"], agg=AGGREGATION[a.algo],
-            norm_length=flags.response_budget(a))
+        buckets = snr_filter.gradient_decomposition(run.policy, batch, rewards, coef, a.temperature)
     run.policy.zero_grad(set_to_none=True)
     return [{k: v for k, v in b.items() if k != "groups"} for b in buckets]
 

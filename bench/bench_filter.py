@@ -35,6 +35,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import rollout  # noqa: E402
 import snr_filter  # noqa: E402
 import train  # noqa: E402
+from plumbing import runs  # noqa: E402
 from warmstart import tiny  # noqa: E402
 from bench_cross_scores import median_seconds  # noqa: E402
 from bench_step import make_run  # noqa: E402
@@ -138,7 +139,7 @@ def main():
     episodes = synthetic_episodes(
         rewards, args.turns, args.template_len, args.response_len, len(tokenizer), generator
     )
-    keep, stats = snr_filter.select(run.args, rewards)  # [G]
+    keep, stats = snr_filter.select(rewards, runs.filter_of(run.args))  # [G]
     everything = torch.ones_like(keep)  # [G]
 
     def update(groups_kept):

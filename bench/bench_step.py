@@ -230,7 +230,7 @@ def main():
 
             def scoring():
                 train.diagnose(run, episodes, np.random.default_rng(0))
-                return snr_filter.select(a, rewards)[0]
+                return snr_filter.select(rewards, runs.filter_of(a))[0]
 
             keep, t_scoring = timed(scoring)
             kept = [e for e in episodes if keep[e.group]]

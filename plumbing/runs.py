@@ -47,6 +47,7 @@ import torch
 
 import envs
 import rollout
+import snr_filter
 from plumbing import hardware, lora, models, sampler
 from plumbing.checkpoints import (CheckpointError, atomic_write, checkpoint_every, checkpoint_step,
                                   drop_garbage, log_steps, recover_checkpoint, restore,
@@ -75,6 +76,12 @@ class NotExact(Exception):
 
 
 EXACT = 1e-2  # nats a reasoning: float32 rounding gives ~1e-5 (SmolLM2's 30 layers: 1.2e-4)
+
+
+def filter_of(a):
+    """snr_filter.select's settings from the flags (train.py's, or trl_ragen's of the same names)."""
+    return snr_filter.Filter(a.filter, a.top_p, a.top_k, a.include_zero, a.filter_prob_mode,
+                             a.control_of)
 
 
 def check_exact(run, what, diff):

@@ -38,7 +38,6 @@ import json
 import os
 import sys
 import time
-import types
 import warnings
 
 from plumbing import defaults, flags
@@ -304,10 +303,8 @@ class RagenGRPOTrainer(GRPOTrainer):
                  include_zero=False, control_of="topk", mi_every=5, mi_samples=64,
                  response_budget=None, **kwargs):
         super().__init__(*args, **kwargs)
-        self.flags = types.SimpleNamespace(  # what snr_filter.select reads
-            filter=filter, control_of=control_of, top_p=top_p, top_k=top_k,
-            filter_prob_mode=prob_mode, include_zero=include_zero, seed=self.args.seed)
-        snr_filter.select(self.flags, torch.ones(1, 2))  # bad settings raise here
+        self.filter = snr_filter.Filter(filter, top_p, top_k, include_zero, prob_mode, control_of)
+        snr_filter.select(torch.ones(1, 2), self.filter)  # bad settings raise here
         self.mi_every, self.mi_samples = mi_every, mi_samples
         # Dr.GRPO's |o|: TRL's max_completion_length is a turn's limit (vLLM's, a call), and an
         # episode writes up to max_turns of them; its only other use was vLLM's, at __init__
@@ -354,7 +351,8 @@ class RagenGRPOTrainer(GRPOTrainer):
         if self.mi_every and (self.generation_step == 1
                               or self.generation_step % self.mi_every == 0):
             m.update(self.diagnose(inputs))
-        keep, stats = snr_filter.select(self.flags, rewards, self.generation_step)  # [G]
+        keep, stats = snr_filter.select(rewards, self.filter, self.args.seed,
+                                        self.generation_step)                              # [G]
         m.update(stats, skipped=not keep.any(), time_scoring=time.time() - t1)
         B = out["advantages"].shape[0]
         first = self.accelerator.process_index * B

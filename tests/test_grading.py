@@ -289,7 +289,7 @@ def per_token_loss(logp, adv, **kw):
 
     with mock.patch.object(ppo, "aggregate", summed):
         _, stats = ppo.clipped_policy_loss(logp, torch.zeros_like(logp), adv, torch.ones_like(adv),
-                                           **kw)
+                                           ppo.Coefficients(**kw))
     return seen["loss"], stats
 
 

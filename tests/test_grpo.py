@@ -9,11 +9,11 @@ from hypothesis import given, settings, strategies as st
 
 from grpo import episode_advantages_to_tokens, group_advantages
 from logprobs import token_logprobs
-from ppo import aggregate, kl_estimate, policy_loss
+from ppo import Coefficients, aggregate, kl_estimate, policy_loss
 
 
-def grpo_loss(logp, old_logp, adv, mask, agg="seq-mean-token-mean", **kw):
-    return policy_loss(logp, old_logp, adv, mask, agg, **kw)
+def grpo_loss(logp, old_logp, adv, mask, agg="seq-mean-token-mean", ref_logp=None, **coef):
+    return policy_loss(logp, old_logp, adv, mask, Coefficients(agg=agg, **coef), ref_logp=ref_logp)
 
 
 def test_group_advantages_known_values():

@@ -248,3 +248,23 @@ def test_every_folder_readme_lists_the_files_git_tracks_there():
     results = open(os.path.join(ROOT, "results", "README.md"), encoding="utf-8").read()
     for name in {p.split("/")[1] for p in tracked if p.startswith("results/") and p.count("/") > 1}:
         assert f"`{name}`" in results, f"results/README.md does not name {name}"
+
+
+def test_the_papers_functions_take_what_the_paper_names_and_fit_a_screen():
+    """No function of the root's modules (the reading set) takes more than 8 parameters -- the
+    loss's coefficients, the rollout's and the filter's settings travel as small dataclasses
+    (ppo.Coefficients, rollout.Turns, snr_filter.Filter) -- or runs over 60 lines."""
+    root = [f for f in os.listdir(ROOT) if f.endswith(".py")]
+    assert "train.py" in root and "ppo.py" in root
+    too_big = []
+    for name in root:
+        with open(os.path.join(ROOT, name), encoding="utf-8") as f:
+            tree = ast.parse(f.read())
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                a = node.args
+                count = len(a.posonlyargs + a.args + a.kwonlyargs) + bool(a.vararg) + bool(a.kwarg)
+                lines = node.end_lineno - node.lineno + 1
+                if count > 8 or lines > 60:
+                    too_big.append(f"{name}:{node.name} ({count} parameters, {lines} lines)")
+    assert too_big == []

@@ -8,8 +8,8 @@ from hypothesis import given, settings, strategies as st
 import ppo
 from conftest import tiny_qwen2
 from logprobs import token_logprobs
-from ppo import (aggregate, clipped_policy_loss, gae, kl_estimate, masked_mean, masked_whiten,
-                 policy_loss, value_loss)
+from ppo import (Coefficients, aggregate, clipped_policy_loss, gae, kl_estimate, masked_mean,
+                 masked_whiten, policy_loss, value_loss)
 
 
 # --------------------------------------------------------------------------------------- reductions
@@ -94,9 +94,9 @@ def test_policy_loss_is_the_clipped_loss_minus_the_entropy_bonus_plus_the_kl_ter
     logp.requires_grad_(True)
     for agg in ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"):
         kw = dict(norm_length=7) if agg.endswith("norm") else {}
-        loss, terms = policy_loss(logp, old, adv, mask, agg, entropy=entropy, entropy_coef=0.1,
-                                  ref_logp=ref, kl_coef=0.5, kl_kind="k2", **kw)
-        pg, stats = clipped_policy_loss(logp, old, adv, mask, agg=agg, **kw)
+        coef = Coefficients(agg=agg, entropy_coef=0.1, kl_coef=0.5, kl_kind="k2", **kw)
+        loss, terms = policy_loss(logp, old, adv, mask, coef, entropy=entropy, ref_logp=ref)
+        pg, stats = clipped_policy_loss(logp, old, adv, mask, Coefficients(agg=agg, **kw))
         want = (pg - 0.1 * aggregate(entropy, mask, agg, **kw)
                 + 0.5 * aggregate(kl_estimate(logp, ref, "k2"), mask, agg, **kw))
         assert loss.item() == pytest.approx(want.item(), rel=1e-6)
@@ -106,7 +106,7 @@ def test_policy_loss_is_the_clipped_loss_minus_the_entropy_bonus_plus_the_kl_ter
     assert set(terms) == {"pg_loss", "clip_frac", "clip_frac_lower", "approx_kl"}
     assert alone.item() == pytest.approx(clipped_policy_loss(logp, old, adv, mask)[0].item())
     with pytest.raises(ValueError, match="ref_logp"):
-        policy_loss(logp, old, adv, mask, kl_coef=0.1)
+        policy_loss(logp, old, adv, mask, Coefficients(kl_coef=0.1))
 
 
 # ------------------------------------------------------------------------------------ KL estimators
@@ -203,11 +203,11 @@ def test_dual_clip_caps_only_negative_advantages_past_c():
     (grad,) = torch.autograd.grad(loss, logp)
     assert grad[0].tolist() == pytest.approx([0.0, 2.0 / 5, 0.0, 0.0, 0.0])   # d(-A r)/dlog r
     # without the dual clip the two capped tokens cost -A r
-    off, off_stats = clipped_policy_loss(logp, old, adv, torch.ones(1, 5), clip_c=None)
+    off, off_stats = clipped_policy_loss(logp, old, adv, torch.ones(1, 5), Coefficients(clip_c=None))
     assert off.item() == pytest.approx((4 + 2 - 1.28 + 8 + 0.8) / 5)
     assert off_stats["clip_frac_lower"] == 0.0
     with pytest.raises(ValueError, match="dual clip"):
-        clipped_policy_loss(logp, old, adv, torch.ones(1, 5), clip_c=1.0)
+        clipped_policy_loss(logp, old, adv, torch.ones(1, 5), Coefficients(clip_c=1.0))
 
 
 def test_clipped_gradient_zero_exactly_where_clipped():
@@ -216,7 +216,7 @@ def test_clipped_gradient_zero_exactly_where_clipped():
     logp = (old + torch.randn(5, 8, generator=g, dtype=torch.float64)).requires_grad_()
     adv = torch.randn(5, 8, generator=g, dtype=torch.float64)
     mask = (torch.rand(5, 8, generator=g) > 0.25).double()
-    loss, stats = clipped_policy_loss(logp, old, adv, mask, clip_low=0.2, clip_high=0.28)
+    loss, stats = clipped_policy_loss(logp, old, adv, mask, Coefficients(clip_low=0.2, clip_high=0.28))
     (grad,) = torch.autograd.grad(loss, logp)
 
     r = torch.exp(logp.detach() - old)
@@ -402,7 +402,7 @@ def test_softmax_bandit_gradient_exact_enumeration():
         th = theta.clone().requires_grad_()
         logp = token_logprobs(th.view(1, 1, 4), torch.tensor([[a]]))
         loss, _ = clipped_policy_loss(logp, logp.detach(), (R[a] - rbar).view(1, 1),
-                                      torch.ones(1, 1), agg="seq-mean-token-mean")
+                                      torch.ones(1, 1), Coefficients(agg="seq-mean-token-mean"))
         (d,) = torch.autograd.grad(loss, th)
         grad += pi[a] * -d
 

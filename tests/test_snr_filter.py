@@ -11,7 +11,8 @@ from hypothesis import strategies as st
 
 from conftest import tiny_qwen2
 from logprobs import token_logprobs
-from ppo import clipped_policy_loss, kl_estimate
+from grpo import group_advantages
+from ppo import Coefficients, clipped_policy_loss, kl_estimate
 from snr_filter import (filter_stats, gradient_decomposition, group_scores, rv_buckets,
                         select_groups, task_gradient_bound)
 
@@ -367,7 +368,16 @@ def _batch(same_tokens, seed=0):
 
 def _ref_logp(ref, ids, temperature=1.0):
     with torch.no_grad():
-        return token_logprobs(ref(input_ids=ids).logits[:, :-1] / temperature, ids[:, 1:])
+        return token_logprobs(ref(input_ids=ids).logits[:, :-1], ids[:, 1:], temperature).float()
+
+
+def decompose(policy, ids, mask, rewards, ref_logp=None, advantages=None, temperature=1.0,
+              n_buckets=6, **coef):
+    """gradient_decomposition on a batch of these tensors, ppo.Coefficients from `coef` (both
+    coefficients 1 unless given)."""
+    batch = {"input_ids": ids, "mask": mask, "ref_logp": ref_logp, "advantages": advantages}
+    coef = Coefficients(**{"entropy_coef": 1.0, "kl_coef": 1.0, **coef})
+    return gradient_decomposition(policy, batch, rewards, coef, temperature, n_buckets)
 
 
 def _rising_rewards(G_):
@@ -379,7 +389,7 @@ def test_decomposition_task_norm_scales_with_spread_regulariser_flat(models):
     policy, ref = models
     ids, mask = _batch(same_tokens=True)
     rewards = _rising_rewards(G)
-    out = gradient_decomposition(policy, ids, mask, rewards, _ref_logp(ref, ids), n_buckets=6)
+    out = decompose(policy, ids, mask, rewards, _ref_logp(ref, ids), n_buckets=6)
     assert [d["bucket"] for d in out] == list(range(6))
     assert [d["groups"] for d in out] == [[g] for g in range(6)]
     task = [d["task_grad_norm"] for d in out]
@@ -391,7 +401,8 @@ def test_decomposition_task_norm_scales_with_spread_regulariser_flat(models):
         vals = [d[key] for d in out]
         assert vals[0] > 0 and vals == pytest.approx([vals[0]] * 6, rel=1e-5)
     # GRPO's std normalisation removes the sqrt(RV) scaling for every group with spread
-    norm = gradient_decomposition(policy, ids, mask, rewards, _ref_logp(ref, ids), normalize_std=True)
+    grpo = group_advantages(rewards, normalize_std=True).reshape(-1, 1).float()       # [B, 1]
+    norm = decompose(policy, ids, mask, rewards, _ref_logp(ref, ids), grpo.expand_as(mask))
     normed = [d["task_grad_norm"] for d in norm]
     assert normed[0] == 0.0 and normed[1:] == pytest.approx([normed[1]] * 5, rel=1e-4)
 
@@ -403,12 +414,12 @@ def test_decomposition_regulariser_ignores_rewards(models):
     rewards[0] = 0.3                                    # two zero-spread groups: lowest bucket
     rewards[4] = -1.0
     kw = dict(ref_logp=_ref_logp(ref, ids), n_buckets=3)
-    out = gradient_decomposition(policy, ids, mask, rewards, **kw)
+    out = decompose(policy, ids, mask, rewards, **kw)
     assert out[0]["groups"] == [0, 4] and out[0]["task_grad_norm"] == 0.0
     assert out[0]["mean_std"] == 0.0
     assert all(d["task_grad_norm"] > 0 for d in out[1:])
-    scaled = gradient_decomposition(policy, ids, mask, 3.0 * rewards + 7.0, **kw)   # 3x spread
-    permuted = gradient_decomposition(policy, ids, mask, rewards[:, [2, 0, 3, 1]], **kw)
+    scaled = decompose(policy, ids, mask, 3.0 * rewards + 7.0, **kw)   # 3x spread
+    permuted = decompose(policy, ids, mask, rewards[:, [2, 0, 3, 1]], **kw)
     for other in (scaled, permuted):
         assert [d["groups"] for d in other] == [d["groups"] for d in out]
         for key in ("kl_grad_norm", "entropy_grad_norm", "reg_grad_norm"):
@@ -418,7 +429,7 @@ def test_decomposition_regulariser_ignores_rewards(models):
     # padding tokens change nothing
     ids2 = ids.clone()
     ids2[1::K, -2:] = 7
-    padded = gradient_decomposition(policy, ids2, mask, rewards, **kw)
+    padded = decompose(policy, ids2, mask, rewards, **kw)
     for key in ("task_grad_norm", "kl_grad_norm", "entropy_grad_norm"):
         assert [d[key] for d in padded] == pytest.approx([d[key] for d in out], rel=1e-5)
 
@@ -430,8 +441,8 @@ def test_decomposition_equals_plain_backward_loop(models, temperature):
     policy, ref = models
     ids, mask = _batch(same_tokens=False, seed=2)
     rewards = _rising_rewards(G)
-    out = gradient_decomposition(policy, ids, mask, rewards, _ref_logp(ref, ids, temperature),
-                                 n_buckets=2, kl_coef=0.5, temperature=temperature)
+    out = decompose(policy, ids, mask, rewards, _ref_logp(ref, ids, temperature),
+                    n_buckets=2, kl_coef=0.5, temperature=temperature)
     groups = out[1]["groups"]                           # the high-spread half
     rows = [g * K + k for g in groups for k in range(K)]
     adv = (rewards - rewards.mean(1, keepdim=True))[groups].reshape(-1).float()
@@ -463,9 +474,9 @@ def test_decomposition_reference_choices_and_no_side_effects(models):
     ids, mask = _batch(same_tokens=False, seed=3)
     rewards = _rising_rewards(G)
     before = [p.detach().clone() for p in policy.parameters()]
-    alone = gradient_decomposition(policy, ids, mask, rewards, n_buckets=2)
+    alone = decompose(policy, ids, mask, rewards, n_buckets=2)
     assert all(d["kl_grad_norm"] == 0.0 for d in alone)   # policy == reference: k3 at its minimum
-    by_ref = gradient_decomposition(policy, ids, mask, rewards, _ref_logp(ref, ids), n_buckets=2)
+    by_ref = decompose(policy, ids, mask, rewards, _ref_logp(ref, ids), n_buckets=2)
     assert all(d["kl_grad_norm"] > 0 for d in by_ref)
     assert all(p.grad is None for p in policy.parameters())   # .grad untouched, no optimiser step
     assert all(torch.equal(a, b) for a, b in zip(before, policy.parameters()))
@@ -475,9 +486,9 @@ def test_decomposition_bad_shapes(models):
     policy, _ = models
     ids, mask = _batch(same_tokens=False)
     with pytest.raises(ValueError, match="G \\* K"):
-        gradient_decomposition(policy, ids, mask, torch.zeros(G, K + 1))
+        decompose(policy, ids, mask, torch.zeros(G, K + 1))
     with pytest.raises(ValueError):
-        gradient_decomposition(policy, ids, mask, torch.zeros(G, K), kl_kind="k4")
+        decompose(policy, ids, mask, torch.zeros(G, K), kl_kind="k4")
 
 
 # ------------------------------------------------------------------------------------- the controls

@@ -332,7 +332,7 @@ def computed_values():
     four, minus_one = torch.log(torch.tensor([[4.0]])), -one
     v["ppo.dual_clip.loss"] = ppo.clipped_policy_loss(four, 0 * one, minus_one, one)[0].item()
     v["ppo.dual_clip.loss_off"] = ppo.clipped_policy_loss(four, 0 * one, minus_one, one,
-                                                          clip_c=None)[0].item()
+                                                          ppo.Coefficients(clip_c=None))[0].item()
     v["ppo.value_loss"] = ppo.value_loss(2.0 * one, one, 3.0 * one, one).item()
     loss_tbl = torch.tensor([[1.0, 2.0, 3.0], [4.0, 0.0, 0.0]])
     mask_tbl = torch.tensor([[1, 1, 1], [1, 0, 0]])

@@ -266,7 +266,7 @@ def test_the_update_trains_on_policy_loss_and_drgrpo_divides_by_the_budget(tmp_p
     calls, original = [], ppo.policy_loss
 
     def counted(*args, **kw):
-        calls.append(args[4])  # the aggregation
+        calls.append(args[4].agg)  # the coefficients' aggregation
         return original(*args, **kw)
 
     monkeypatch.setattr(ppo, "policy_loss", counted)
@@ -328,7 +328,7 @@ def test_the_update_equals_a_plain_full_batch_step(tmp_path, algo):
             adv = grpo.episode_advantages_to_tokens(grpo.group_advantages(rewards).reshape(-1), mask)
     logits = b.policy(input_ids=ids, attention_mask=batch["attention_mask"]).logits[:, :-1]
     logp = logprobs.token_logprobs(logits, ids[:, 1:]).float()
-    pg_loss, _ = ppo.clipped_policy_loss(logp, old, adv, mask, agg=agg)
+    pg_loss, _ = ppo.clipped_policy_loss(logp, old, adv, mask, ppo.Coefficients(agg=agg))
     loss = pg_loss - b.args.entropy_coef * ppo.aggregate(logprobs.token_entropy(logits).float(), mask, agg)
     loss.backward()
     if algo == "ppo":
@@ -398,7 +398,7 @@ def test_update_on_kept_groups_equals_an_update_on_a_batch_without_the_dropped_o
                 4 if seeds[group] == 8 else 2) == 0)
             episodes = rollout.play(policy, run.tokenizer, "frozenlake", seeds, 4, max_turns=2, **run.prompt)
             rewards = torch.tensor([e.total_reward for e in episodes]).view(len(seeds), 4)
-            keep, _ = snr_filter.select(run.args, rewards)
+            keep, _ = snr_filter.select(rewards, runs.filter_of(run.args))
             assert keep.tolist() == [s in (3, 5) for s in seeds]
             kept = [e for e in episodes if keep[e.group]]
             stats = train.update_policy(run, kept, rewards[keep], torch.Generator().manual_seed(1))
@@ -526,12 +526,13 @@ def test_the_decomposition_trains_on_the_advantages_of_the_update(tmp_path):
     values = train.over_batch(run, batch, train.critic_pass)
     advantages, _ = ppo.gae(batch["token_rewards"][:, 1:], values, mask, 1.0, 1.0)
     logp = logprobs.policy_logprobs(run.policy, batch["input_ids"], mask, temperature=0.7)[0]
-    _, terms = ppo.policy_loss(logp, logp.detach(), advantages, mask, "token-mean")
+    _, terms = ppo.policy_loss(logp, logp.detach(), advantages, mask)
     grads = torch.autograd.grad(terms["pg_loss"], [p for p in run.policy.parameters() if p.requires_grad])
     by_hand = torch.sqrt(sum(g.double().pow(2).sum() for g in grads)).item()
     assert bucket["task_grad_norm"] == pytest.approx(by_hand, rel=1e-4)
-    group_mean = snr_filter.gradient_decomposition(
-        run.policy, batch["input_ids"], batch["mask"], rewards, n_buckets=1, temperature=0.7)[0]["task_grad_norm"]
+    plain = {"input_ids": batch["input_ids"], "mask": batch["mask"]}  # no advantages: group means
+    group_mean = snr_filter.gradient_decomposition(run.policy, plain, rewards, temperature=0.7,
+                                                   n_buckets=1)[0]["task_grad_norm"]
     assert abs(group_mean - by_hand) > 1e-3 * by_hand
 
 
@@ -629,15 +630,15 @@ def test_optimizer_steps_fix_the_number_of_steps_whatever_is_kept(tmp_path):
 
 
 def test_random_control_keeps_the_filters_count_reproducibly_per_step(tmp_path):
-    a = train.Args(filter="random", control_of="topk", top_k=0.5)
+    a = snr_filter.Filter(mode="random", control_of="topk", top_k=0.5)
     rewards = torch.tensor([[0.0, 1.0]] * 6 + [[1.0, 1.0]] * 2)  # 8 groups, 2 without spread
-    picks = [snr_filter.select(a, rewards, step)[0] for step in range(1, 30)]
+    picks = [snr_filter.select(rewards, a, 0, step)[0] for step in range(1, 30)]
     assert all(int(p.sum()) == 4 for p in picks)  # Top-K 0.5 of 8
     assert any(p[6:].any() for p in picks)  # random: zero-spread groups can be drawn
-    assert torch.equal(picks[3], snr_filter.select(a, rewards, 4)[0])  # same seed and step, same choice
+    assert torch.equal(picks[3], snr_filter.select(rewards, a, 0, 4)[0])  # same seed and step, same choice
     assert len({tuple(p.tolist()) for p in picks}) > 5
-    a.filter, a.top_k = "bottom", 0.375
-    keep = snr_filter.select(a, torch.tensor([[0.0, s] for s in (1.0, 4.0, 2.0, 3.0)] + [[1.0, 1.0]] * 4), 1)[0]
+    a = snr_filter.Filter(mode="bottom", control_of="topk", top_k=0.375)
+    keep = snr_filter.select(torch.tensor([[0.0, s] for s in (1.0, 4.0, 2.0, 3.0)] + [[1.0, 1.0]] * 4), a, 0, 1)[0]
     assert keep.tolist() == [True, False, True, True] + [False] * 4  # int(0.375 * 8) = 3 lowest with spread
 
 

@@ -535,6 +535,6 @@ def test_a_control_keeps_the_groups_train_select_keeps():
     trainer, inputs = trainer_on([5, 6, 7], lambda r: r % K == 0, filter="random")
     trainer._generate_and_score_completions(inputs)
     rewards = torch.tensor(trainer.last_selection["group_rewards"])               # [G, K]
-    keep, _ = snr_filter.select(train.Args(filter="random", seed=trainer.args.seed), rewards, 1)
+    keep, _ = snr_filter.select(rewards, snr_filter.Filter(mode="random"), trainer.args.seed, 1)
     assert trainer.last_selection["kept_groups"] == keep.nonzero()[:, 0].tolist()
     assert len(trainer.last_selection["kept_groups"]) == 1  # topk's count: int(0.5 x 3)
