@@ -9,7 +9,7 @@ One training step, as `train` runs it (the right column names the code that runs
                   sampling law and loop (Llama layouts: plumbing/sampler's faster
                   prefill and step, tested equal token for token)
   2. diagnosis    step 1 and every 5 steps, before filtering: cross-score each        mi.diagnose
-                  first-turn reasoning under every prompt (the batch, a probe set)    mi.probe
+                  first-turn reasoning under every prompt (the batch, a probe set)    probe_set
   3. filter       rank groups by reward std, keep Top-P / Top-K; dropped groups       snr_filter
                   never reach the advantages; nothing kept -> no update
   4. old / ref    log-probs of the sampled tokens before the update: in float32 the   generate
@@ -44,7 +44,7 @@ import mi  # noqa: E402
 import ppo  # noqa: E402
 import rollout  # noqa: E402
 import snr_filter  # noqa: E402
-from plumbing import labels, lora, models, runs, sampler  # noqa: E402
+from plumbing import labels, lora, models, probe_set, runs, sampler  # noqa: E402
 from plumbing.defaults import MAX_SKIPS, PROBE_SEED_BASE, VAL_SEED_BASE  # noqa: E402
 
 ANALYSIS_KL_COEF = 1e-3  # Fig. 4's KL coefficient without --kl-coef (the paper's analysis runs)
@@ -213,7 +213,7 @@ def diagnose(run, episodes, rng):
 def probe(run):
     """Step 2 on a fixed probe set: --probe-prompts held-out prompts (seeds PROBE_SEED_BASE + i),
     one first turn sampled --probe-samples times each, on a forked RNG seeded alike every time (the
-    training stream is unchanged and the curve moves only when the policy does); mi.probe's
+    training stream is unchanged and the curve moves only when the policy does); probe_set.probe's
     metrics with their standard errors over the prompts, as probe_<metric>; where a reasoning
     copies its input (FrozenLake read with coordinates), also the work's MI after the copy."""
     a = run.args
@@ -224,7 +224,7 @@ def probe(run):
         torch.manual_seed(a.seed)
         episodes = collect_rollouts(run, seeds, a.probe_samples, max_turns=1)
     samples, gap = sampled_in_float32(run, [e.first for e in episodes])
-    out = mi.probe(run.policy, samples, a.probe_samples, copies=labels.copies(run, seeds),
+    out = probe_set.probe(run.policy, samples, a.probe_samples, copies=labels.copies(run, seeds),
                    **scoring(run))
     runs.check_exact(run, "probe_diagnosis_logprob_diff", out["diagnosis_logprob_diff"])
     out.update(gap, **labels.labels(run, episodes, episodes), **labels.texts(run, episodes))

@@ -33,7 +33,7 @@ import torch  # noqa: E402
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import mi  # noqa: E402
 import train  # noqa: E402
-from plumbing import labels, models, runs  # noqa: E402
+from plumbing import labels, models, probe_set, runs  # noqa: E402
 from plumbing.defaults import PROBE_SEED_BASE  # noqa: E402
 
 POLICIES = {"pretrained": None, "coords warm start": {},
@@ -68,7 +68,7 @@ def scored(run, firsts, per_prompt, copies, bfloat16):
     began = time.perf_counter()
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bfloat16):
         table, lengths = score(xs, zs)
-        work, work_lengths, _ = mi.work_scores(score, xs, copies, zs, owner)
+        work, work_lengths, _ = probe_set.work_scores(score, xs, copies, zs, owner)
     seconds = time.perf_counter() - began
     out = mi.collapse_metrics(table, owner, lengths, prompt_keys=keys)
     out.update({f"work_{k}": v for k, v in

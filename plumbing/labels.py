@@ -9,7 +9,7 @@ each diagnosed reasoning, so that the estimate can be read against the truth.
   (warmstart/templates.py: membership, whether or not the warm start was taught it),
   template_share; on the probe set also the reasonings as text, to read what they say over a run. Read with coordinates,
   its reasoning copies cells of its input first: what each prompt's copy is, for the work's MI
-  (mi.work_scores).
+  (plumbing/probe_set.py:work_scores).
 
 Other runs log none of these. The labels are bookkeeping of the warm starts, not of the paper's
 loop: train.py asks for them in one call each.

@@ -259,7 +259,7 @@ def test_a_run_reading_the_coordinates_logs_its_reasonings_labels_and_the_gramma
         assert sum(step[f"{p}{k}_share"] for k in labels) == pytest.approx(1)
         assert 0 <= step[f"{p}template_share"] <= step[f"{p}ungrounded_share"]  # a template states no way
     assert len(step["probe_reasonings"]) == 4 and all(isinstance(t, str) for t in step["probe_reasonings"])
-    # the work's MI after the copied cells, where the reasoning copies its input (mi.work_scores)
+    # the work's MI after the copied cells, where the reasoning copies its input (plumbing/probe_set.py:work_scores)
     assert {"probe_work_mi_estimate", "probe_work_retrieval_acc", "probe_work_copied_share"} <= set(step)
     assert 0 <= step["probe_work_copied_share"] <= 1 and "work_mi_estimate" not in step  # probe only
     # token-exact at the training temperature: each reasoning scores as it was sampled

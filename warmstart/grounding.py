@@ -71,7 +71,7 @@ def copied_cells(env):
 
 def copy_ids(tokenizer, env_name, env_kwargs, seeds):
     """For each input (a layout seed) the token ids of what its reasoning copies from it (the
-    reasoning begins with the space after "<think>"): what mi.probe's work MI scores each
+    reasoning begins with the space after "<think>"): what plumbing/probe_set.py's work MI scores each
     reasoning's work after. Only FrozenLake read with coordinates has such a copy."""
     out = []
     for seed in seeds:
