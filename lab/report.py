@@ -5,8 +5,8 @@ What a stranger runs to check every number of RESULTS.md. It reads the archives 
 and writes results/<grid>/: table.md (means over seeds with 95% t intervals, the decision rules and
 their verdicts, onsets, correlations, and beside each verdict the first report's, replication.csv),
 the same as csv files, numbers.json (every number, and the manifest of the archives it was made
-from), perseed.csv, gradients.csv (Fig. 4), search.csv (the regime search), curves.png, perseed.png
-and scatter.png.
+from), perseed.csv, gradients.csv (Fig. 4), search.csv (the regime search), curves.png, perseed.png,
+scatter.png and, where the runs decomposed their gradients, fig4.png (Fig. 4 drawn as the paper does).
 
 It never overwrites a committed report with less: when the archives are fewer, shorter or
 unreadable compared with the manifest of the report in place, it refuses (ReportError: one line,
@@ -25,6 +25,7 @@ import zlib
 
 from lab import dials, reasonings, stats
 from lab.stats import fmt, span
+from plumbing import plots
 from plumbing.defaults import GROUP_SIZE
 from lab.grids import GRIDS, done, runs_of, world_of
 from lab.protocol import (BUCKET, COMMON, DIAGNOSTICS, GROUNDED, METRICS, ONSET, PHASE, RESULTS,
@@ -629,4 +630,33 @@ def figures(name, data, out):
     axes[0][0].legend(fontsize=6)
     fig.tight_layout()
     fig.savefig(os.path.join(out, "scatter.png"), dpi=100)
+    plt.close(fig)
+    fig4(name, data, out)
+
+
+def fig4(name, data, out):
+    """fig4.png, where the runs logged gradient decompositions: Fig. 4 as the paper draws it, a
+    panel per setting -- per reward-spread bucket, the task and regulariser gradient norms (bars:
+    the mean over seeds of each seed's mean over its decompositions, with the 95% t half-width
+    over the seeds) and the bucket's reward spread (a line)."""
+    import matplotlib.pyplot as plt
+
+    by_setting = {}
+    for (setting, seed), records in sorted(data.items()):
+        decompositions = [r["grad_decomposition"] for r in records if r.get("grad_decomposition")]
+        if decompositions:
+            by_setting.setdefault(setting, []).append(plots.bucket_means(decompositions))
+    if not by_setting:
+        return
+    fig, axes = plt.subplots(1, len(by_setting), figsize=(5.0 * len(by_setting), 3.6),
+                             squeeze=False)
+    for ax, (setting, seeds) in zip(axes[0], by_setting.items()):
+        n = min(map(len, seeds))
+        keys = ("mean_std", "task_grad_norm", "reg_grad_norm")
+        cells = [{k: stats.interval([s[b][k] for s in seeds]) for k in keys} for b in range(n)]
+        means = [{k: c[k][0] for k in keys} for c in cells]
+        errors = [{k: c[k][1] or 0.0 for k in keys} for c in cells]
+        plots.draw_buckets(ax, means, f"{name} / {setting}: Fig. 4, {len(seeds)} seeds", errors)
+    fig.tight_layout()
+    fig.savefig(os.path.join(out, "fig4.png"), dpi=100)
     plt.close(fig)

@@ -11,6 +11,10 @@ with their own labels are overlaid in distinct styles.
                   entropy monitoring alone would see
     filter.png    kept ratio and zero-variance group fraction (Fig. 11a-b)
     length.png    response length per turn (Fig. 8)
+    gradients.png with --grad-decomp-every: Fig. 4 as the paper draws it -- per reward-spread
+                  bucket Q1 (lowest) .. Q6, the task and the regulariser (KL + entropy) gradient
+                  norms as bars and the bucket's reward spread as a line, the mean over the run's
+                  decompositions
 
     python -m plumbing.plots runs/topp                 # PNGs into the run folder (train.py writes them too)
     python -m plumbing.plots runs/topp runs/none       # an overlay: PNGs into runs/topp+none, printed
@@ -198,7 +202,68 @@ def plot_runs(run_dirs, out_dir, labels=None, figures=FIGURES):
         fig.savefig(path, dpi=110)
         plt.close(fig)
         paths.append(path)
-    return paths
+    gradients = plot_gradients(groups, out_dir)
+    return paths + ([gradients] if gradients else [])
+
+
+def bucket_means(decompositions):
+    """Fig. 4's numbers from several gradient decompositions (each a list of bucket dicts,
+    lowest spread first, as train.py logs them): per bucket the mean of mean_std, task_grad_norm
+    and reg_grad_norm -> [{"mean_std", "task_grad_norm", "reg_grad_norm"}], as many buckets as the
+    fewest any decomposition has.
+
+    >>> bucket_means([[{"mean_std": 0., "task_grad_norm": 1., "reg_grad_norm": 2.}],
+    ...               [{"mean_std": 1., "task_grad_norm": 3., "reg_grad_norm": 2.}]])
+    [{'mean_std': 0.5, 'task_grad_norm': 2.0, 'reg_grad_norm': 2.0}]
+    """
+    n = min(len(d) for d in decompositions)
+    keys = ("mean_std", "task_grad_norm", "reg_grad_norm")
+    return [{k: sum(d[b][k] for d in decompositions) / len(decompositions) for k in keys}
+            for b in range(n)]
+
+
+def draw_buckets(ax, buckets, title, errors=None):
+    """Fig. 4 on one axis: per bucket Q1.. the task and regulariser gradient norms as bars
+    (`errors`: their half-widths, [{"task_grad_norm", "reg_grad_norm"}]), the reward spread as a
+    line on its own axis."""
+    x = range(len(buckets))
+    for i, (key, label) in enumerate((("task_grad_norm", "task gradient"),
+                                      ("reg_grad_norm", "regulariser gradient (KL + entropy)"))):
+        ax.bar([j + (i - 0.5) * 0.38 for j in x], [b[key] for b in buckets], width=0.38,
+               label=label, yerr=None if errors is None else [e[key] for e in errors],
+               capsize=2, color=("tab:blue", "tab:orange")[i])
+    ax.set_xticks(list(x), [f"Q{j + 1}" for j in x])
+    ax.set_xlabel("reward-spread bucket (Q1 lowest)")
+    tallest = [max(b[k] for b in buckets) for k in ("task_grad_norm", "reg_grad_norm")]
+    if min(tallest) > 0 and max(tallest) > 20 * min(tallest):  # one would be invisible
+        ax.set_yscale("log")
+    ax.set_ylabel("gradient norm" + (" (log scale)" if ax.get_yscale() == "log" else ""))
+    ax.set_title(title, fontsize=9)
+    spread = ax.twinx()
+    spread.plot(list(x), [b["mean_std"] for b in buckets], "k.-", label="reward std")
+    spread.set_ylabel("mean reward std of the bucket")
+    spread.set_ylim(bottom=0)
+    handles = ax.get_legend_handles_labels()[0] + spread.get_legend_handles_labels()[0]
+    ax.legend(handles, [h.get_label() for h in handles], fontsize=7, loc="upper left")
+
+
+def plot_gradients(groups, out_dir):
+    """gradients.png: Fig. 4 for each label of `groups` ({label: [records of a run]}) whose runs
+    logged a gradient decomposition; None when none did."""
+    drawn = {label: [r["grad_decomposition"] for records in runs for r in records
+                     if r.get("grad_decomposition")] for label, runs in groups.items()}
+    drawn = {label: d for label, d in drawn.items() if d}
+    if not drawn:
+        return None
+    fig, axes = plt.subplots(1, len(drawn), figsize=(5.0 * len(drawn), 3.6), squeeze=False)
+    for ax, (label, decompositions) in zip(axes[0], drawn.items()):
+        draw_buckets(ax, bucket_means(decompositions),
+                     f"{label}: Fig. 4, mean of {len(decompositions)} decompositions")
+    fig.tight_layout()
+    path = os.path.join(out_dir, "gradients.png")
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
 
 
 def overlay_folder(run_dirs):

@@ -122,3 +122,24 @@ def test_bad_arguments_are_one_line(capsys):
     assert plots.main([]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "required: runs" in err[0], err
+
+
+def test_a_run_that_decomposed_its_gradients_gets_fig4(tmp_path):
+    """gradients.png: Fig. 4 from the run's decompositions (bucket_means: each bucket's mean over
+    them), and only for a run that logged any."""
+    write_run(tmp_path / "plain", 3, 0.5)
+    assert plots.main([str(tmp_path / "plain")]) == 0
+    assert not (tmp_path / "plain" / "gradients.png").exists()
+    folder = tmp_path / "decomposed"
+    write_run(folder, 3, 0.5)
+    buckets = lambda scale: [{"bucket": b, "mean_std": 0.1 * b, "task_grad_norm": scale * b,
+                              "reg_grad_norm": 1.0} for b in range(6)]
+    with open(folder / "metrics.jsonl", "a") as f:
+        for step, scale in ((4, 1.0), (5, 3.0)):
+            f.write("\n" + json.dumps({"step": step, "grad_decomposition": buckets(scale)}) + "\n")
+    assert plots.main([str(folder)]) == 0
+    with open(folder / "gradients.png", "rb") as f:
+        assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+    means = plots.bucket_means([buckets(1.0), buckets(3.0)])
+    assert [m["task_grad_norm"] for m in means] == [2.0 * b for b in range(6)]
+    assert [m["reg_grad_norm"] for m in means] == [1.0] * 6
