@@ -15,7 +15,7 @@ from plumbing import probe_set
 from test_mi import PROMPTS, _sample_scores, tiny_lm  # noqa: F401 -- tiny_lm: a fixture
 
 
-def test_the_work_is_scored_after_each_prompts_own_copy_as_a_plain_loop_scores_it(tiny_lm):
+def test_the_work_is_scored_after_its_own_copy_as_a_plain_loop_scores_it(tiny_lm):
     """probe_set.work_scores over an LM (cross_scores bound to it) against the definition, one pass a
     pair: a reasoning that begins with its own prompt's copy is scored after the copy, each prompt
     with its own; one that does not (a template, another prompt's copy) is scored whole after each
@@ -77,7 +77,7 @@ def test_action_dependence_never_exceeds_log_k(P, K, data):
     assert probe_set.action_dependence(scores)["action_mi"] <= math.log(K) + 1e-9
 
 
-def test_action_dependence_expectation_is_the_infonce_bound_below_exact_mi():
+def test_action_dependence_expects_the_infonce_bound_below_exact_mi():
     """K = 2 samples (z, a) of one prompt, every pair enumerated with its probability: the
     estimator's expectation (vectorised) equals a plain loop, lies below the exact I(Z; A) and
     below log 2."""
