@@ -3,7 +3,7 @@ prompts: the same metrics with their standard errors over the prompts (metrics_w
 answer's dependence on its reasoning, I(Z; A | X), cross-scored within a prompt's samples
 (action_dependence); and the work's MI, the reasoning scored after what it copies from its input
 (work_scores). probe runs all three on one probe set; train.py's step 2 calls it beside
-mi.diagnose. theory.md, Sec. 2, "beyond the paper", derives each.
+mi.diagnose. theory.md, Sec. 7 (beyond the paper), derives each.
 """
 import functools
 import math
@@ -85,7 +85,7 @@ def work_scores(score, prompt_ids, copy_ids, reasoning_ids, owner):
     copied [M] bool). `score(prompts, reasonings) -> (scores, lengths)` is cross_scores with its
     settings; each prompt runs once for each kind of reasoning.
 
-    Why (theory.md, Sec. 2, the work's MI): with Z = (C, W) and the copy C a function of the input,
+    Why (theory.md, Sec. 7, the work's MI): with Z = (C, W) and the copy C a function of the input,
     I(X; Z) = I(X; W) + H(C | W): a reasoning that restates its input carries the copy's entropy
     whatever its work does, up to the log N cap of the plain estimate. Scored after each candidate
     prompt's own copy, the copy counts for nothing and the estimate is I(X; W)'s: what the work

@@ -35,7 +35,7 @@ ALPHA / n under every input, so it adds nothing to I(X;Z), and on task sentences
 The cross-scoring estimate over N prompts cannot exceed log N: under the demonstration distribution
 a task sample's gap is log N - log c, c the number of the N prompts whose f equals its own, and a
 template's is 0, so its expectation is (1 - ALPHA) G(N) with G(N) = sum_f p_f E[log N - log(1 + B)],
-B ~ Binomial(N - 1, p_f) (capped_gap; theory.md, Sec. 2).
+B ~ Binomial(N - 1, p_f) (capped_gap; theory.md, Sec. 7).
 """
 import collections
 import copy
@@ -305,7 +305,7 @@ def surface_estimates(alpha, probs, n_prompts):
     - marginal)], hz_seq: E[-mean(marginal)] less H(S|G) and the filler's entropy (both cancel in
     the MI and add to H(Z) alike)}. With c the batch's prompts whose f is g (B ~ Binomial(N - 1,
     p_g) others), a sample from the first prompt scores (1 - a) [g = f_1] + a p_g and its marginal
-    (1 - a) c / N + a p_g (theory.md, Sec. 2). At N -> infinity mi_seq -> surface_mi and hz_seq ->
+    (1 - a) c / N + a p_g (theory.md, Sec. 7). At N -> infinity mi_seq -> surface_mi and hz_seq ->
     H(f(X)); at ALPHA = 0 mi_seq is capped_gap."""
     a, n = alpha, n_prompts
     mi = hz = 0.0
@@ -410,7 +410,7 @@ def share_of(episodes, env_name, kind="pool"):
 #             work's dependence on the input, I(X;W) = surface_mi(ALPHA, law of W), falls to 0
 #
 # so a whole-reasoning MI sees family `pool` fall and family `borrowed` stay level: copying the
-# input hides a template there (theory.md, Sec. 2: the work's MI; grounding.copied_cells is the
+# input hides a template there (theory.md, Sec. 7: the work's MI; grounding.copied_cells is the
 # copy).
 COORDS_POOL = "frozenlake-coords"  # the pool's key: a real model reading FrozenLake's coordinates
 POOL_SHAPE[COORDS_POOL] = (len(OPENERS), len(ACTIONS), len(ENDINGS))
