@@ -7,6 +7,9 @@ any machine's facts.
                 than float32; float32 elsewhere (an x86 CPU without them emulates bfloat16, several
                 times slower) and for the tiny policy everywhere (its width-64 matrices gain
                 nothing, and its results stay exact across machines). --dtype overrides.
+    attention   masked attention on a GPU on memory-efficient or math kernels, never cuDNN's
+                (masked_attention: its masked kernels have open correctness bugs on Hopper and
+                Blackwell)
     layout      the sampler's weight copies on a CPU in float32 on a CPU with AVX-512: transposed
                 (x @ W^T, W^T contiguous), 4.5x faster there than F.linear at a decode step's 16
                 rows; elsewhere the original layout, which was as fast or faster on every other
@@ -35,6 +38,22 @@ def cpu_flags(environ=None, path="/proc/cpuinfo"):
                              for word in line.split(":", 1)[1].split())
     except OSError:
         return frozenset()
+
+
+def masked_attention(device_type):
+    """The kernels attention with a mask may run on, chosen on purpose -> a context manager: on
+    CUDA memory-efficient attention, else the math kernel; never cuDNN's, which recent torch
+    prefers on Hopper and Blackwell and which has open silent-correctness bugs exactly where the
+    sampler calls it (boolean masks, grouped key/value heads: pytorch/pytorch#193893 -- greedy
+    generation corrupted on B200 for models with fewer than 8 key/value heads, Qwen2.5-0.5B has
+    2 --, #196678, #191612), nor flash attention, which takes no mask. On a CPU: as torch
+    chooses (it has no cuDNN kernel)."""
+    import contextlib
+
+    if device_type != "cuda":
+        return contextlib.nullcontext()
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    return sdpa_kernel([SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH])
 
 
 def cpu_name(path="/proc/cpuinfo"):

@@ -7,8 +7,10 @@ A run folder holds config.json (the resolved settings), metrics.jsonl (one JSON 
 flushed as it is written), checkpoint/ (weights or LoRA adapters, tokenizer, critic, optimisers,
 RNG states) and the figures. What a run guarantees:
 - A kill at any moment (Ctrl-C, kill -9, a full disk) loses at most the step in flight, and
-  `--resume` runs the lost step again exactly; a log damaged since the last checkpoint is rewritten
-  from its copy, saying so (checkpoints.py).
+  `--resume` runs the lost step again from the same weights, optimiser and random streams: on a
+  CPU exactly (tested), on a GPU within float rounding (its attention backward and cuBLAS
+  reductions are not deterministic); a log damaged since the last checkpoint is rewritten from its
+  copy, saying so (checkpoints.py).
 - `--resume DIR` continues with the run's own settings; only --steps (to extend), --val-every,
   --save-every, --plot, --threads and --report-to may be given anew. A finished run is left as it
   is; a run made with --save-every 0 has no checkpoint to extend it from. Two processes never
@@ -565,8 +567,9 @@ def last_metrics(path):
 
 def record(run, m):
     """Step 7's bookkeeping: the metrics line (flushed), a checkpoint when due, the progress bar."""
-    if run.device.type == "cuda":
+    if run.device.type == "cuda":  # this step's peak, not the run's so far
         m["gpu_peak_gb"] = torch.cuda.max_memory_allocated() / 2 ** 30
+        torch.cuda.reset_peak_memory_stats()
     m.update(throughput(run, m))
     run.log.write(json_line(m) + "\n")
     run.log.flush()

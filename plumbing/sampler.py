@@ -319,7 +319,12 @@ def hf_policy(model, tokenizer, max_new_tokens, temperature=1.0, top_p=1.0, chec
                             check_every or generate.looks_every(model))
     lm = check_layout(model) if model is not None else None
     if lm is None:
-        return generate.policy(model, tokenizer, max_new_tokens, temperature, top_p, check_every)
+        plain = generate.policy(model, tokenizer, max_new_tokens, temperature, top_p, check_every)
+
+        def policy(*args, **kwargs):  # the model's own masked attention, on chosen kernels
+            with hardware.masked_attention(model.device.type):
+                return plain(*args, **kwargs)
+        return policy
     stop_ids, pad = generate.stop_ids(model, tokenizer), rollout.pad_token_id(tokenizer)
     flags = hardware.cpu_flags()
     last = {"rows": {}, "capture": capture}  # the last call's cache, {key: (row, its tokens)}
@@ -329,9 +334,10 @@ def hf_policy(model, tokenizer, max_new_tokens, temperature=1.0, top_p=1.0, chec
         device, B = model.device, len(prompt_ids)
         keys = [id(env) for env in env_list] if env_list is not None else list(range(B))
         n_max = max_new_tokens if forced is None else max(1, max(map(len, forced)))
-        logits, advance = start(prompt_ids, keys, device, forced is None, n_max)
-        tokens, logps, entropies, fed = generate.decode(logits, advance, law, stop_ids, pad,
-                                                        forced)
+        with hardware.masked_attention(device.type):  # forward's masked attention, on purpose
+            logits, advance = start(prompt_ids, keys, device, forced is None, n_max)
+            tokens, logps, entropies, fed = generate.decode(logits, advance, law, stop_ids, pad,
+                                                            forced)
         if forced is None:
             last["rows"] = {key: (b, p + [t for t, f in zip(row, on) if f])
                             for b, (key, p, row, on) in enumerate(zip(keys, prompt_ids, tokens,

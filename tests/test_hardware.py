@@ -139,3 +139,41 @@ def test_the_bfloat16_branch_samples_diagnoses_and_updates_within_its_rounding(m
     rewards = torch.tensor([[1.0, 0.0, 0.0], [0.0, 1.0, 1.0]])  # spread in both groups
     update = train.update_policy(run, episodes, rewards, torch.Generator().manual_seed(0))
     assert update["approx_kl"] < 1e-6 and 0 < update["rollout_logprob_diff"] < U * scale
+
+
+def test_masked_attention_on_a_gpu_runs_on_chosen_kernels_never_cudnns():
+    """On CUDA the sampler's masked attention may use memory-efficient or math kernels only:
+    cuDNN's masked kernels have open silent-correctness bugs on Hopper and Blackwell, and flash
+    takes no mask. The choice is torch's global switch, read here on a CPU; the CPU's own choice is
+    left alone, and a masked attention computes the same inside the context."""
+    cuda = torch.backends.cuda
+    before = (cuda.cudnn_sdp_enabled(), cuda.flash_sdp_enabled())
+    q = torch.randn(1, 2, 5, 4, generator=torch.Generator().manual_seed(0))
+    mask = torch.tril(torch.ones(5, 5, dtype=torch.bool))
+    free = torch.nn.functional.scaled_dot_product_attention(q, q, q, attn_mask=mask)
+    with hardware.masked_attention("cuda"):
+        assert not cuda.cudnn_sdp_enabled() and not cuda.flash_sdp_enabled()
+        assert cuda.mem_efficient_sdp_enabled() and cuda.math_sdp_enabled()
+        chosen = torch.nn.functional.scaled_dot_product_attention(q, q, q, attn_mask=mask)
+    torch.testing.assert_close(chosen, free)
+    assert (cuda.cudnn_sdp_enabled(), cuda.flash_sdp_enabled()) == before
+    with hardware.masked_attention("cpu"):
+        assert (cuda.cudnn_sdp_enabled(), cuda.flash_sdp_enabled()) == before
+
+
+@pytest.mark.parametrize("layout", ["llama", "gpt2"])
+def test_every_sampling_call_runs_under_the_chosen_attention(monkeypatch, layout):
+    """Both samplers -- the decode loop and a model's own forward -- enter masked_attention for
+    their device on every call."""
+    from test_rollout import make_model, make_tokenizer
+    from test_sampler import tiny_gpt2
+    from plumbing import sampler
+    tokenizer = make_tokenizer()
+    model = make_model(tokenizer) if layout == "llama" else tiny_gpt2(tokenizer)
+    entered = []
+    real = hardware.masked_attention
+    monkeypatch.setattr(hardware, "masked_attention", lambda d: entered.append(d) or real(d))
+    policy = sampler.hf_policy(model, tokenizer, 4)
+    for _ in range(2):
+        policy([tokenizer.encode("<think>", add_special_tokens=False)])
+    assert entered == ["cpu", "cpu"]
