@@ -173,7 +173,7 @@ def collect_rollouts(run, seeds, group_size, temperature=None, top_p=None, max_t
     for first in range(0, len(seeds), per_call):
         policy = sampler.hf_policy(run.policy, run.tokenizer, a.max_new_tokens,
                                    a.temperature if temperature is None else temperature,
-                                   a.sample_top_p if top_p is None else top_p)
+                                   a.sample_top_p if top_p is None else top_p, **run.sampling)
         with run.sample_ctx, runs.finite_sampling(run.step + 1):
             played = rollout.play(policy, run.tokenizer, a.env, seeds[first:first + per_call],
                                   group_size, env_kwargs=runs.env_kwargs(a),

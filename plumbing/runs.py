@@ -161,8 +161,8 @@ def failed(e, run):
     if isinstance(e, Diverged):
         print(f"error: {diverged(e, run.args, run.step, run.created)}", file=sys.stderr)
         return 2
-    if isinstance(e, NotExact):
-        if not run.step and not run.args.resume:  # as a failed start: the folder as it was found
+    if isinstance(e, NotExact):  # (a start that failed so left its folder as it found it)
+        if run is not None and not run.step and not run.args.resume:
             unmake(run.args.out, run.created)
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -275,6 +275,8 @@ class Run:
     created: bool = False  # this process made the run folder
     tracker: object = None  # --report-to's (Tracker), or None
     sample_ctx: object = field(default_factory=contextlib.nullcontext)  # the sampler's autocast
+    sampling: dict = field(default_factory=dict)  # the path the sampler's self-check agreed on
+    pending: dict = field(default_factory=dict)  # what the next log record adds (the self-check)
 
 
 def start(a, argv=()):
@@ -326,7 +328,7 @@ def start(a, argv=()):
         run.last = last_metrics(os.path.join(a.out, "metrics.jsonl"))
         write_config(a)
         write_provenance(run, argv)
-        write_prompt(run)
+        check_sampler(run, write_prompt(run))
         run.log = open(os.path.join(a.out, "metrics.jsonl"), "a")
         run.tracker = None if a.report_to == "none" else Tracker(a, run.step)
         if a.steps > 0:
@@ -552,6 +554,27 @@ def write_prompt(run):
     episode = rollout.start(run.tokenizer, a.env, 0, VAL_SEED_BASE, 0, how)
     atomic_write(os.path.join(a.out, "prompt.txt"),
                  run.tokenizer.decode(episode.ids, skip_special_tokens=False))
+    return episode.ids
+
+
+def check_sampler(run, prompt_ids):
+    """The sampler's self-check on the prompt of prompt.txt (sampler.self_check), in the
+    sampler's precision: its figures go into a new run's first log record, the path that agreed
+    into run.sampling; where no path agreed, NotExact (one line, exit 2)."""
+    a = run.args
+    with run.sample_ctx:
+        check = sampler.self_check(run.policy, run.tokenizer, prompt_ids,
+                                   min(a.max_new_tokens, 16), a.temperature, a.sample_dtype)
+    if not check["agreed"]:
+        raise NotExact(f"the sampler's self-check: even the model's own forward pass samples "
+                       f"log-probs {check['selfcheck_plain_diff']:.3g} nats a token from a plain "
+                       f"forward pass over the same tokens (tolerance {check['tolerance']:g}): "
+                       f"nothing here samples the policy the update scores")
+    run.sampling = {"capture": check["capture"], "plain": check["plain"],
+                    "failures": run.state.setdefault("failures", {})}
+    if run.step == 0:  # a resumed run checks again (another machine?) but logs as it did
+        run.pending.update({k: v for k, v in check.items() if k.startswith("selfcheck_")
+                            and v is not None})
 
 
 def last_metrics(path):
@@ -567,6 +590,11 @@ def last_metrics(path):
 
 def record(run, m):
     """Step 7's bookkeeping: the metrics line (flushed), a checkpoint when due, the progress bar."""
+    failed = run.state.get("failures", {}).get("capture", 0)
+    if failed or run.device.type == "cuda":  # the captures that failed so far (said at the end)
+        m["capture_failures"] = failed
+    m.update(run.pending)
+    run.pending = {}
     if run.device.type == "cuda":  # this step's peak, not the run's so far
         m["gpu_peak_gb"] = torch.cuda.max_memory_allocated() / 2 ** 30
         torch.cuda.reset_peak_memory_stats()
@@ -681,6 +709,10 @@ def finish(run):
     if run.args.plot and run.args.steps > 0:
         from plumbing import plots
         plots.plot_runs([run.args.out], run.args.out)
+    failed = run.state.get("failures", {}).get("capture", 0)
+    if failed:
+        print(f"the decode step ran eagerly after {failed} failed capture"
+              f"{'s' if failed > 1 else ''} (capture_failures in {run.args.out}/metrics.jsonl)")
     keys = ("step", "train_success", "val_success", "kept_ratio", "mi_estimate", "retrieval_acc")
     print(json_line({k: run.last[k] for k in keys if k in run.last}))
 

@@ -28,6 +28,7 @@ compiler.
 """
 import dataclasses
 import functools
+import math
 
 import torch
 import torch.nn.functional as F
@@ -299,15 +300,17 @@ def cuda_graph(run):
 # ------------------------------------------------------------------------------------- the policy
 
 def hf_policy(model, tokenizer, max_new_tokens, temperature=1.0, top_p=1.0, check_every=None,
-              capture=None, transposed=None):
+              capture=None, transposed=None, failures=None, plain=False):
     """generate.policy, faster where the model has the Llama layout (check_layout): the same
     policy(prompt_ids, envs) -> list[Generation] and the same law and loop, with this module's
     prefill and step. `check_every`: steps between two looks at the device (default 8 on a GPU, 1
     on a CPU, where a look costs nothing). `capture`: how the sampling step is captured
     (graphed_step): None, as a CUDA graph on a GPU and not on a CPU; False, never; or a function
     (cuda_graph's contract). A capture that fails is said once, and the turns after it run
-    eagerly. `transposed`: the weights' layout (None: by the hardware, plumbing/hardware.py). A
-    model of another layout samples through generate.policy.
+    eagerly; `failures`: a dict whose "capture" count each failed capture adds to (the run's
+    log). `transposed`: the weights' layout (None: by the hardware, plumbing/hardware.py). A
+    model of another layout samples through generate.policy, and so does any model with `plain`
+    (where a run's self-check found the decode loop off: self_check).
 
     The policy remembers the cache of its last call, one row per prompt. A prompt that continues a
     remembered row (the row's tokens are a prefix of it) reuses the row and encodes only its new
@@ -317,7 +320,7 @@ def hf_policy(model, tokenizer, max_new_tokens, temperature=1.0, top_p=1.0, chec
     """
     law = generate.Sampling(max_new_tokens, temperature, top_p,
                             check_every or generate.looks_every(model))
-    lm = check_layout(model) if model is not None else None
+    lm = check_layout(model) if model is not None and not plain else None
     if lm is None:
         plain = generate.policy(model, tokenizer, max_new_tokens, temperature, top_p, check_every)
 
@@ -421,6 +424,8 @@ def hf_policy(model, tokenizer, max_new_tokens, temperature=1.0, top_p=1.0, chec
                     print(f"the decode step runs eagerly: capturing it failed "
                           f"({str(e).splitlines()[0]})")
                     last["capture"], capture_with = False, None
+                    if failures is not None:
+                        failures["capture"] = failures.get("capture", 0) + 1
         slot = torch.tensor([cache.slot], device=device)  # [1], moved on the device
 
         def advance(token, running, forced):
@@ -437,6 +442,9 @@ def hf_policy(model, tokenizer, max_new_tokens, temperature=1.0, top_p=1.0, chec
     return policy
 
 
+decode_loop = hf_policy  # the sampler itself, for its self-check, whatever stands in for it
+
+
 def _continued_rows(remembered, prompt_ids, keys):
     """For each prompt the remembered row it continues, or None when some prompt continues none. A
     row is found by the prompt's key (its environment object; its index when none is given) and must
@@ -449,3 +457,80 @@ def _continued_rows(remembered, prompt_ids, keys):
             return None
         rows.append(row)
     return rows
+
+
+# --------------------------------------------------------- a run's first check of the fast path
+
+SELF_CHECK_TOLERANCE = {"float32": 1e-3, "bfloat16": 0.1}  # nats a token, the mean |difference|
+
+
+def self_check(model, tokenizer, prompt_ids, max_new_tokens, temperature, dtype, capture=None):
+    """Before a run trusts its fast path, one prompt's reply is sampled through it and scored
+    three other ways, each compared with it as the mean |log-prob difference| a token:
+      capture  the captured step (where there is one: `capture`, or a CUDA graph on a GPU) against
+               the eager decode loop from the same random numbers: the same tokens, the same
+               log-probs;
+      fast     the decode loop's log-probs against a plain teacher-forced forward pass over prompt
+               and reply (logprobs.policy_logprobs);
+      plain    generate.py's own-forward sampler scoring the same reply, against that pass.
+    Within SELF_CHECK_TOLERANCE[dtype] a path is kept; outside it the run says so in one line
+    and takes the path that agreed (capture -> the eager loop -> the model's own forward); where
+    even that one disagrees, "agreed" is False (the run stops: runs.start). The random streams are
+    forked: a run's training draws are the same with and without the check. ->
+    {"selfcheck_capture_diff", "selfcheck_fast_diff", "selfcheck_plain_diff" (None where not
+    run), "capture": None (as configured) or False (off), "plain": whether to sample through the
+    model's own forward, "agreed", "tolerance"}."""
+    tolerance = SELF_CHECK_TOLERANCE[dtype]
+    out = {"selfcheck_capture_diff": None, "selfcheck_fast_diff": None, "capture": capture,
+           "plain": check_layout(model) is None}
+    devices = [model.device] if model.device.type == "cuda" else []
+    with torch.random.fork_rng(devices=devices), torch.no_grad():
+        def sampled(policy):
+            torch.manual_seed(0)
+            return policy([prompt_ids], None)[0]
+        if not out["plain"]:
+            eager = sampled(decode_loop(model, tokenizer, max_new_tokens, temperature,
+                                        capture=False))
+            if capture or (capture is None and model.device.type == "cuda"):
+                graphed = sampled(decode_loop(model, tokenizer, max_new_tokens, temperature,
+                                              capture=capture))
+                same = graphed.token_ids == eager.token_ids
+                out["selfcheck_capture_diff"] = gap(graphed.logprobs or [], eager.logprobs or []) \
+                    if same else math.inf
+                if out["selfcheck_capture_diff"] > tolerance:
+                    print(f"the decode step runs eagerly: its captured step sampled "
+                          f"{'other tokens' if not same else 'log-probs'} than the eager step on "
+                          f"the same inputs (mean difference {out['selfcheck_capture_diff']:.3g} "
+                          f"nats a token, tolerance {tolerance:g})")
+                    out["capture"] = False
+            reply = eager
+        else:
+            reply = sampled(generate.policy(model, tokenizer, max_new_tokens, temperature))
+        forward = teacher_forced(model, prompt_ids, reply.token_ids, temperature)
+        plain = generate.policy(model, tokenizer, max_new_tokens, temperature)(
+            [prompt_ids], forced=[reply.token_ids])[0]
+        out["selfcheck_plain_diff"] = gap(plain.logprobs, forward)
+        if not out["plain"] and reply.logprobs is not None:  # (a scripted policy records none)
+            out["selfcheck_fast_diff"] = gap(reply.logprobs, forward)
+            if out["selfcheck_fast_diff"] > tolerance:
+                print(f"sampling through the model's own forward pass: the decode loop's "
+                      f"log-probs are {out['selfcheck_fast_diff']:.3g} nats a token from a plain "
+                      f"forward pass's (tolerance {tolerance:g})")
+                out["plain"] = True
+    out.update(agreed=out["selfcheck_plain_diff"] <= tolerance, tolerance=tolerance)
+    return out
+
+
+def teacher_forced(model, prompt_ids, reply_ids, temperature):
+    """The reply's log-probs [n] from one forward pass over prompt and reply."""
+    ids = torch.tensor([list(prompt_ids) + list(reply_ids)], device=model.device)  # [1, T]
+    mask = torch.zeros(1, ids.shape[1] - 1, device=model.device)                   # [1, T-1]
+    mask[0, len(prompt_ids) - 1:] = 1
+    logp, _ = logprobs.policy_logprobs(model, ids, mask, temperature=temperature,
+                                       dtype=torch.float64)
+    return logp[0, len(prompt_ids) - 1:].tolist()
+
+
+def gap(a, b):
+    """The mean |a - b| over two lists of log-probs (0 for none)."""
+    return sum(abs(x - y) for x, y in zip(a, b)) / max(1, len(a))

@@ -500,3 +500,73 @@ def test_greedy_over_a_masked_vocabulary_is_finite_and_its_entropy_a_number():
     p = torch.tensor([1.0, math.e]) / (1 + math.e)
     assert generate.sample(logits, 0.0, 1.0)[2][0].item() == pytest.approx(-(p * p.log()).sum().item())
     assert not generate.sample(torch.tensor([[0.0, math.nan]]), 0.0, 1.0)[3].any()
+
+
+# ------------------------------------------------------------- the fast path's first check
+
+def test_the_self_check_keeps_a_path_that_agrees_and_drops_one_that_does_not(tokenizer,
+                                                                             monkeypatch, capsys):
+    """sampler.self_check on a CPU: the decode loop and the model's own forward both within
+    their tolerance of a teacher-forced pass, the loop kept; a captured step (the CPU stand-in)
+    that agrees is kept, one that samples otherwise is switched off in one line; a decode loop
+    whose forward is off is dropped for the model's own forward in one line; and where even that
+    is off, the check says nothing agreed."""
+    model = make_model(tokenizer, seed=5)
+    prompt = tokenizer.encode("a box. go up <think>", add_special_tokens=False)
+    ok = sampler.self_check(model, tokenizer, prompt, 8, 1.0, "float32", capture=replaying)
+    assert ok["agreed"] and not ok["plain"] and ok["capture"] is replaying
+    assert ok["selfcheck_fast_diff"] < 1e-5 and ok["selfcheck_plain_diff"] < 1e-5
+    assert ok["selfcheck_capture_diff"] < 1e-6 and capsys.readouterr().out == ""
+
+    def lying(run):  # a capture whose replays return another step's numbers
+        out = run()
+        return lambda: tuple(x + 1 if x.is_floating_point() else x for x in out)
+    off = sampler.self_check(model, tokenizer, prompt, 8, 1.0, "float32", capture=lying)
+    assert off["capture"] is False and off["agreed"] and not off["plain"]
+    assert capsys.readouterr().out.startswith("the decode step runs eagerly: its captured step")
+
+    forward = sampler.forward
+    monkeypatch.setattr(sampler, "forward", lambda *a: 1.5 * forward(*a))  # a wrong decoder
+    swapped = sampler.self_check(model, tokenizer, prompt, 8, 1.0, "float32")
+    assert swapped["plain"] and swapped["agreed"] and swapped["selfcheck_fast_diff"] > 1e-3
+    said = capsys.readouterr().out.splitlines()
+    assert len(said) == 1 and said[0].startswith("sampling through the model's own forward pass")
+    plain = generate.own_forward
+    monkeypatch.setattr(generate, "own_forward", lambda m, ids, pad, law: (
+        lambda logits, advance: (logits + 3 * torch.randn_like(logits), advance))(
+        *plain(m, ids, pad, law)))
+    assert not sampler.self_check(model, tokenizer, prompt, 8, 1.0, "float32")["agreed"]
+
+
+def test_a_run_logs_its_self_check_and_samples_on_the_path_that_agreed(tmp_path, monkeypatch,
+                                                                      capsys):
+    """train.py checks its sampler before its first step: the figures in its first log record,
+    the decode loop kept where it agrees; with the loop off, the run says so in one line and
+    every rollout after samples through the model's own forward; with nothing agreeing, one line
+    naming the check, exit 2, no folder left."""
+    import json
+
+    import train
+    argv = ["--model", "tiny", "--no-warm-start", "--env", "frozenlake", "--groups", "2",
+            "--group-size", "2", "--max-turns", "1", "--max-new-tokens", "6", "--steps", "1",
+            "--mi-every", "0", "--val-every", "0", "--no-plot", "--filter", "none"]
+    out = tmp_path / "good"
+    assert train.main(argv + ["--out", str(out)]) == 0
+    first = json.loads(open(out / "metrics.jsonl").readline())
+    assert first["selfcheck_fast_diff"] < 1e-5 and first["selfcheck_plain_diff"] < 1e-5
+    forward, calls = sampler.forward, []
+    monkeypatch.setattr(sampler, "forward", lambda *a: 1.5 * forward(*a))
+    plain = generate.own_forward
+    monkeypatch.setattr(generate, "own_forward", lambda *a: calls.append(1) or plain(*a))
+    capsys.readouterr()
+    assert train.main(argv + ["--out", str(tmp_path / "swapped")]) == 0
+    said = capsys.readouterr().out
+    assert said.count("sampling through the model's own forward pass") == 1
+    assert len(calls) == 2  # the check's replay of its reply, then the one turn of rollouts
+    monkeypatch.setattr(generate, "own_forward", lambda m, ids, pad, law: (
+        lambda logits, advance: (logits + 3 * torch.randn_like(logits), advance))(
+        *plain(m, ids, pad, law)))
+    assert train.main(argv + ["--out", str(tmp_path / "bad")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("error: the sampler's self-check: even the model's own forward")
+    assert not (tmp_path / "bad").exists()
