@@ -400,9 +400,9 @@ def failure_reason(error):
     that a result differs), for any other error its type and first line; never pytest's
     rewritten expression, which shows the compared values and the code that computed them.
 
-    >>> failure_reason(AssertionError("0 log 0 counts as 0\nassert nan == 0.0"))
+    >>> failure_reason(AssertionError("0 log 0 counts as 0\\nassert nan == 0.0"))
     '0 log 0 counts as 0'
-    >>> failure_reason(AssertionError("assert False\n +  where False = close(0.3, 0.5)"))
+    >>> failure_reason(AssertionError("assert False\\n +  where False = close(0.3, 0.5)"))
     'a result is not the expected one'
     >>> failure_reason(NotImplementedError("gae: A_t = delta_t + gamma lam A_t'"))
     "NotImplementedError: gae: A_t = delta_t + gamma lam A_t'"
@@ -412,7 +412,7 @@ def failure_reason(error):
         written = "" if text.startswith("assert ") else text.split("\nassert ")[0]
         text = written or "a result is not the expected one"
     else:
-        text = f"{type(error).__name__}: {text}" if text else type(error).__name__
+        text = f"{type(error).__name__}: {text.splitlines()[0]}" if text else type(error).__name__
     text = " ".join(text.split())
     return text if len(text) <= 160 else text[:157] + "..."
 
