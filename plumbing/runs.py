@@ -47,7 +47,7 @@ import torch
 
 import envs
 import rollout
-from plumbing import hardware, lora, models, sampler
+from plumbing import flags, hardware, lora, models, sampler
 from plumbing.checkpoints import (CheckpointError, atomic_write, checkpoint_every, checkpoint_step,
                                   drop_garbage, log_steps, recover_checkpoint, restore,
                                   restore_metrics, save_checkpoint)
@@ -252,6 +252,7 @@ def start(a, argv=()):
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     resolve_defaults(a, device)
     check_folder(a)
+    flags.check_model(a.model)  # as train.py's command line did before torch loaded
     if a.model == "tiny":  # before a warm start is built for a world whose prompts cannot fit
         policy, tokenizer = tiny.load_tiny(a.env, env_kwargs(a), warm_start=False)
         check_lora_targets(a, policy)
@@ -375,18 +376,7 @@ def check_folder(a):
         if not os.path.isdir(a.out):
             raise UsageError(f"--resume {a.out}: no such run folder")
         return
-    if any(os.path.isfile(os.path.join(a.out, f)) for f in ("config.json", "metrics.jsonl")):
-        again = f"continue it with --resume {a.out}, or " if hasattr(a, "resume") else ""
-        raise UsageError(f"--out {a.out} already holds a run: {again}choose another --out")
-    if os.path.isdir(a.out) and set(os.listdir(a.out)) - {".lock"}:
-        raise UsageError(f"--out {a.out} is a folder with other files in it, not a run: choose a "
-                         f"new or empty folder")
-    parent = os.path.abspath(a.out)
-    while not os.path.exists(parent):
-        parent = os.path.dirname(parent)
-    if not os.path.isdir(parent) or not os.access(parent, os.W_OK):
-        why = "not a folder" if not os.path.isdir(parent) else "no permission"
-        raise UsageError(f"--out {a.out}: cannot write there ({why}: {parent})")
+    flags.check_out(a.out, resumable=hasattr(a, "resume"))
 
 
 def open_folder(a):
@@ -630,11 +620,14 @@ def progress(last):
 def finish(run):
     if run.bar is not None:
         run.bar.close()
+    paths = []
     if run.args.plot and run.args.steps > 0:
         from plumbing import plots
-        plots.plot_runs([run.args.out], run.args.out)
+        paths = plots.plot_runs([run.args.out], run.args.out)
     keys = ("step", "train_success", "val_success", "kept_ratio", "mi_estimate", "retrieval_acc")
     print(json_line({k: run.last[k] for k in keys if k in run.last}))
+    if paths:  # the last line: where to look next
+        print(f"figures in {run.args.out}: {' '.join(os.path.basename(p) for p in paths)}")
 
 
 def close(run):
