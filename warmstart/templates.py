@@ -40,12 +40,18 @@ B ~ Binomial(N - 1, p_f) (capped_gap; theory.md, Sec. 2).
 import collections
 import copy
 import functools
+import hashlib
 import itertools
+import json
 import math
+import os
 import re
+import sys
 
 import envs
 from warmstart import grounding
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 OPENERS = ("Let me", "I will", "I should", "I need to", "Now I will", "I want to", "Time to",
            "I must")
@@ -324,10 +330,50 @@ def surface_estimates(alpha, probs, n_prompts):
     return {"mi_seq": mi, "hz_seq": hz}
 
 
+# where task_probs keeps the laws it computed, and the code they come from: a change to any of
+# these files (the worlds, their solver, what a demonstration says) makes the law anew
+LAW_CACHE = os.path.join(ROOT, ".cache", "task-law")
+LAW_SOURCES = ("envs.py", "worlds", "warmstart/demos.py", "warmstart/templates.py")
+
+
 @functools.lru_cache(maxsize=None)
 def task_probs(env_name):
-    """The law of f(X) over the first TASK_TURNS demonstration seeds (task_entropy's)."""
-    return tuple(task_entropy(env_name, prompts=())["probs"])
+    """The law of f(X) over the first TASK_TURNS demonstration seeds (task_entropy's). It takes
+    40,000 resets of the world (Sokoban's rooms: about half a minute), so it is kept in
+    .cache/task-law/ under a key of the code that makes it (law_key) and read back exactly (JSON
+    keeps every float's digits); a cache that cannot be read or written is computed around."""
+    path = os.path.join(LAW_CACHE, f"{env_name}-{law_key()}.json")
+    try:
+        with open(path) as f:
+            probs = tuple(float(p) for p in json.load(f))
+        if probs and all(p > 0 for p in probs) and abs(sum(probs) - 1) < 1e-9:
+            return probs
+    except (OSError, ValueError, TypeError):
+        pass
+    probs = tuple(task_entropy(env_name, prompts=())["probs"])
+    try:
+        os.makedirs(LAW_CACHE, exist_ok=True)
+        with open(f"{path}.{os.getpid()}.tmp", "w") as f:
+            json.dump(probs, f)
+        os.replace(f"{path}.{os.getpid()}.tmp", path)  # whole or not at all, whoever writes too
+    except OSError:  # a read-only checkout: computed each time
+        pass
+    return probs
+
+
+def law_key():
+    """A hash of LAW_SOURCES' text (every .py file of a folder named), TASK_TURNS and the
+    Python version (its random module draws the rooms): what task_probs' law depends on."""
+    files = []
+    for name in LAW_SOURCES:
+        path = os.path.join(ROOT, name)
+        files += ([os.path.join(path, f) for f in sorted(os.listdir(path)) if f.endswith(".py")]
+                  if os.path.isdir(path) else [path])
+    digest = hashlib.sha256(f"{TASK_TURNS} {sys.version_info[:2]}".encode())
+    for path in files:
+        with open(path, "rb") as f:
+            digest.update(os.path.relpath(path, ROOT).encode() + b"\0" + f.read())
+    return digest.hexdigest()[:16]
 
 
 def surface_truth(env_name, alpha, eps=None, n_prompts=(8, 32)):
