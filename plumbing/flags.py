@@ -8,6 +8,7 @@ stderr and exit with code 2.
 import argparse
 import ast
 import dataclasses
+import difflib
 import errno
 import importlib.util
 import json
@@ -265,10 +266,11 @@ def check_start(a):
         check_out(a.out, resumable=hasattr(a, "resume"))
 
 
-def check_model(model):
+def check_model(model, hub=True):
     """A --model folder that holds no model (neither a Hugging Face model's config.json nor a
-    checkpoint's policy.json), and a hub id that the local cache lacks while HF_HUB_OFFLINE
-    forbids the network: one line, before transformers would say so in its own words."""
+    checkpoint's policy.json), a name close to tiny (a typo), and (hub) a hub id that the local
+    cache lacks while HF_HUB_OFFLINE forbids the network: one line, before transformers would say
+    so in its own words."""
     if model in (None, "tiny", "smollm2"):
         return
     folder = os.path.expanduser(model)
@@ -279,6 +281,10 @@ def check_model(model):
         return
     if model.startswith((".", "/", "~")) or os.path.exists(folder):
         return  # check_args and models.load say what is wrong with it
+    if difflib.get_close_matches(model, ["tiny"], n=1, cutoff=0.6):
+        raise UsageError(f"--model {model}: not a folder or hub id; did you mean --model tiny?")
+    if not hub:
+        return
     from huggingface_hub import constants, try_to_load_from_cache  # light: no torch
     if constants.HF_HUB_OFFLINE and not isinstance(
             try_to_load_from_cache(model, "config.json"), str):

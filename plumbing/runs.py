@@ -252,7 +252,9 @@ def start(a, argv=()):
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     resolve_defaults(a, device)
     check_folder(a)
-    flags.check_model(a.model)  # as train.py's command line did before torch loaded
+    # as train.py's command line did before torch loaded; whether the hub has a model id is for
+    # models.load to ask (a script may stand its own loader in for it: bench_gpu.py)
+    flags.check_model(a.model, hub=False)
     if a.model == "tiny":  # before a warm start is built for a world whose prompts cannot fit
         policy, tokenizer = tiny.load_tiny(a.env, env_kwargs(a), warm_start=False)
         check_lora_targets(a, policy)
