@@ -38,7 +38,9 @@ template's is 0, so its expectation is (1 - ALPHA) G(N) with G(N) = sum_f p_f E[
 B ~ Binomial(N - 1, p_f) (capped_gap; theory.md, Sec. 2).
 """
 import collections
+import contextlib
 import copy
+import fcntl
 import functools
 import hashlib
 import itertools
@@ -341,24 +343,38 @@ def task_probs(env_name):
     """The law of f(X) over the first TASK_TURNS demonstration seeds (task_entropy's). It takes
     40,000 resets of the world (Sokoban's rooms: about half a minute), so it is kept in
     .cache/task-law/ under a key of the code that makes it (law_key) and read back exactly (JSON
-    keeps every float's digits); a cache that cannot be read or written is computed around."""
+    keeps every float's digits). One process computes it while others wait for its file (a test
+    suite's workers); a cache that cannot be read or written is computed around."""
     path = os.path.join(LAW_CACHE, f"{env_name}-{law_key()}.json")
+    probs = _read_law(path)
+    if probs:
+        return probs
+    try:
+        os.makedirs(LAW_CACHE, exist_ok=True)
+        lock = open(path + ".lock", "w")
+    except OSError:  # a read-only checkout: computed each time
+        return tuple(task_entropy(env_name, prompts=())["probs"])
+    with lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes, or its process ends
+        probs = _read_law(path)  # written while this one waited
+        if probs:
+            return probs
+        probs = tuple(task_entropy(env_name, prompts=())["probs"])
+        with contextlib.suppress(OSError):
+            with open(path + ".tmp", "w") as f:
+                json.dump(probs, f)
+            os.replace(path + ".tmp", path)  # whole or not at all
+    return probs
+
+
+def _read_law(path):
+    """The law kept at `path`, or None: none there, or not a law (cut short, damaged)."""
     try:
         with open(path) as f:
             probs = tuple(float(p) for p in json.load(f))
-        if probs and all(p > 0 for p in probs) and abs(sum(probs) - 1) < 1e-9:
-            return probs
     except (OSError, ValueError, TypeError):
-        pass
-    probs = tuple(task_entropy(env_name, prompts=())["probs"])
-    try:
-        os.makedirs(LAW_CACHE, exist_ok=True)
-        with open(f"{path}.{os.getpid()}.tmp", "w") as f:
-            json.dump(probs, f)
-        os.replace(f"{path}.{os.getpid()}.tmp", path)  # whole or not at all, whoever writes too
-    except OSError:  # a read-only checkout: computed each time
-        pass
-    return probs
+        return None
+    return probs if probs and all(p > 0 for p in probs) and abs(sum(probs) - 1) < 1e-9 else None
 
 
 def law_key():
