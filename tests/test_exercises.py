@@ -4,7 +4,7 @@ An exercise is "blanked" or "planted" in this process: its functions get the cod
 the student source (exercises.student_source) or from the solution with a plausible mistake
 (PLANTED), through their __code__, and the grading tests (tests/test_grading.py) are called
 directly. Hostile code is patched in here too: `check` forks each exercise's process from this one.
-Two subprocesses grade real student copies made by `make`.
+A fresh process (conftest.run_fresh) grades two real student copies made by `make`.
 """
 import ast
 import errno
@@ -13,13 +13,12 @@ import json
 import multiprocessing
 import os
 import shutil
-import subprocess
-import sys
 
 import pytest
 
 import grpo
 import ppo
+from conftest import run_fresh
 from course import exercises
 import test_grading
 
@@ -368,22 +367,40 @@ def test_a_broken_hidden_test_or_an_unwritable_path_is_bad_input(tmp_path, monke
     assert os.listdir(read_only) == []
 
 
-def test_a_copy_of_some_exercises_grades_them_only(tmp_path, capsys):
+# What the student copies' tests run in their copy, as a student types it there
+IMPORTS_AND_GRADES = ("import sys, train, plumbing.plots, lab.experiments; from course import exercises; "
+                      "exercises.main(['list']); sys.exit(exercises.main(['check', '--json', 'result.json']))")
+
+
+@pytest.fixture(scope="module")
+def copies(tmp_path_factory):
+    """{name: (the copy, exit code, stdout, stderr)}: a student copy of every exercise ("student",
+    its command importing everything, listing and grading) and one made with --only gae, whose gae
+    the student then solved ("hw", `python -m course.exercises check --json result.json`); both
+    commands run from their copy by one conftest.run_fresh, which imports torch once for both."""
+    tmp = tmp_path_factory.mktemp("copies")
+    student, hw = tmp / "student", tmp / "hw"
+    assert exercises.main(["make", str(student)]) == 0
+    assert exercises.main(["make", str(hw), "--only", "gae"]) == 0
+    stubbed = exercises.student_source(source("ppo.py"), {"gae"}, "ppo.py")
+    assert (hw / "ppo.py").read_text() == stubbed != source("ppo.py")
+    shutil.copy(os.path.join(ROOT, "ppo.py"), hw / "ppo.py")  # the student solves it
+    cases = [("code", IMPORTS_AND_GRADES, [], str(student)),
+             ("module", "course.exercises", ["check", "--json", "result.json"], str(hw))]
+    results = run_fresh(cases, tmp, env={**os.environ, "EXERCISE_RUNS": ""})
+    return {name: (folder, *result) for name, folder, result in zip(("student", "hw"),
+                                                                   (student, hw), results)}
+
+
+def test_a_copy_of_some_exercises_grades_them_only(copies, capsys):
     """`make --only gae`: the copy grades gae alone (not the experiment, whose reference runs it
     leaves out), and exits 0 once gae passes."""
-    copy = tmp_path / "hw"
-    assert exercises.main(["make", str(copy), "--only", "gae"]) == 0
+    copy, code, out, err = copies["hw"]
     assert (copy / "assignment.txt").read_text() == "gae\n"
-    stubbed = exercises.student_source(source("ppo.py"), {"gae"}, "ppo.py")
-    assert (copy / "ppo.py").read_text() == stubbed != source("ppo.py")
     exercises.list_exercises(str(copy))
     assert capsys.readouterr().out.splitlines()[-1] == "assigned in this copy: gae"
-    shutil.copy(os.path.join(ROOT, "ppo.py"), copy / "ppo.py")  # the student solves it
-    done = subprocess.run([sys.executable, "-m", "course.exercises", "check", "--json", "result.json"],
-                          cwd=copy, capture_output=True, text=True,
-                          env={**os.environ, "EXERCISE_RUNS": ""})
-    assert done.returncode == 0, done.stdout + done.stderr[-2000:]
-    tree, *rows = done.stdout.splitlines()
+    assert code == 0, out + err[-2000:]
+    tree, *rows = out.splitlines()
     assert tree == f"grading the student copy in {copy}"  # its own score, not the solution's
     assert [row.split()[:3] for row in rows] == [["gae", "4/4", "passed"],
                                                   ["total", "4/4", "points,"]]
@@ -408,9 +425,8 @@ def solution_lines():
     return {line for line in inside - outside if len(line) > 12 and not line.startswith("#")}
 
 
-def test_the_student_copy_runs_fails_every_exercise_and_holds_no_solution(tmp_path):
-    copy = tmp_path / "student"
-    assert exercises.main(["make", str(copy)]) == 0
+def test_the_student_copy_runs_fails_every_exercise_and_holds_no_solution(copies):
+    copy, code, out, err = copies["student"]
     assert sorted(os.listdir(copy / "tests")) == ["conftest.py", "test_grading.py"]
     assert not (copy / "results" / "exercises" / "experiment").exists()
     distinctive = solution_lines()
@@ -424,12 +440,8 @@ def test_the_student_copy_runs_fails_every_exercise_and_holds_no_solution(tmp_pa
             leaked = [line for line in distinctive if line in text]
             assert not leaked, f"{file} holds solution text: {leaked[:3]}"
     # the copy imports everything, lists, and fails every exercise on its stubs (or the defect)
-    code = ("import sys, train, plumbing.plots, lab.experiments; from course import exercises; exercises.main(['list']); "
-            "sys.exit(exercises.main(['check', '--json', 'result.json']))")
-    done = subprocess.run([sys.executable, "-c", code], cwd=copy, capture_output=True, text=True,
-                          env={**os.environ, "EXERCISE_RUNS": ""})
-    assert done.returncode == 1, done.stderr[-2000:]
-    rows = done.stdout.splitlines()[-len(exercises.EXERCISES) - 1:]
+    assert code == 1, err[-2000:]
+    rows = out.splitlines()[-len(exercises.EXERCISES) - 1:]
     for name, row in zip(exercises.EXERCISES, rows):
         assert row.split()[:3] == [name, f"0/{exercises.EXERCISES[name][0]}", "FAILED"], row
         if name not in ("experiment", "silent_bug"):

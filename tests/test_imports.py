@@ -3,13 +3,12 @@ imports it back, counting imports inside functions (which only hide a circle unt
 runs); each folder imports only the layers its README names; no module imports train.py (the
 experiment a student reads; only tests and bench scripts may)."""
 import ast
-import json
 import os
 import subprocess
 import sys
 
 import pytest
-from conftest import project_modules
+from conftest import project_modules, run_fresh
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # layer: the layers its modules may import (its own included). The root's paper files stand alone
@@ -286,54 +285,6 @@ def test_every_folder_readme_lists_the_files_git_tracks_there():
         assert f"`{name}`" in results, f"results/README.md does not name {name}"
 
 
-# Run from a process that has the heavy libraries imported but none of the project's modules, one
-# fork an entry point and way, each with sys.path and sys.argv as the interpreter sets them: a
-# fresh interpreter a call would spend most of a minute importing torch and transformers for each
-# of some 50 calls. A file's folder is sys.path[0] (so `from plumbing import ...` fails there
-# unless the script puts the root on the path); with -m the working directory is.
-BOTH_WAYS = """
-import json, os, runpy, sys, traceback
-root = os.getcwd()
-sys.path[:] = [p for p in sys.path if p and os.path.realpath(p) != os.path.realpath(root)]
-import matplotlib
-matplotlib.use("Agg")
-for heavy in ("torch", "transformers", "trl", "peft", "accelerate", "matplotlib.pyplot", "scipy.stats"):
-    __import__(heavy)
-files = [getattr(m, "__file__", None) or "" for m in list(sys.modules.values())]
-assert not [f for f in files if os.path.isabs(f) and f.startswith(root + os.sep)]  # none of ours
-results = []
-for way, target, args in json.loads(sys.argv[1]):
-    read, write = os.pipe()
-    pid = os.fork()
-    if pid == 0:
-        os.close(read)
-        os.dup2(write, 1)
-        os.dup2(write, 2)
-        code = 0
-        try:
-            if way == "file":  # python path/to/file.py ARGS
-                sys.path.insert(0, os.path.dirname(os.path.abspath(target)))
-                sys.argv = [target] + args
-                runpy.run_path(target, run_name="__main__")
-            else:  # python -m package.file ARGS
-                sys.path.insert(0, root)
-                sys.argv = ["-m"] + args
-                runpy.run_module(target, run_name="__main__", alter_sys=True)
-        except SystemExit as e:
-            code = e.code if isinstance(e.code, int) else 0 if e.code is None else 1
-        except BaseException:
-            traceback.print_exc()
-            code = 1
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(code)
-    os.close(write)
-    with os.fdopen(read, errors="replace") as f:
-        said = f.read()
-    status = os.waitpid(pid, 0)[1]
-    results.append([way, target, os.waitstatus_to_exitcode(status), said])
-print(json.dumps(results))
-"""
 # an entry point's cheapest call (--help, unless it has no flags)
 CHEAPEST = {"envs.py": []}
 
@@ -348,10 +299,12 @@ def entry_points():
             and '__name__ == "__main__"' in open(os.path.join(ROOT, p), encoding="utf-8").read()]
 
 
-def test_every_entry_point_runs_as_a_file_and_as_a_module():
+def test_every_entry_point_runs_as_a_file_and_as_a_module(tmp_path):
     """`python path/to/file.py --help` and `python -m package.file --help` both work for every
     script (their cheapest call: envs.py has no flags), every one a README names among them; the
-    usage line names a command that runs it."""
+    usage line names a command that runs it. A file's folder is sys.path[0] (so `from plumbing
+    import ...` fails there unless the script puts the root on the path); with -m the working
+    directory is (conftest.run_fresh runs each as a fresh interpreter would)."""
     import re
 
     points = entry_points()
@@ -364,14 +317,13 @@ def test_every_entry_point_runs_as_a_file_and_as_a_module():
     ours = {p for pair in points for p in pair}
     assert {"train.py", "plumbing.plots", "scaleout.trl_ragen", "bench/run_all.py"} <= named
     assert named - {"pytest"} <= ours, sorted(named - {"pytest"} - ours)  # every one named is run
-    cases = [(way, target, CHEAPEST.get(path, ["--help"])) for path, module in points
+    cases = [(way, target, CHEAPEST.get(path, ["--help"]), ROOT) for path, module in points
              for way, target in (("file", path), ("module", module))]
-    done = subprocess.run([sys.executable, "-c", BOTH_WAYS, json.dumps(cases)], cwd=ROOT,
-                          capture_output=True, text=True, env={**os.environ, "COLUMNS": "100"})
-    assert done.returncode == 0, done.stderr[-3000:]
-    results = json.loads(done.stdout.strip().splitlines()[-1])
+    results = run_fresh(cases, tmp_path, env={**os.environ, "COLUMNS": "100"})
     assert len(results) == len(cases) > 40
-    for (way, target, code, said), (path, module) in zip(results, [p for p in points for _ in "ab"]):
+    for (way, target, _, _), (code, out, err), (path, module) in zip(
+            cases, results, [p for p in points for _ in "ab"]):
+        said = out + err
         assert code == 0 and "Traceback" not in said, f"{way} {target}: exit {code}\n{said[-1500:]}"
         if CHEAPEST.get(path) == []:  # no flags, so no usage line
             continue
