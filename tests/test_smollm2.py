@@ -139,10 +139,19 @@ def test_the_diagnosis_is_token_exact_on_the_real_model():
 
 
 def test_train_runs_ppo_with_lora_a_kl_reference_a_checkpoint_and_a_resume(cut_smollm2, tmp_path, capsys,
-                                                                          recwarn):
+                                                                          recwarn, monkeypatch):
     """PPO with LoRA on SmolLM2, a KL reference, a checkpoint and a resume; saving the adapters
-    warns of nothing (peft looks for the base's config.json, which SmolLM2 made from its GGUF
-    file does not have, unless told the vocabulary is the base's)."""
+    warns of nothing, where the base came from a folder without config.json, as SmolLM2 does
+    from its GGUF file on its first load (peft looks for that config.json to compare
+    vocabularies, unless told the vocabulary is the base's)."""
+    load = models.load_smollm2
+
+    def from_gguf():  # as the conversion leaves it: named after the GGUF file's folder
+        model, tokenizer = load()
+        model.name_or_path = model.config._name_or_path = str(tmp_path / "gguf")
+        return model, tokenizer
+
+    monkeypatch.setattr(models, "load_smollm2", from_gguf)
     out = str(tmp_path / "run")
     argv = ["--model", "smollm2", "--no-warm-start", "--env", "bandit", "--lora", "4",
             "--kl-coef", "0.01",
