@@ -32,8 +32,8 @@ import time
 from plumbing import flags
 from plumbing.flags import Args  # every flag, one line of help each (python train.py --help)
 
-if __name__ == "__main__":  # before torch loads: a bad flag answers at once (flags.before_torch)
-    flags.before_torch(flags.parse_args, Args, sys.argv[1:])
+if __name__ == "__main__":  # before torch loads: a bad flag, --out or --model answers at once
+    flags.before_torch(flags.parse_command, Args, sys.argv[1:])
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402

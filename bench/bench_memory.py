@@ -12,9 +12,9 @@ The model is Qwen2 64 wide, 2 layers (the tiny policy's shapes) with Qwen's voca
 (bench_gpu.qwen_shaped); the update is one PPO step (train.update_policy: old log-probs, critic
 values, GAE, clipped loss, backward, optimiser steps) on B transcripts of T tokens, a third of them
 the policy's (1024 is about the worst-case length of the tiny main command: 5 turns of 64 sampled
-and ~140 template tokens). Each configuration runs in a fresh subprocess on CPU; glibc serves every
-block over 64 KiB with mmap (MALLOC_MMAP_THRESHOLD_), so freed tensors leave the resident set at
-once and the kernel's high-water mark VmHWM tracks live memory. After a warm-up update (optimiser
+and ~140 template tokens). Each configuration runs in a fresh subprocess on CPU (--quick: its
+two in one); glibc serves every block over 64 KiB with mmap (MALLOC_MMAP_THRESHOLD_), so freed
+tensors leave the resident set at once and the kernel's high-water mark VmHWM tracks live memory. After a warm-up update (optimiser
 state, allocator) the high-water mark is reset; the measured update's peak growth over the
 resident set before it is what the configuration costs.
 
@@ -54,53 +54,72 @@ def even_batch(text):
     return value
 
 
-def child(args, path, micro_batch):
-    """One update in this process; prints {"peak_mib", "before_mib"} as JSON."""
+def child(args, configs):
+    """One update of each configuration ([path, micro-batch, tokens]) in this process, the plain
+    path last (it replaces the update's pieces for the rest of the process); prints their
+    {"peak_mib", "before_mib"}, in the order given, as one JSON list."""
     import torch
 
     sys.path.insert(0, HERE)
     import bench_step
     import logprobs
-    import rollout
     import train
     from bench_gpu import qwen_shaped
 
-    torch.manual_seed(0)
-    model, tokenizer = qwen_shaped("tiny", torch.device("cpu"), args.vocab)
-    flags = ["--algo", "ppo", "--groups", "2", "--group-size", str(args.batch // 2),
-             "--mini-batch-size", str(args.batch), "--micro-batch", str(micro_batch),
-             "--threads", str(args.threads), "--model", "qwen-vocab-tiny"]
-    run = bench_step.make_run(flags, model, tokenizer)
+    results = {}
+    for i in sorted(range(len(configs)), key=lambda i: configs[i][0] == "plain"):
+        path, micro_batch, seq_len = configs[i]
+        torch.manual_seed(0)
+        model, tokenizer = qwen_shaped("tiny", torch.device("cpu"), args.vocab)
+        flags = ["--algo", "ppo", "--groups", "2", "--group-size", str(args.batch // 2),
+                 "--mini-batch-size", str(args.batch), "--micro-batch", str(micro_batch),
+                 "--threads", str(args.threads), "--model", "qwen-vocab-tiny"]
+        run = bench_step.make_run(flags, model, tokenizer)
+        episodes, rewards = transcripts(args.batch, seq_len)
+        if path == "plain":
+            bench_step.PAD[0] = run.pad_id
+            train.micro_batches = bench_step.plain_pieces
+            logprobs.policy_logprobs = bench_step.plain_logprobs
+            train.critic_pass = bench_step.plain_critic_pass
+
+        def update():
+            train.update_policy(run, episodes, rewards, torch.Generator().manual_seed(0))
+
+        update()  # warm-up: AdamW state exists from here on
+        before = kib("VmRSS")
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # reset VmHWM to the current resident set
+        update()
+        results[i] = {"peak_mib": (kib("VmHWM") - before) / 1024, "before_mib": before / 1024}
+    print(json.dumps([results[i] for i in range(len(configs))]))
+
+
+def transcripts(batch, seq_len):
+    """`batch` transcripts of `seq_len` random tokens in two groups, a third of each turn the
+    policy's, and their rewards [2, batch / 2]."""
+    import torch
+
+    import rollout
+
     gen = torch.Generator().manual_seed(0)
-    period = min(200, args.seq_len)  # a turn: two thirds template, one third sampled
-    mask = [float(t % period >= 2 * period // 3) for t in range(args.seq_len)]
-    episodes = [rollout.Episode(env=None, group=i * 2 // args.batch, seed=0, noise_seed=i,
-                                ids=torch.randint(10, 500, (args.seq_len,), generator=gen).tolist(),
+    period = min(200, seq_len)  # a turn: two thirds template, one third sampled
+    mask = [float(t % period >= 2 * period // 3) for t in range(seq_len)]
+    episodes = [rollout.Episode(env=None, group=i * 2 // batch, seed=0, noise_seed=i,
+                                ids=torch.randint(10, 500, (seq_len,), generator=gen).tolist(),
                                 policy_mask=mask, logprobs=None, prompt_text="",
                                 turn_rewards=[float(torch.randn(1, generator=gen))])
-                for i in range(args.batch)]
-    rewards = torch.tensor([e.total_reward for e in episodes]).view(2, args.batch // 2)
-    if path == "plain":
-        bench_step.PAD[0] = run.pad_id
-        train.micro_batches, logprobs.policy_logprobs = bench_step.plain_pieces, bench_step.plain_logprobs
-        train.critic_pass = bench_step.plain_critic_pass
-
-    def update():
-        train.update_policy(run, episodes, rewards, torch.Generator().manual_seed(0))
-
-    update()  # warm-up: AdamW state exists from here on
-    before = kib("VmRSS")
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")  # reset VmHWM to the current resident set
-    update()
-    print(json.dumps({"peak_mib": (kib("VmHWM") - before) / 1024, "before_mib": before / 1024}))
+                for i in range(batch)]
+    return episodes, torch.tensor([e.total_reward for e in episodes]).view(2, batch // 2)
 
 
-def measure(args, path, micro_batch, seq_len):
-    child_args = json.dumps([path, micro_batch])
+def measure(args, configs):
+    """[{"peak_mib", "before_mib"}] of the configurations ((path, micro-batch, tokens)), measured
+    in one fresh process."""
+    child_args = json.dumps([[path, micro, min(seq_len, args.seq_len)]
+                             for path, micro, seq_len in configs])
     command = [sys.executable, os.path.abspath(__file__), "--child", child_args,
                "--threads", str(args.threads), "--batch", str(args.batch),
-               "--seq-len", str(min(seq_len, args.seq_len)), "--vocab", str(args.vocab)]
+               "--seq-len", str(args.seq_len), "--vocab", str(args.vocab)]
     env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536"}
     out = subprocess.run(command, capture_output=True, text=True, env=env)
     if out.returncode != 0:
@@ -125,9 +144,14 @@ def main():
     if args.child:
         import torch
         torch.set_num_threads(args.threads)
-        return child(args, *json.loads(args.child))
+        return child(args, json.loads(args.child))
     configs = CONFIGS[:2] if args.quick else CONFIGS
-    results = {config: measure(args, *config) for config in configs}
+    # each configuration in a fresh process, whose resident set holds nothing of another's; --quick
+    # (small sizes: its numbers prove the script runs, nothing more) measures its two in one
+    batches = [configs] if args.quick else [[config] for config in configs]
+    results = {}
+    for batch in batches:
+        results.update(zip(batch, measure(args, batch)))
     base = next(iter(results.values()))["before_mib"]
     print(f"Qwen2 64 wide, 2 layers, vocabulary {args.vocab:,}; PPO update of {args.batch} "
           f"transcripts (a third of each sampled); torch threads {args.threads}; resident set "

@@ -47,6 +47,9 @@ import subprocess
 import sys
 import time
 
+if not __package__:  # run as a file (python course/exercises.py): imports from the root, as with -m
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
 from plumbing.flags import Parser, UsageError, polite_threads
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository
@@ -319,12 +322,16 @@ def make(out_dir, only=(), root=ROOT):
 
 class Grades:
     """A pytest plugin, in the process grading one exercise: it sends (over `conn`) how many tests
-    grade the exercise and the tests marked with an unknown one, then the name of each test as it
-    starts; it keeps the first failure and the tests that finished."""
+    grade the exercise and the tests marked with an unknown one, then what each test checks as it
+    starts; it keeps the first failure and the tests that finished. A row names a check by what it
+    checks (check_name), never by the test's own name, and a failure by its kind and the message
+    its test wrote, never by pytest's account of the assertion: a name or a compared expression can
+    give the answer away (the silent bug's)."""
 
     def __init__(self, name, conn):
         self.name, self.conn = name, conn
         self.tests, self.finished, self.failure, self.broken = [], set(), None, None
+        self.checks = {}  # nodeid: what it checks
 
     def pytest_collection_modifyitems(self, session, config, items):
         kept, unknown = [], []
@@ -335,6 +342,7 @@ class Grades:
                 unknown.append(f"{item.nodeid} grades an unknown exercise {name!r}")
             if name == self.name:
                 kept.append(item)
+                self.checks[item.nodeid] = check_name(item.name, name, mark.kwargs.get("check"))
         config.hook.pytest_deselected(items=[i for i in items if i not in kept])
         items[:] = kept
         self.tests = [item.nodeid for item in kept]
@@ -345,11 +353,19 @@ class Grades:
             self.broken = f"{report.nodeid or 'collection'}: {one_line(report)}"
 
     def pytest_runtest_logstart(self, nodeid, location):
-        self.conn.send(("running", nodeid))
+        self.conn.send(("running", self.checks.get(nodeid, nodeid)))
+
+    def pytest_runtest_makereport(self, item, call):  # a test's setup, call or teardown ended
+        import pytest
+
+        error = call.excinfo.value if call.excinfo is not None else None
+        if (error is not None and not isinstance(error, pytest.skip.Exception)
+                and self.failure is None and item.nodeid in self.checks):
+            self.failure = f"{self.checks[item.nodeid]}: {failure_reason(error)}"
 
     def pytest_runtest_logreport(self, report):
-        if report.failed and self.failure is None:
-            self.failure = f"{test_name(report.nodeid)}: {one_line(report)}"
+        if report.failed and self.failure is None:  # failed without an exception to read
+            self.failure = f"{self.checks.get(report.nodeid, report.nodeid)}: {one_line(report)}"
         if report.when == "teardown":
             self.finished.add(report.nodeid)
 
@@ -360,11 +376,50 @@ class Grades:
         if not self.tests:
             return "no grading test found"
         unfinished = [t for t in self.tests if t not in self.finished]  # the session was stopped
-        return f"{test_name(unfinished[0])}: did not finish" if unfinished else ""
+        return f"{self.checks[unfinished[0]]}: did not finish" if unfinished else ""
 
 
-def test_name(nodeid):
-    return nodeid.split("::")[-1]
+def check_name(test, exercise, check=None):
+    """What a grading test checks, as its row says it: the marker's check="..." where the test
+    gives one, else its name read as words, the test_ and the exercise's prefix dropped.
+
+    >>> check_name("test_gae_discounts", "gae")
+    'discounts'
+    >>> check_name("test_silent_bug_runs", "silent_bug", check="what the diagnosis relies on")
+    'what the diagnosis relies on'
+    """
+    if check:
+        return check
+    words = test[len("test_"):] if test.startswith("test_") else test
+    words = words[len(exercise) + 1:] if words.startswith(exercise + "_") else words
+    return words.replace("_", " ") or test
+
+
+def failure_reason(error):
+    """Why a check failed, in one line: for an assertion the message its test wrote with it (else
+    that a result differs), for any other error its type and first line; never pytest's
+    rewritten expression, which shows the compared values and the code that computed them.
+
+    >>> failure_reason(AssertionError("0 log 0 counts as 0\\nassert nan == 0.0"))
+    '0 log 0 counts as 0'
+    >>> failure_reason(AssertionError("assert False\\n +  where False = close(0.3, 0.5)"))
+    'a result is not the expected one'
+    >>> failure_reason(NotImplementedError("gae: A_t = delta_t + gamma lam A_t'"))
+    "NotImplementedError: gae: A_t = delta_t + gamma lam A_t'"
+    """
+    text = str(error).strip()
+    if isinstance(error, AssertionError):
+        written = "" if text.startswith("assert ") else text.split("\nassert ")[0]
+        text = written or "a result is not the expected one"
+    else:
+        text = f"{type(error).__name__}: {text.splitlines()[0]}" if text else type(error).__name__
+    text = " ".join(text.split())
+    return text if len(text) <= 160 else text[:157] + "..."
+
+
+def tests_count(n):
+    """'1 test' or 'N tests', aligned in the rows."""
+    return f"{n:>2} test " if n == 1 else f"{n:>2} tests"
 
 
 def one_line(report):
@@ -411,7 +466,7 @@ def grade(name, paths, root, timeout):
             if kind == "collected":
                 tests, unknown = data
             else:
-                running = test_name(data[0])
+                running = data[0]  # what the test that started checks
     except EOFError:
         child.join()
         verdict = f"its process ended (exit code {child.exitcode}) before reporting"
@@ -477,13 +532,13 @@ def check(names=(), hidden=None, runs=None, json_path=None, timeout=TIMEOUT, roo
         score, best = score + points * passed, best + points
         rows.append((name, points, passed, tests, message))
         print(f"{name:<12} {points * passed:>2}/{points:<2} {'passed' if passed else 'FAILED':<6} "
-              f"{tests:>2} tests  {message}", flush=True)
+              f"{tests_count(tests)}  {message}".rstrip(), flush=True)
     done = sum(r[2] for r in rows)
     print(f"total        {score}/{best} points, {done}/{len(rows)} exercises passed")
     if json_path:
         result = {"score": score, "max_score": best, "tests": [
             {"name": n, "score": p * ok, "max_score": p, "status": "passed" if ok else "failed",
-             "output": msg or f"{k} tests passed"} for n, p, ok, k, msg in rows]}
+             "output": msg or f"{tests_count(k).strip()} passed"} for n, p, ok, k, msg in rows]}
         with open(json_path, "w") as f:
             json.dump(result, f, indent=1)
     return 0 if done == len(rows) else 1

@@ -372,6 +372,8 @@ def figure(rows, out):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    from plumbing.plots import metric_label
+
     surface = SURFACE[0] in rows[0]
     x, shown = ("I_XZ", FAMILY_SHOWN) if surface else ("alpha", SHOWN)
     truths = {"probe_template_share": SURFACE[0] if surface else "alpha",
@@ -397,7 +399,7 @@ def figure(rows, out):
                 if key in truths:
                     ax.plot(xs, [next(r for r in group if r[x] == v)[truths[key]] for v in xs],
                             style, color="black", lw=0.8)
-        ax.set_title(key, fontsize=9)
+        ax.set_title(metric_label(key), fontsize=9)
         ax.set_xlabel("exact I(X;Z) of the demonstrations (nats)" if surface
                       else "template prior ALPHA")
         ax.grid(alpha=0.3)

@@ -22,6 +22,9 @@ import subprocess
 import sys
 import time
 
+if not __package__:  # run as a file (python lab/experiments.py): imports from the root, as with -m
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
 from plumbing.flags import polite_threads
 
 polite_threads()  # before anything loads torch (and for the train.py runs it starts)

@@ -235,6 +235,8 @@ def figure(rows, out):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    from plumbing.plots import metric_label
+
     fig, axes = plt.subplots(3, 3, figsize=(12, 10), squeeze=False)
     for ax, key in zip(axes.flat, SHOWN):
         for k, kind in enumerate(REAL_KINDS):
@@ -247,7 +249,7 @@ def figure(rows, out):
             xs = sorted({r["alpha"] for r in group})
             ax.plot(xs, [stats.interval([r[key] for r in group if r["alpha"] == x])[0]
                          for x in xs], color=color, label=kind)
-        ax.set_title(key.replace("probe_", ""), fontsize=9)
+        ax.set_title(metric_label(key), fontsize=9)
         ax.set_xlabel("ALPHA (taught template share)", fontsize=8)
     axes.flat[0].legend(fontsize=8)
     fig.tight_layout()

@@ -566,6 +566,8 @@ def figures(name, data, out):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    from plumbing.plots import metric_label
+
     settings = list(GRIDS[name]["settings"])
     colors = {s: plt.cm.tab10(i % 10) for i, s in enumerate(settings)}
     keys = ["val_success"] + logged(data, TEMPLATE[:1]) + ["probe_mi_estimate",
@@ -589,9 +591,10 @@ def figures(name, data, out):
                              for s in steps]
                     ax.plot(steps, means, color=colors[setting], lw=2, label=setting)
             ax.set_xlabel(label)
-            ax.set_ylabel(key)
+            ax.set_ylabel(metric_label(key), fontsize=8)
             ax.grid(alpha=0.3)
     axes[0][0].legend(fontsize=7)
+    fig.suptitle(f"{name}: each seed (thin) and the setting's mean (thick)", fontsize=10)
     fig.tight_layout()
     fig.savefig(os.path.join(out, "curves.png"), dpi=90)
     plt.close(fig)
@@ -607,9 +610,11 @@ def figures(name, data, out):
                     pts = [(r["step"], r[key]) for r in sorted(records, key=lambda r: r["step"])
                            if key in r]
                     ax.plot([p[0] for p in pts], [p[1] for p in pts], label=f"seed {seed}")
-            ax.set_title(f"{setting}: {key}", fontsize=8)
+            ax.set_title(f"{setting}: {metric_label(key)}", fontsize=8)
+            ax.set_xlabel("step", fontsize=8)
             ax.grid(alpha=0.3)
     axes[0][0].legend(fontsize=6)
+    fig.suptitle(f"{name}: every seed", fontsize=10)
     fig.tight_layout()
     fig.savefig(os.path.join(out, "perseed.png"), dpi=80)
     plt.close(fig)
@@ -624,10 +629,12 @@ def figures(name, data, out):
                      if key in r and "val_success" in r]
             ax.scatter([x for x, _ in pairs], [y for _, y in pairs], s=8, alpha=0.5,
                        color=plt.cm.tab10(w % 10), label=world)
-        ax.set_xlabel(key)
+        ax.set_xlabel(metric_label(key))
         ax.set_ylabel("validation success")
         ax.grid(alpha=0.3)
     axes[0][0].legend(fontsize=6)
+    fig.suptitle(f"{name}: the diagnosis against success (a point: one seed at one step)",
+                 fontsize=10)
     fig.tight_layout()
     fig.savefig(os.path.join(out, "scatter.png"), dpi=100)
     plt.close(fig)

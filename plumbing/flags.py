@@ -8,11 +8,13 @@ stderr and exit with code 2.
 import argparse
 import ast
 import dataclasses
-import functools
+import difflib
+import errno
 import importlib.util
 import json
 import math
 import os
+import shutil
 import sys
 from dataclasses import dataclass, field
 
@@ -67,9 +69,32 @@ class UsageError(Exception):
 
 class Parser(argparse.ArgumentParser):
     """argparse with a refused flag as a UsageError: one line, where argparse prints its usage too
-    (every command line of the project parses with it)."""
+    (every command line of the project parses with it); its usage line names the command as it
+    was run (invoked) unless given a prog, and --help fits the terminal's width."""
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("prog", invoked())
+        kwargs.setdefault("formatter_class", help_formatter)
+        super().__init__(*args, **kwargs)
+
     def error(self, message):
         raise UsageError(message)
+
+
+def invoked():
+    """The command this process was started as: 'python -m plumbing.plots' or 'python
+    plumbing/plots.py' (argparse alone says 'plots.py' either way)."""
+    spec = getattr(sys.modules.get("__main__"), "__spec__", None)
+    if spec is not None and spec.name:  # python -m NAME
+        return "python -m " + spec.name.removesuffix(".__main__")
+    script = sys.argv[0] if sys.argv and sys.argv[0] not in ("", "-c") else None
+    return f"python {os.path.relpath(script)}" if script else "python"
+
+
+def help_formatter(prog):
+    """argparse's layout at the terminal's width (COLUMNS, else the terminal's, else 80 columns):
+    a help line never wraps on the screen it is read on."""
+    width = shutil.get_terminal_size().columns
+    return argparse.HelpFormatter(prog, max_help_position=min(30, width // 3), width=width - 2)
 
 
 def arg(default, help, **kw):
@@ -175,10 +200,8 @@ def build_parser(Args, defaults=True):
     --resume). No abbreviations: --step is an error, not --steps."""
     description = ("RAGEN-2 in miniature: PPO / GRPO with SNR-aware filtering and the MI "
                    "diagnosis. Defaults in brackets; every on/off flag has a --no- form too.")
-    formatter = functools.partial(argparse.HelpFormatter, max_help_position=30, width=110)
     parser = Parser(prog="train.py", usage="python train.py [flags]", description=description,
-                    allow_abbrev=False, argument_default=None if defaults else argparse.SUPPRESS,
-                    formatter_class=formatter)
+                    allow_abbrev=False, argument_default=None if defaults else argparse.SUPPRESS)
     for f in dataclasses.fields(Args):
         flag, dest = "--" + f.name.replace("_", "-"), f.name
         default = f.default if defaults else argparse.SUPPRESS
@@ -223,6 +246,81 @@ def parse_args(Args, argv):
     check_ignored(args, given)
     check_args(args)
     return args
+
+
+def parse_command(Args, argv):
+    """parse_args, then what the command names outside itself (check_start): what train.py checks
+    before torch loads."""
+    a = parse_args(Args, argv)
+    check_start(a)
+    return a
+
+
+def check_start(a):
+    """What a command line names on this machine, checked before anything loads (and again when a
+    run starts, runs.start): --model can be loaded here, and a new run's --out can hold it. Apart
+    from check_args, which checks what the flags mean wherever they run (a grid's registered
+    runs, a README's commands)."""
+    check_model(a.model)
+    if not getattr(a, "resume", None) and a.out is not None:
+        check_out(a.out, resumable=hasattr(a, "resume"))
+
+
+def check_model(model, hub=True):
+    """A --model folder that holds no model (neither a Hugging Face model's config.json nor a
+    checkpoint's policy.json), a name close to tiny (a typo), and (hub) a hub id that the local
+    cache lacks while HF_HUB_OFFLINE forbids the network: one line, before transformers would say
+    so in its own words."""
+    if model in (None, "tiny", "smollm2"):
+        return
+    folder = os.path.expanduser(model)
+    if os.path.isdir(folder):
+        if not any(os.path.isfile(os.path.join(folder, f)) for f in ("config.json", "policy.json")):
+            raise UsageError(f"--model {model}: this folder holds no model (neither a Hugging "
+                             f"Face model's config.json nor a checkpoint's policy.json)")
+        return
+    if model.startswith((".", "/", "~")) or os.path.exists(folder):
+        return  # check_args and models.load say what is wrong with it
+    if difflib.get_close_matches(model, ["tiny"], n=1, cutoff=0.6):
+        raise UsageError(f"--model {model}: not a folder or hub id; did you mean --model tiny?")
+    if not hub:
+        return
+    from huggingface_hub import constants, try_to_load_from_cache  # light: no torch
+    if constants.HF_HUB_OFFLINE and not isinstance(
+            try_to_load_from_cache(model, "config.json"), str):
+        raise UsageError(f"--model {model}: not in the local Hugging Face cache "
+                         f"({constants.HF_HUB_CACHE}), and HF_HUB_OFFLINE is set: unset it to "
+                         f"fetch it, or give a local folder")
+
+
+def check_out(out, resumable=True):
+    """--out of a new run: new, or an empty folder, where this process can create files; not a
+    run (resumable: say how to continue it), not a file, not a folder of other files."""
+    if any(os.path.isfile(os.path.join(out, f)) for f in ("config.json", "metrics.jsonl")):
+        again = f"continue it with --resume {out}, or " if resumable else ""
+        raise UsageError(f"--out {out} already holds a run: {again}choose another --out")
+    if os.path.isdir(out) and set(os.listdir(out)) - {".lock"}:
+        raise UsageError(f"--out {out} is a folder with other files in it, not a run: choose a "
+                         f"new or empty folder")
+    parent = os.path.abspath(out)
+    while not os.path.exists(parent):
+        parent = os.path.dirname(parent)
+    why = "not a folder" if not os.path.isdir(parent) else unwritable(parent)
+    if why:
+        raise UsageError(f"--out {out}: cannot write there ({why}: {parent})")
+
+
+def unwritable(folder):
+    """Why this process cannot create files in `folder`, in the kernel's words, or None: a
+    read-only file system (EROFS; no permission helps there, not even root's), else no
+    permission (EACCES)."""
+    try:
+        read_only = bool(os.statvfs(folder).f_flag & os.ST_RDONLY)
+    except OSError:
+        read_only = False
+    if read_only:
+        return os.strerror(errno.EROFS)
+    return None if os.access(folder, os.W_OK | os.X_OK) else os.strerror(errno.EACCES)
 
 
 def check_named(given):

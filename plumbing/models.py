@@ -474,10 +474,15 @@ def save_policy(run, folder):
     info = {"prompt": "tiny" if "system" in run.prompt else None,
             "observation": run.args.observation}
     if hasattr(policy, "disable_adapter"):
-        policy.save_pretrained(folder, selected_adapters=["default"])
+        # adapters only: LoRA never changes the vocabulary here, so the embedding stays the base's
+        # (peft's "auto" would look for the base's config.json to compare vocabularies, and warn
+        # "Could not find a config file" for a base that has none: SmolLM2 made from its GGUF file)
+        adapters_only = dict(save_embedding_layers=False)
+        policy.save_pretrained(folder, selected_adapters=["default"], **adapters_only)
         # peft writes a second adapter into critic/critic/: moved up
         if "critic" in policy.peft_config:
-            policy.save_pretrained(os.path.join(folder, "critic"), selected_adapters=["critic"])
+            policy.save_pretrained(os.path.join(folder, "critic"), selected_adapters=["critic"],
+                                   **adapters_only)
             inner = os.path.join(folder, "critic", "critic")
             for name in os.listdir(inner):
                 os.replace(os.path.join(inner, name), os.path.join(folder, "critic", name))

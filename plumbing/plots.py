@@ -26,6 +26,9 @@ import math
 import os
 import sys
 
+if not __package__:  # run as a file (python plumbing/plots.py): imports from the root, as with -m
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
 import matplotlib
 
 matplotlib.use("Agg")  # files only, no screen needed
@@ -63,15 +66,46 @@ FIGURES = {
     "length": [(["response_length"], "response length", "tokens per turn", "zero")],
 }
 REFERENCE = {"mi_estimate": "mi_upper_bound", "retrieval_acc": "retrieval_chance"}  # dotted lines
-# why a panel can be empty: what the runs did not log
-NO_DATA = {"val_success": "no validation in these runs (--val-every 0)",
-           "mi_estimate": "no MI diagnosis in these runs (--mi-every 0)",
-           "retrieval_acc": "no MI diagnosis in these runs (--mi-every 0)",
-           "reasoning_entropy": "no MI diagnosis in these runs (--mi-every 0)",
-           "token_entropy": "no update in these runs (every step skipped)"}
+# why a panel can be empty: what the runs did not log, and the flag (a train.py setting) that
+# turns it off -- named only where the runs have that flag (scaleout.trl_ragen never validates)
+NO_DATA = {"val_success": ("no validation in these runs", "val_every"),
+           "mi_estimate": ("no MI diagnosis in these runs", "mi_every"),
+           "retrieval_acc": ("no MI diagnosis in these runs", "mi_every"),
+           "reasoning_entropy": ("no MI diagnosis in these runs", "mi_every"),
+           "token_entropy": ("no update in these runs (every step skipped)", None)}
+# what a logged key is called in a figure, its unit after it; probe_<key> is <key> on the probe set
+LABELS = {"train_success": "train success", "val_success": "validation success",
+          "mi_estimate": "MI estimate (nats/token)", "mi_seq_estimate": "MI estimate (nats/reasoning)",
+          "work_mi_seq_estimate": "MI of the work (nats/reasoning)",
+          "retrieval_acc": "retrieval accuracy", "work_retrieval_acc": "retrieval of the work",
+          "reasoning_entropy": "H(Z) (nats/token)", "reasoning_entropy_seq": "H(Z) (nats/reasoning)",
+          "conditional_entropy": "H(Z|X) (nats/token)",
+          "conditional_entropy_seq": "H(Z|X) (nats/reasoning)",
+          "action_mi": "I(Z;A|X) (nats)", "token_entropy": "token entropy (nats/token)",
+          "template_share": "template share", "grounded_share": "grounded share",
+          "kept_ratio": "kept ratio (groups)", "zero_var_frac": "zero-spread groups",
+          "zero_var_fail_frac": "zero-spread groups, all failed",
+          "optimizer_steps_total": "optimiser steps so far", "response_length": "tokens per turn"}
 SMOOTH = {"train_success": 5}
 STYLES = ["-", "--", "-.", ":"]
 MARKERS = ["o", "s", "^", "D", "v", "P"]
+
+
+def metric_label(key):
+    """A logged key as a figure names it (LABELS; else its words).
+
+    >>> metric_label("probe_mi_seq_estimate")
+    'MI estimate, probe set (nats/reasoning)'
+    >>> metric_label("val_success"), metric_label("mean_score_kept")
+    ('validation success', 'mean score kept')
+    """
+    probe = key.startswith("probe_")
+    name = key[len("probe_"):] if probe else key
+    text = LABELS.get(name, name.replace("_", " "))
+    if probe:
+        head, unit = text.split(" (", 1) if " (" in text else (text, None)
+        text = f"{head}, probe set" + (f" ({unit}" if unit else "")
+    return text
 
 
 def read_metrics(run_dir):
@@ -129,9 +163,12 @@ def mean_and_se(runs, key, smooth=1):
     return steps, means, ses
 
 
-def draw_panel(ax, groups, keys, title, ylabel, yrange):
+def draw_panel(ax, groups, keys, title, ylabel, yrange, settings=None, span=None):
     """One panel: every label's mean (+- SE band when it holds several runs) for each key,
-    references dotted; a panel without data says why."""
+    references dotted; a panel without data says why (naming the flag that turns the key off
+    when every run's config.json, `settings`, has it; None: no config to tell). The step axis
+    spans `span` (first, last) when given, the figure's runs' whole range, at least one step
+    wide: one point alone would get ticks of fractional steps around it."""
     top, drawn = 0.0, False
     for i, (label, runs) in enumerate(groups.items()):
         color = f"C{i % 10}"
@@ -167,12 +204,18 @@ def draw_panel(ax, groups, keys, title, ylabel, yrange):
                     ax.plot(ref_steps, refs, ":", color=color, linewidth=1)
                     top = max(top, max(refs))
     if not drawn:
-        why = NO_DATA.get(keys[0], f"no {keys[0]} in these runs")
+        why, flag = NO_DATA.get(keys[0], (f"no {keys[0]} in these runs", None))
+        if flag and (settings is None or flag in settings):
+            why += f" (--{flag.replace('_', '-')} 0)"
         ax.text(0.5, 0.5, why.replace(" (", "\n("), ha="center", va="center",
                 transform=ax.transAxes, fontsize=8, color="0.4")
     ax.set_title(title, fontsize=9)
     ax.set_xlabel("step")
     ax.set_ylabel(ylabel)
+    if span is not None:
+        first, last = span[0], max(span[1], span[0] + 1)
+        pad = 0.04 * (last - first)
+        ax.set_xlim(first - pad, last + pad)
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     if isinstance(yrange, tuple):
         ax.set_ylim(*yrange)
@@ -181,28 +224,34 @@ def draw_panel(ax, groups, keys, title, ylabel, yrange):
     ax.grid(alpha=0.3)
 
 
-def plot_runs(run_dirs, out_dir, labels=None, figures=FIGURES):
-    """One PNG per figure into out_dir; runs sharing a label are averaged. Returns the paths
-    written."""
+def plot_runs(run_dirs, out_dir, labels=None, figures=FIGURES, title=None):
+    """One PNG per figure into out_dir, titled with the runs drawn (`title`, else their folders);
+    runs sharing a label are averaged. Returns the paths written."""
     labels = labels or [os.path.basename(os.path.normpath(d)) for d in run_dirs]
     groups = {}
     for label, d in zip(labels, run_dirs):
         groups.setdefault(label, []).append(read_metrics(d))
+    every = [r["step"] for runs in groups.values() for records in runs for r in records
+             if isinstance(r.get("step"), (int, float))]
+    span = (min(every), max(every)) if every else None
+    settings = run_settings(run_dirs)
+    title = title or run_title(run_dirs)
     os.makedirs(out_dir, exist_ok=True)
     paths = []
     for name, panels in figures.items():
         fig, axes = plt.subplots(1, len(panels), figsize=(4.0 * len(panels), 3.3), squeeze=False)
         for ax, panel in zip(axes[0], panels):
-            draw_panel(ax, groups, *panel)
+            draw_panel(ax, groups, *panel, settings=settings, span=span)
         labelled = [ax for ax in axes[0] if ax.get_legend_handles_labels()[0]]
         if labelled:
             labelled[0].legend(fontsize=7)
+        fig.suptitle(title, fontsize=9)
         fig.tight_layout()
         path = os.path.join(out_dir, f"{name}.png")
         fig.savefig(path, dpi=110)
         plt.close(fig)
         paths.append(path)
-    gradients = plot_gradients(groups, out_dir)
+    gradients = plot_gradients(groups, out_dir, title)
     return paths + ([gradients] if gradients else [])
 
 
@@ -247,9 +296,9 @@ def draw_buckets(ax, buckets, title, errors=None):
     ax.legend(handles, [h.get_label() for h in handles], fontsize=7, loc="upper left")
 
 
-def plot_gradients(groups, out_dir):
+def plot_gradients(groups, out_dir, title=""):
     """gradients.png: Fig. 4 for each label of `groups` ({label: [records of a run]}) whose runs
-    logged a gradient decomposition; None when none did."""
+    logged a gradient decomposition, titled `title`; None when none did."""
     drawn = {label: [r["grad_decomposition"] for records in runs for r in records
                      if r.get("grad_decomposition")] for label, runs in groups.items()}
     drawn = {label: d for label, d in drawn.items() if d}
@@ -259,11 +308,41 @@ def plot_gradients(groups, out_dir):
     for ax, (label, decompositions) in zip(axes[0], drawn.items()):
         draw_buckets(ax, bucket_means(decompositions),
                      f"{label}: Fig. 4, mean of {len(decompositions)} decompositions")
+    fig.suptitle(title, fontsize=9)
     fig.tight_layout()
     path = os.path.join(out_dir, "gradients.png")
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
+
+
+def run_settings(run_dirs):
+    """The settings (config.json's keys) that every one of the runs has, or None where a run has
+    no readable config.json (a log alone says nothing of its flags)."""
+    found = []
+    for d in run_dirs:
+        try:
+            with open(os.path.join(d, "config.json")) as f:
+                config = json.load(f)
+        except (OSError, ValueError):
+            return None
+        if not isinstance(config, dict):
+            return None
+        found.append(set(config))
+    return set.intersection(*found) if found else None
+
+
+def run_title(run_dirs, most=100):
+    """A figure's title: the run folders drawn, as given, shortened past `most` characters.
+
+    >>> run_title(["runs/topp", "runs/none/"])
+    'runs/topp, runs/none'
+    >>> run_title([f"runs/seed{i}" for i in range(20)], most=30)
+    'runs/seed0 and 19 more runs'
+    """
+    names = [os.path.normpath(d) for d in run_dirs]
+    joined = ", ".join(names)
+    return joined if len(joined) <= most else f"{names[0]} and {len(names) - 1} more runs"
 
 
 def overlay_folder(run_dirs):

@@ -50,7 +50,7 @@ import torch
 import envs
 import rollout
 import snr_filter
-from plumbing import hardware, lora, models, sampler
+from plumbing import flags, hardware, lora, models, sampler
 from plumbing.checkpoints import (CheckpointError, atomic_write, checkpoint_every, checkpoint_step,
                                   drop_garbage, log_steps, recover_checkpoint, restore,
                                   restore_metrics, save_checkpoint)
@@ -288,6 +288,9 @@ def start(a, argv=()):
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     resolve_defaults(a, device)
     check_folder(a)
+    # as train.py's command line did before torch loaded; whether the hub has a model id is for
+    # models.load to ask (a script may stand its own loader in for it: bench_gpu.py)
+    flags.check_model(a.model, hub=False)
     if a.model == "tiny":  # before a warm start is built for a world whose prompts cannot fit
         policy, tokenizer = tiny.load_tiny(a.env, env_kwargs(a), warm_start=False)
         check_lora_targets(a, policy)
@@ -412,18 +415,7 @@ def check_folder(a):
         if not os.path.isdir(a.out):
             raise UsageError(f"--resume {a.out}: no such run folder")
         return
-    if any(os.path.isfile(os.path.join(a.out, f)) for f in ("config.json", "metrics.jsonl")):
-        again = f"continue it with --resume {a.out}, or " if hasattr(a, "resume") else ""
-        raise UsageError(f"--out {a.out} already holds a run: {again}choose another --out")
-    if os.path.isdir(a.out) and set(os.listdir(a.out)) - {".lock"}:
-        raise UsageError(f"--out {a.out} is a folder with other files in it, not a run: choose a "
-                         f"new or empty folder")
-    parent = os.path.abspath(a.out)
-    while not os.path.exists(parent):
-        parent = os.path.dirname(parent)
-    if not os.path.isdir(parent) or not os.access(parent, os.W_OK):
-        why = "not a folder" if not os.path.isdir(parent) else "no permission"
-        raise UsageError(f"--out {a.out}: cannot write there ({why}: {parent})")
+    flags.check_out(a.out, resumable=hasattr(a, "resume"))
 
 
 def open_folder(a):
@@ -706,15 +698,18 @@ def progress(last):
 def finish(run):
     if run.bar is not None:
         run.bar.close()
+    paths = []
     if run.args.plot and run.args.steps > 0:
         from plumbing import plots
-        plots.plot_runs([run.args.out], run.args.out)
+        paths = plots.plot_runs([run.args.out], run.args.out)
     failed = run.state.get("failures", {}).get("capture", 0)
     if failed:
         print(f"the decode step ran eagerly after {failed} failed capture"
               f"{'s' if failed > 1 else ''} (capture_failures in {run.args.out}/metrics.jsonl)")
     keys = ("step", "train_success", "val_success", "kept_ratio", "mi_estimate", "retrieval_acc")
     print(json_line({k: run.last[k] for k in keys if k in run.last}))
+    if paths:  # the last line: where to look next
+        print(f"figures in {run.args.out}: {' '.join(os.path.basename(p) for p in paths)}")
 
 
 def close(run):

@@ -40,6 +40,9 @@ import sys
 import time
 import warnings
 
+if not __package__:  # run as a file (python scaleout/trl_ragen.py): imports from the root, as with -m
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
 from plumbing import defaults, flags
 from plumbing.flags import arg  # the same one-line flag declarations as train.py's
 
@@ -106,17 +109,20 @@ def parse_args(argv):
     return a
 
 
-def check_vllm(a):
-    """--use-vllm on a machine without vLLM, which is no dependency here: TRL samples through
-    vLLM's own engine, and that runs on CUDA GPUs only (main checks for the GPU)."""
+def check_start(a):
+    """What the command names on this machine, before anything loads: --use-vllm on a machine
+    without vLLM, which is no dependency here (TRL samples through vLLM's own engine, and that
+    runs on CUDA GPUs only: main checks for the GPU); a --model that cannot load here, an --out
+    that cannot hold a new run (flags.check_start, as train.py's)."""
     if a.use_vllm and importlib.util.find_spec("vllm") is None:
         raise flags.UsageError("--use-vllm: vLLM is not installed; it needs a CUDA GPU and pip "
                                "install trl[vllm] (vLLM pins its own torch), or leave --use-vllm "
                                "out to sample with the trainer's model")
+    flags.check_start(a)
 
 
-if __name__ == "__main__":  # before torch loads: a bad flag answers at once (flags.before_torch)
-    flags.refuse_now(check_vllm, flags.before_torch(parse_args, sys.argv[1:]))
+if __name__ == "__main__":  # before torch loads: a bad flag, --out or --model answers at once
+    flags.refuse_now(check_start, flags.before_torch(parse_args, sys.argv[1:]))
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
@@ -582,7 +588,7 @@ def main(argv=None, make_policy=None, callbacks=()):
     warnings.filterwarnings("ignore", "`(is_)?gradient_checkpointing", FutureWarning)
     try:
         a = parse_args(sys.argv[1:] if argv is None else argv)
-        check_vllm(a)
+        check_start(a)
         cuda = torch.cuda.is_available()
         a.model = a.model or ("Qwen/Qwen2.5-0.5B-Instruct" if cuda else "tiny")
         a.lr = a.lr or (1e-4 if a.model == "tiny" else 1e-6)

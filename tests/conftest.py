@@ -72,3 +72,70 @@ def cut_smollm2(monkeypatch):
         return model, tokenizer
 
     monkeypatch.setattr(models, "load_smollm2", cut)
+
+
+# What a command line does, at a fraction of a fresh interpreter's cost: one process imports the
+# heavy libraries (torch, transformers, ...) but none of the project's modules, then forks a child
+# a case, which sets its working directory, sys.path and sys.argv as `python` would for that
+# command and runs it; every module of the project the command imports, the child imports anew
+# (from the case's own tree: a student copy's). One fresh interpreter a case would spend most of
+# its time importing torch and transformers.
+FRESH = r"""
+import json, os, runpy, sys, traceback
+sys.path[:] = [p for p in sys.path if p and os.path.isabs(p)  # neither '' nor a project tree
+               and not os.path.isfile(os.path.join(p, "train.py"))]
+import matplotlib
+matplotlib.use("Agg")
+for heavy in ("torch", "transformers", "transformers.models.qwen2.modeling_qwen2", "trl", "peft",
+              "accelerate", "matplotlib.pyplot", "scipy.stats", "pytest"):
+    __import__(heavy)
+cases, logs = json.loads(sys.argv[1]), sys.argv[2]
+results = []
+for i, (kind, target, args, cwd) in enumerate(cases):
+    out, err = (os.path.join(logs, f"{i}.{name}") for name in ("out", "err"))
+    pid = os.fork()
+    if pid == 0:
+        for fd, path in ((1, out), (2, err)):
+            os.dup2(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC), fd)
+        code = 0
+        try:
+            os.chdir(cwd)
+            if kind == "file":  # python path args: the file's folder first on the path
+                sys.path.insert(0, os.path.dirname(os.path.abspath(target)))
+                sys.argv = [target] + args
+                runpy.run_path(target, run_name="__main__")
+            elif kind == "module":  # python -m name args: the working directory first
+                sys.path.insert(0, os.getcwd())
+                sys.argv = ["-m"] + args
+                runpy.run_module(target, run_name="__main__", alter_sys=True)
+            else:  # python -c code args
+                sys.path.insert(0, "")
+                sys.argv = ["-c"] + args
+                exec(compile(target, "<string>", "exec"), {"__name__": "__main__"})
+        except SystemExit as e:
+            code = e.code if isinstance(e.code, int) else 0 if e.code is None else 1
+        except BaseException:
+            traceback.print_exc()
+            code = 1
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    code = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+    results.append([code] + [open(p, errors="replace").read() for p in (out, err)])
+print(json.dumps(results))
+"""
+
+
+def run_fresh(cases, tmp_path, env=None):
+    """[(exit code, stdout, stderr)] of each case, run as a fresh `python` would run it, from its
+    working directory: ("file", path, args, cwd) is `python path args`, ("module", name, args,
+    cwd) `python -m name args`, ("code", text, args, cwd) `python -c text args`."""
+    import json
+    import subprocess
+
+    logs = tmp_path / "fresh-logs"
+    logs.mkdir()
+    done = subprocess.run([sys.executable, "-c", FRESH, json.dumps(cases), str(logs)],
+                          cwd=str(tmp_path), capture_output=True, text=True, env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return [tuple(r) for r in json.loads(done.stdout.strip().splitlines()[-1])]

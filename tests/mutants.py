@@ -467,7 +467,8 @@ def check(folder, mutant, timeout):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python tests/mutants.py",  # not "mutants.py": run from the root
+                                     description=__doc__.splitlines()[0])
     parser.add_argument("-k", default="", help="only the mutants whose name or file holds this")
     parser.add_argument("--list", action="store_true", help="list the mutants, run nothing")
     parser.add_argument("--timeout", type=float, default=600,

@@ -4,7 +4,7 @@ An exercise is "blanked" or "planted" in this process: its functions get the cod
 the student source (exercises.student_source) or from the solution with a plausible mistake
 (PLANTED), through their __code__, and the grading tests (tests/test_grading.py) are called
 directly. Hostile code is patched in here too: `check` forks each exercise's process from this one.
-Two subprocesses grade real student copies made by `make`.
+A fresh process (conftest.run_fresh) grades two real student copies made by `make`.
 """
 import ast
 import errno
@@ -13,13 +13,12 @@ import json
 import multiprocessing
 import os
 import shutil
-import subprocess
-import sys
 
 import pytest
 
 import grpo
 import ppo
+from conftest import run_fresh
 from course import exercises
 import test_grading
 
@@ -290,27 +289,56 @@ def stops_the_session(*args, **kwargs):
                     reason="the patched functions reach the graded process by fork")
 def test_check_survives_code_that_hangs_or_ends_its_process(tmp_path, monkeypatch, capsys):
     """Each exercise is graded in a process of its own, with a time limit: a gae that never
-    returns times out, a clip_loss that ends its process fails, so does a grpo that stops the test
-    session before any test fails; the next exercise is graded as usual, and the rows and the
-    JSON file come all the same."""
+    returns fails when its limit is up, a clip_loss that ends its process fails, so does a grpo
+    that stops the test session before any test fails; the next exercise is graded as usual, and
+    the rows and the JSON file come all the same. Only the hanging exercise gets a short limit: a
+    hang can end no other way, while the others, under the default limit, end on their own
+    however busy the machine (no verdict here depends on which of two clocks runs out first)."""
     monkeypatch.setattr(ppo, "gae", hangs)
     monkeypatch.setattr(ppo, "clipped_policy_loss", ends_its_process)
     monkeypatch.setattr(grpo, "group_advantages", stops_the_session)
+    grade = exercises.grade
+    monkeypatch.setattr(exercises, "grade", lambda name, paths, root, timeout: grade(
+        name, paths, root, 2.0 if name == "gae" else timeout))
     result = tmp_path / "results.json"
-    argv = ["check", "gae", "clip_loss", "grpo", "topk", "--timeout", "2", "--json", str(result)]
+    argv = ["check", "gae", "clip_loss", "grpo", "topk", "--json", str(result)]
     assert exercises.main(argv) == 1
     rows = capsys.readouterr().out.splitlines()[1:]  # after the tree graded
+    # stopped while collecting or inside a test (then the row names what that test checks)
     assert rows[0].split()[:3] == ["gae", "0/4", "FAILED"] and rows[0].endswith(
-        "test_gae_skips_observation_tokens: timed out after 2 s")
+        "timed out after 2 s")
     assert rows[1].split()[:3] == ["clip_loss", "0/4", "FAILED"] and rows[1].endswith(
-        "test_clip_loss_by_hand: its process ended (exit code 0) before reporting")
+        "  by hand: its process ended (exit code 0) before reporting")
     assert rows[2].split()[:3] == ["grpo", "0/4", "FAILED"] and rows[2].endswith(
-        "test_grpo_group_advantages_by_hand: did not finish")
+        "  group advantages by hand: did not finish")
     assert rows[3].split()[:3] == ["topk", "2/2", "passed"] and "2/14 points" in rows[4]
     out = json.loads(result.read_text())
     assert [(t["name"], t["status"]) for t in out["tests"]] == [
         ("gae", "failed"), ("clip_loss", "failed"), ("grpo", "failed"), ("topk", "passed")]
     assert out["score"] == 2 and "timed out" in out["tests"][0]["output"]
+
+
+@pytest.mark.skipif("fork" not in multiprocessing.get_all_start_methods(),
+                    reason="the patched code reaches the graded process by fork")
+def test_a_row_names_the_check_that_failed_but_not_the_answer(tmp_path, monkeypatch, capsys):
+    """The silent bug planted, as a student copy holds it: its row says which check failed by what
+    the check is for, never by the test's name (which could say what it compares) nor by pytest's
+    account of the assertion (the values and the code that computed them); the count of tests
+    reads "1 test", "3 tests"."""
+    file = "plumbing/sampler.py"
+    variant({file: exercises.student_source(source(file), {"silent_bug"}, file)}, monkeypatch)
+    result = tmp_path / "results.json"
+    assert exercises.main(["check", "silent_bug", "topk", "gae", "--json", str(result)]) == 1
+    rows = capsys.readouterr().out.splitlines()[1:]
+    assert rows[0].split()[:5] == ["silent_bug", "0/5", "FAILED", "1", "test"], rows[0]
+    assert rows[0].endswith("  the property the MI diagnosis relies on: a result is not the "
+                            "expected one"), rows[0]
+    (test,) = TESTS["silent_bug"]
+    assert test.__name__[len("test_"):] not in rows[0] and "assert" not in rows[0]
+    assert rows[1].split()[:5] == ["topk", "2/2", "passed", "1", "test"], rows[1]
+    assert rows[2].split()[:5] == ["gae", "4/4", "passed", "3", "tests"], rows[2]
+    outputs = [t["output"] for t in json.loads(result.read_text())["tests"]]
+    assert outputs[1:] == ["1 test passed", "3 tests passed"] and outputs[0] in rows[0]
 
 
 def test_a_broken_hidden_test_or_an_unwritable_path_is_bad_input(tmp_path, monkeypatch, capsys):
@@ -339,22 +367,40 @@ def test_a_broken_hidden_test_or_an_unwritable_path_is_bad_input(tmp_path, monke
     assert os.listdir(read_only) == []
 
 
-def test_a_copy_of_some_exercises_grades_them_only(tmp_path, capsys):
+# What the student copies' tests run in their copy, as a student types it there
+IMPORTS_AND_GRADES = ("import sys, train, plumbing.plots, lab.experiments; from course import exercises; "
+                      "exercises.main(['list']); sys.exit(exercises.main(['check', '--json', 'result.json']))")
+
+
+@pytest.fixture(scope="module")
+def copies(tmp_path_factory):
+    """{name: (the copy, exit code, stdout, stderr)}: a student copy of every exercise ("student",
+    its command importing everything, listing and grading) and one made with --only gae, whose gae
+    the student then solved ("hw", `python -m course.exercises check --json result.json`); both
+    commands run from their copy by one conftest.run_fresh, which imports torch once for both."""
+    tmp = tmp_path_factory.mktemp("copies")
+    student, hw = tmp / "student", tmp / "hw"
+    assert exercises.main(["make", str(student)]) == 0
+    assert exercises.main(["make", str(hw), "--only", "gae"]) == 0
+    stubbed = exercises.student_source(source("ppo.py"), {"gae"}, "ppo.py")
+    assert (hw / "ppo.py").read_text() == stubbed != source("ppo.py")
+    shutil.copy(os.path.join(ROOT, "ppo.py"), hw / "ppo.py")  # the student solves it
+    cases = [("code", IMPORTS_AND_GRADES, [], str(student)),
+             ("module", "course.exercises", ["check", "--json", "result.json"], str(hw))]
+    results = run_fresh(cases, tmp, env={**os.environ, "EXERCISE_RUNS": ""})
+    return {name: (folder, *result) for name, folder, result in zip(("student", "hw"),
+                                                                   (student, hw), results)}
+
+
+def test_a_copy_of_some_exercises_grades_them_only(copies, capsys):
     """`make --only gae`: the copy grades gae alone (not the experiment, whose reference runs it
     leaves out), and exits 0 once gae passes."""
-    copy = tmp_path / "hw"
-    assert exercises.main(["make", str(copy), "--only", "gae"]) == 0
+    copy, code, out, err = copies["hw"]
     assert (copy / "assignment.txt").read_text() == "gae\n"
-    stubbed = exercises.student_source(source("ppo.py"), {"gae"}, "ppo.py")
-    assert (copy / "ppo.py").read_text() == stubbed != source("ppo.py")
     exercises.list_exercises(str(copy))
     assert capsys.readouterr().out.splitlines()[-1] == "assigned in this copy: gae"
-    shutil.copy(os.path.join(ROOT, "ppo.py"), copy / "ppo.py")  # the student solves it
-    done = subprocess.run([sys.executable, "-m", "course.exercises", "check", "--json", "result.json"],
-                          cwd=copy, capture_output=True, text=True,
-                          env={**os.environ, "EXERCISE_RUNS": ""})
-    assert done.returncode == 0, done.stdout + done.stderr[-2000:]
-    tree, *rows = done.stdout.splitlines()
+    assert code == 0, out + err[-2000:]
+    tree, *rows = out.splitlines()
     assert tree == f"grading the student copy in {copy}"  # its own score, not the solution's
     assert [row.split()[:3] for row in rows] == [["gae", "4/4", "passed"],
                                                   ["total", "4/4", "points,"]]
@@ -379,9 +425,8 @@ def solution_lines():
     return {line for line in inside - outside if len(line) > 12 and not line.startswith("#")}
 
 
-def test_the_student_copy_runs_fails_every_exercise_and_holds_no_solution(tmp_path):
-    copy = tmp_path / "student"
-    assert exercises.main(["make", str(copy)]) == 0
+def test_the_student_copy_runs_fails_every_exercise_and_holds_no_solution(copies):
+    copy, code, out, err = copies["student"]
     assert sorted(os.listdir(copy / "tests")) == ["conftest.py", "test_grading.py"]
     assert not (copy / "results" / "exercises" / "experiment").exists()
     distinctive = solution_lines()
@@ -395,12 +440,8 @@ def test_the_student_copy_runs_fails_every_exercise_and_holds_no_solution(tmp_pa
             leaked = [line for line in distinctive if line in text]
             assert not leaked, f"{file} holds solution text: {leaked[:3]}"
     # the copy imports everything, lists, and fails every exercise on its stubs (or the defect)
-    code = ("import sys, train, plumbing.plots, lab.experiments; from course import exercises; exercises.main(['list']); "
-            "sys.exit(exercises.main(['check', '--json', 'result.json']))")
-    done = subprocess.run([sys.executable, "-c", code], cwd=copy, capture_output=True, text=True,
-                          env={**os.environ, "EXERCISE_RUNS": ""})
-    assert done.returncode == 1, done.stderr[-2000:]
-    rows = done.stdout.splitlines()[-len(exercises.EXERCISES) - 1:]
+    assert code == 1, err[-2000:]
+    rows = out.splitlines()[-len(exercises.EXERCISES) - 1:]
     for name, row in zip(exercises.EXERCISES, rows):
         assert row.split()[:3] == [name, f"0/{exercises.EXERCISES[name][0]}", "FAILED"], row
         if name not in ("experiment", "silent_bug"):
@@ -408,6 +449,10 @@ def test_the_student_copy_runs_fails_every_exercise_and_holds_no_solution(tmp_pa
     assert json.loads((copy / "result.json").read_text())["score"] == 0
 
 
+# The silent bug's grading test (test_grading.py:test_silent_bug_is_fixed, named so as to say
+# nothing) checks what the MI diagnosis takes for granted: episode m's first reply was sampled from
+# episode m's prompt, so a fresh forward pass over its transcript gives the log-probs recorded while
+# sampling (the diagnosis then scores each reply under its own prompt exactly).
 def test_the_committed_silent_bug_runs_show_it_in_the_mi_not_in_the_entropy():
     """EXERCISES.md's silent-bug command, run on the solution (healthy) and on a copy made with
     --only silent_bug (defect): the entropy curves agree, the MI diagnosis tells them apart."""

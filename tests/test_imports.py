@@ -8,7 +8,7 @@ import subprocess
 import sys
 
 import pytest
-from conftest import project_modules
+from conftest import project_modules, run_fresh
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # layer: the layers its modules may import (its own included). The root's paper files stand alone
@@ -163,6 +163,11 @@ def test_the_flags_stand_below_every_module_that_loads_torch():
 def test_a_refused_flag_answers_before_torch_is_imported(argv, said):
     """The script, run as `python <argv>`, refuses the flag in one line with exit code 2, and at
     its exit neither torch nor transformers has been imported (so it answers in about a second)."""
+    assert answer(argv) == (2, said + "\n", "[]\n")
+
+
+def answer(argv, env=None):
+    """(exit code, stderr, the heavy modules imported by its exit) of `python <argv>`."""
     run = (f"runpy.run_module({argv[1]!r}, run_name='__main__', alter_sys=True)" if argv[0] == "-m"
            else f"runpy.run_path({argv[0]!r}, run_name='__main__')")
     argv = argv[1:] if argv[0] == "-m" else argv
@@ -170,8 +175,38 @@ def test_a_refused_flag_answers_before_torch_is_imported(argv, said):
               "atexit.register(lambda: print(sorted(m for m in ('torch', 'transformers', 'trl')\n"
               "                                     if m in sys.modules)))\n"
               f"sys.argv = {argv!r}\n" + run + "\n")
-    out = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True)
-    assert (out.returncode, out.stderr, out.stdout) == (2, said + "\n", "[]\n")
+    out = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True,
+                         env=env)
+    return out.returncode, out.stderr, out.stdout
+
+
+def test_what_a_command_names_is_refused_before_torch_is_imported(tmp_path):
+    """An --out that names a file, a run or a folder of other files, a --model folder that holds
+    no model, a hub id that the local cache lacks while HF_HUB_OFFLINE=1 forbids the network:
+    one line on stderr, exit code 2, before torch or transformers is imported -- train.py's and
+    scaleout.trl_ragen's alike."""
+    a_file, run, notes, folder = (tmp_path / name for name in ("file", "run", "notes", "model"))
+    a_file.write_text("x")
+    for made in (run, notes, folder):
+        made.mkdir()
+    (run / "metrics.jsonl").write_text("")
+    (notes / "notes.txt").write_text("mine")
+    (folder / "README.md").write_text("weights to come")
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf")}  # an empty cache
+    cases = [(["--out", str(a_file)], f"--out {a_file}: cannot write there (not a folder: "
+                                      f"{a_file})"),
+             (["--out", str(a_file / "run")], "cannot write there (not a folder"),
+             (["--out", str(run)], f"--out {run} already holds a run"),
+             (["--out", str(notes)], "is a folder with other files in it, not a run"),
+             (["--model", str(folder)], f"--model {folder}: this folder holds no model"),
+             (["--model", "no-such-org/no-such-model"],
+              "--model no-such-org/no-such-model: not in the local Hugging Face cache")]
+    for entry in (["train.py"], ["-m", "scaleout.trl_ragen"]):
+        for args, said in cases:
+            code, err, heavy = answer(entry + args, env)
+            assert code == 2 and heavy == "[]\n", (entry, args, err)
+            assert err.startswith("error: ") and err.count("\n") == 1 and said in err, err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["file", "model", "notes", "run"]
 
 
 
@@ -268,3 +303,51 @@ def test_the_papers_functions_take_what_the_paper_names_and_fit_a_screen():
                 if count > 8 or lines > 60:
                     too_big.append(f"{name}:{node.name} ({count} parameters, {lines} lines)")
     assert too_big == []
+
+
+# an entry point's cheapest call (--help, unless it has no flags)
+CHEAPEST = {"envs.py": []}
+
+
+def entry_points():
+    """Every script git tracks that runs from the command line (but the test helpers), as its
+    file and its module."""
+    tracked = subprocess.run(["git", "ls-files", "*.py"], cwd=ROOT, capture_output=True,
+                             text=True).stdout.split()
+    return [(p, p[:-3].replace("/", ".")) for p in tracked
+            if not os.path.basename(p).startswith(("test_", "trl_ragen_script"))
+            and '__name__ == "__main__"' in open(os.path.join(ROOT, p), encoding="utf-8").read()]
+
+
+def test_every_entry_point_runs_as_a_file_and_as_a_module(tmp_path):
+    """`python path/to/file.py --help` and `python -m package.file --help` both work for every
+    script (their cheapest call: envs.py has no flags), every one a README names among them; the
+    usage line names a command that runs it. A file's folder is sys.path[0] (so `from plumbing
+    import ...` fails there unless the script puts the root on the path); with -m the working
+    directory is (conftest.run_fresh runs each as a fresh interpreter would)."""
+    import re
+
+    points = entry_points()
+    readmes = subprocess.run(["git", "ls-files", "*.md"], cwd=ROOT, capture_output=True,
+                             text=True).stdout.split()
+    named = set()
+    for path in readmes:
+        text = open(os.path.join(ROOT, path), encoding="utf-8").read()
+        named |= {m[1] or m[0] for m in re.findall(r"python (?:-m ([\w.]+)|([\w/.-]+\.py))", text)}
+    ours = {p for pair in points for p in pair}
+    assert {"train.py", "plumbing.plots", "scaleout.trl_ragen", "bench/run_all.py"} <= named
+    assert named - {"pytest"} <= ours, sorted(named - {"pytest"} - ours)  # every one named is run
+    cases = [(way, target, CHEAPEST.get(path, ["--help"]), ROOT) for path, module in points
+             for way, target in (("file", path), ("module", module))]
+    results = run_fresh(cases, tmp_path, env={**os.environ, "COLUMNS": "100"})
+    assert len(results) == len(cases) > 40
+    for (way, target, _, _), (code, out, err), (path, module) in zip(
+            cases, results, [p for p in points for _ in "ab"]):
+        said = out + err
+        assert code == 0 and "Traceback" not in said, f"{way} {target}: exit {code}\n{said[-1500:]}"
+        if CHEAPEST.get(path) == []:  # no flags, so no usage line
+            continue
+        assert "usage: " in said, (way, target, said[:500])
+        usage = said.split("usage: ", 1)[1].split()
+        assert usage[0] == "python" and (usage[1:3] == ["-m", module] or usage[1] == path), (
+            way, target, said[:200])

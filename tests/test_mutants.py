@@ -76,27 +76,37 @@ def test_failed_ids_keep_parameters_with_spaces():
 
 
 def test_a_hung_mutant_is_stopped_with_the_processes_it_started(tmp_path):
-    pid_file = tmp_path / "child.pid"
+    """A command that hangs ends only by its time limit, its own child process with it: that child
+    never reaches the end of its sleep (where it would leave a mark). No verdict here waits on a
+    clock: a limit that came before the command had started its child checked nothing, and is
+    tried again, longer."""
+    pid_file, mark = tmp_path / "child.pid", tmp_path / "child-ended-on-its-own"
+    child = f"import time; time.sleep(600); open({str(mark)!r}, 'w').close()"
     hang = textwrap.dedent(f"""\
-        import subprocess, sys, time
-        child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
-        open({str(pid_file)!r}, "w").write(str(child.pid))
+        import os, subprocess, sys, time
+        child = subprocess.Popen([sys.executable, "-c", {child!r}])
+        open({str(pid_file)!r} + ".tmp", "w").write(str(child.pid))
+        os.replace({str(pid_file)!r} + ".tmp", {str(pid_file)!r})
         time.sleep(600)
         """)
-    code, _, _ = mutants.run_group([sys.executable, "-c", hang], str(tmp_path), dict(os.environ), 5)
-    assert code is None
+    limit = 1.0
+    while True:
+        code, _, _ = mutants.run_group([sys.executable, "-c", hang], str(tmp_path), dict(os.environ),
+                                       limit)
+        assert code is None  # stopped, not finished
+        if pid_file.exists():
+            break
+        limit *= 2  # stopped before it started its child: nothing was checked
     child = int(pid_file.read_text())
-    assert not alive(child), "the hung command's own child process outlived the timeout"
+    while running(child):  # killed: gone in a moment; not killed: it ends after its sleep
+        time.sleep(0.05)
+    assert not mark.exists(), "the hung command's own child process outlived the time limit"
 
 
-def alive(pid):
-    """Whether `pid` runs after a grace of 5 s (a killed process left unreaped is a zombie: dead)."""
-    for _ in range(50):
-        try:
-            with open(f"/proc/{pid}/stat") as f:
-                if f.read().rsplit(")", 1)[1].split()[0] == "Z":
-                    return False
-        except FileNotFoundError:
-            return False
-        time.sleep(0.1)
-    return True
+def running(pid):
+    """Whether process `pid` exists and is no zombie (a killed process left unreaped is one)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] not in "ZX"
+    except FileNotFoundError:
+        return False

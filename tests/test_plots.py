@@ -143,3 +143,41 @@ def test_a_run_that_decomposed_its_gradients_gets_fig4(tmp_path):
     means = plots.bucket_means([buckets(1.0), buckets(3.0)])
     assert [m["task_grad_norm"] for m in means] == [2.0 * b for b in range(6)]
     assert [m["reg_grad_norm"] for m in means] == [1.0] * 6
+
+
+def test_a_figure_names_its_runs_and_a_short_run_gets_whole_steps(tmp_path, monkeypatch):
+    """Each figure is titled with the run folders it draws; a run of one step (the MI diagnosed at
+    step 1 only, as in scaleout/README.md's two-step check) gets ticks at whole steps on every
+    panel, not 0.945 ... 1.050 around one point."""
+    write_run(tmp_path / "a", 1, 0.5)
+    drawn = []
+    monkeypatch.setattr(plots.plt, "close", drawn.append)  # keep the figures to look at
+    plots.plot_runs([str(tmp_path / "a")], str(tmp_path / "figs"))
+    monkeypatch.undo()
+    assert len(drawn) == len(plots.FIGURES)
+    for fig in drawn:
+        assert fig._suptitle.get_text() == str(tmp_path / "a")
+        for ax in fig.axes:
+            low, high = ax.get_xlim()
+            ticks = [t for t in ax.get_xticks() if low <= t <= high]
+            assert len(ticks) >= 2 and all(float(t).is_integer() for t in ticks), ticks
+        plots.plt.close(fig)
+    assert plots.run_title([f"runs/s{i}" for i in range(40)]) == "runs/s0 and 39 more runs"
+
+
+def test_an_empty_panel_names_a_flag_only_where_the_runs_have_it(tmp_path):
+    """No validation logged: a train.py run is told --val-every 0 turns it off; a
+    scaleout.trl_ragen run, which has no such flag (it never validates), is not."""
+    for name, config in (("train", {"val_every": 0, "mi_every": 5}), ("trl", {"mi_every": 5})):
+        write_run(tmp_path / name, 3, 0.5)
+        (tmp_path / name / "config.json").write_text(json.dumps(config))
+    said = {}
+    for name in ("train", "trl"):
+        fig, ax = plots.plt.subplots()
+        plots.draw_panel(ax, {name: [plots.read_metrics(tmp_path / name)]}, *plots.FIGURES["success"][1],
+                         settings=plots.run_settings([str(tmp_path / name)]))
+        said[name] = [t.get_text() for t in ax.texts]
+        plots.plt.close(fig)
+    assert said == {"train": ["no validation in these runs\n(--val-every 0)"],
+                    "trl": ["no validation in these runs"]}
+    assert plots.run_settings([str(tmp_path / "train"), str(tmp_path / "trl")]) == {"mi_every"}

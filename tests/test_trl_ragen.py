@@ -239,8 +239,7 @@ def test_two_processes_split_a_group_and_keep_the_one_process_selection(tmp_path
     each process, so its spread exists only in the gathered rewards."""
     cmd = ["accelerate", "launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1",
            "--mixed_precision", "no", "--dynamo_backend", "no", script.__file__, str(tmp_path)]
-    # the timeout guards against a hang of the process group, not a speed check
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600,
+    done = subprocess.run(cmd, capture_output=True, text=True,
                           env={**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"})
     assert done.returncode == 0, done.stderr[-3000:]
     seen = [json.loads((tmp_path / f"process-{i}.json").read_text()) for i in (0, 1)]

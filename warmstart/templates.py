@@ -38,14 +38,22 @@ template's is 0, so its expectation is (1 - ALPHA) G(N) with G(N) = sum_f p_f E[
 B ~ Binomial(N - 1, p_f) (capped_gap; theory.md, Sec. 7).
 """
 import collections
+import contextlib
 import copy
+import fcntl
 import functools
+import hashlib
 import itertools
+import json
 import math
+import os
 import re
+import sys
 
 import envs
 from warmstart import grounding
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 OPENERS = ("Let me", "I will", "I should", "I need to", "Now I will", "I want to", "Time to",
            "I must")
@@ -324,10 +332,64 @@ def surface_estimates(alpha, probs, n_prompts):
     return {"mi_seq": mi, "hz_seq": hz}
 
 
+# where task_probs keeps the laws it computed, and the code they come from: a change to any of
+# these files (the worlds, their solver, what a demonstration says) makes the law anew
+LAW_CACHE = os.path.join(ROOT, ".cache", "task-law")
+LAW_SOURCES = ("envs.py", "worlds", "warmstart/demos.py", "warmstart/templates.py")
+
+
 @functools.lru_cache(maxsize=None)
 def task_probs(env_name):
-    """The law of f(X) over the first TASK_TURNS demonstration seeds (task_entropy's)."""
-    return tuple(task_entropy(env_name, prompts=())["probs"])
+    """The law of f(X) over the first TASK_TURNS demonstration seeds (task_entropy's). It takes
+    40,000 resets of the world (Sokoban's rooms: about half a minute), so it is kept in
+    .cache/task-law/ under a key of the code that makes it (law_key) and read back exactly (JSON
+    keeps every float's digits). One process computes it while others wait for its file (a test
+    suite's workers); a cache that cannot be read or written is computed around."""
+    path = os.path.join(LAW_CACHE, f"{env_name}-{law_key()}.json")
+    probs = _read_law(path)
+    if probs:
+        return probs
+    try:
+        os.makedirs(LAW_CACHE, exist_ok=True)
+        lock = open(path + ".lock", "w")
+    except OSError:  # a read-only checkout: computed each time
+        return tuple(task_entropy(env_name, prompts=())["probs"])
+    with lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes, or its process ends
+        probs = _read_law(path)  # written while this one waited
+        if probs:
+            return probs
+        probs = tuple(task_entropy(env_name, prompts=())["probs"])
+        with contextlib.suppress(OSError):
+            with open(path + ".tmp", "w") as f:
+                json.dump(probs, f)
+            os.replace(path + ".tmp", path)  # whole or not at all
+    return probs
+
+
+def _read_law(path):
+    """The law kept at `path`, or None: none there, or not a law (cut short, damaged)."""
+    try:
+        with open(path) as f:
+            probs = tuple(float(p) for p in json.load(f))
+    except (OSError, ValueError, TypeError):
+        return None
+    return probs if probs and all(p > 0 for p in probs) and abs(sum(probs) - 1) < 1e-9 else None
+
+
+def law_key():
+    """A hash of LAW_SOURCES' text (every .py file of a folder named), TASK_TURNS and the
+    Python version (its random module draws the rooms): what task_probs' law depends on."""
+    files = []
+    for name in LAW_SOURCES:
+        path = os.path.join(ROOT, name)
+        files += ([os.path.join(path, f) for f in sorted(os.listdir(path)) if f.endswith(".py")]
+                  if os.path.isdir(path) else [path])
+    digest = hashlib.sha256(f"{TASK_TURNS} {sys.version_info[:2]}".encode())
+    for path in files:
+        with open(path, "rb") as f:
+            digest.update(os.path.relpath(path, ROOT).encode() + b"\0" + f.read())
+    return digest.hexdigest()[:16]
 
 
 def surface_truth(env_name, alpha, eps=None, n_prompts=(8, 32)):
