@@ -151,6 +151,7 @@ class Countdown(AnswerEnv):
     ((1.0, True), True)
     """
     name, legend, max_steps = "countdown", "", 1
+    turn_limit = 1  # one turn, as the official config: a reply that is no answer ends it too
     rules = ("Use every number of the list exactly once, with + - * / and parentheses, to write an "
              "expression equal to the target. Reward: 1 for a correct expression, 0.1 for one that "
              "uses exactly the given numbers but misses the target, 0 otherwise.")

@@ -62,6 +62,7 @@ class TextEnv:
     docstring says what each returns)."""
     name, actions, rules, legend, max_steps = "", (), "", "", 1
     example = ""  # a worked example of a reply, for the system prompt (answer worlds)
+    turn_limit = None  # the most turns an episode may take whatever the loop allows (None: no own)
 
     def _start(self):
         self.steps, self.done, self.success = 0, False, False
