@@ -159,6 +159,17 @@ def test_help_is_one_line_per_flag_with_its_default(capsys):
     (["--lora", "100000"], "--lora 100000: no layer it adapts has a rank above 64"),
     (["--lora", "65", "--lora-targets", "q_proj"], "use --lora 64 or less"),
     (["--optimizer-steps", "1000000"], "--optimizer-steps must be in 0..128"),
+    # DAPO's own flags, and its objective without a KL term; the answer worlds' flags
+    (["--algo", "dapo", "--kl-coef", "0.001"], "DAPO's objective has no KL term"),
+    (["--algo", "dapo", "--max-draws", "0"], "--max-draws must be >= 1"),
+    (["--max-draws", "4"], "--max-draws 4 is ignored with --algo ppo: it is --algo dapo's"),
+    (["--algo", "grpo", "--overlong-buffer", "8"], "--overlong-buffer 8 is ignored with --algo grpo"),
+    (["--algo", "dapo", "--max-new-tokens", "16", "--overlong-buffer", "16"],
+     "--overlong-buffer must be >= 0 and below --max-new-tokens (16)"),
+    (["--env", "countdown", "--countdown-numbers", "9"], "count must be an int in 2..6"),
+    (["--env", "wordproblems", "--attempts", "0"], "attempts must be an int in 1..10"),
+    (["--env", "sokoban", "--attempts", "2"], "--attempts 2 is ignored with --env sokoban"),
+    (["--env", "countdown", "--template-prior", "0.5"], "the template pools are the action worlds'"),
 ])
 def test_bad_arguments_print_one_line_exit_2_and_leave_nothing(tmp_path, argv, words, capsys, monkeypatch):
     out = tmp_path / "never"
