@@ -258,14 +258,15 @@ def check_ignored(a, given):
               "success_rate": "frozenlake", "high_prob": "bandit", "countdown_numbers": "countdown",
               "attempts": "wordproblems"}
     algorithms = {"max_draws": "dapo", "overlong_buffer": "dapo"}
+    algo = getattr(a, "algo", None)  # scaleout.trl_ragen has no --algo (nor DAPO's flags)
     for k in given:
-        world, algo = worlds.get(k, a.env), algorithms.get(k, a.algo)
-        ok, why = filtering.get(k) or ((algo == a.algo, f"it is --algo {algo}'s") if algo != a.algo
+        world, wanted = worlds.get(k, a.env), algorithms.get(k, algo)
+        ok, why = filtering.get(k) or ((False, f"it is --algo {wanted}'s") if wanted != algo
                                        else (world == a.env, f"it is --env {world}'s"))
         if not ok:
             value = "" if isinstance(given[k], bool) else f" {given[k]}"
             chosen = (f"--filter {a.filter}" if k in filtering else
-                      f"--algo {a.algo}" if k in algorithms else f"--env {a.env}")
+                      f"--algo {algo}" if k in algorithms else f"--env {a.env}")
             raise UsageError(f"--{k.replace('_', '-')}{value} is ignored with {chosen}: {why}")
 
 
