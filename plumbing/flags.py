@@ -92,12 +92,11 @@ class Args:
     max_actions_per_turn: int = arg(2, "actions the policy may take per turn")
     # the algorithm
     algo: str = arg("ppo", "ppo: critic + GAE; grpo: group-normalised; drgrpo: no std division; "
-                    "dapo: grpo's advantages, token-mean, dynamic sampling",
+                    "dapo",
                     choices=("ppo", "grpo", "drgrpo", "dapo"))  # train.AGGREGATION's keys
-    max_draws: int = arg(3, "dapo: draws of --groups groups a step, at most, to fill the batch with "
-                         "groups that have reward spread")
-    overlong_buffer: int = arg(None, "dapo: reward -1 x (tokens past limit - N) / N a turn (a "
-                               "quarter of --max-new-tokens; 0: off)")
+    max_draws: int = arg(3, "dapo: most draws of --groups groups a step to fill the batch")
+    overlong_buffer: int = arg(None, "dapo: penalty ramp over the last N tokens of a turn (1/4 of "
+                               "the limit; 0: off)")
     filter: str = arg("topp", "filter (random / bottom: controls)", choices=MODES + CONTROLS)
     control_of: str = arg("topk", "random / bottom only: keep as many groups as this would keep",
                           choices=("topk", "topp"))

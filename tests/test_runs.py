@@ -73,7 +73,7 @@ def test_help_is_one_line_per_flag_with_its_default(capsys):
     assert all(line.lstrip().startswith("-") and len(line) <= 110 for line in options)
     assert len(options) == len(dataclasses.fields(train.Args)) + 1  # every flag, and --help
     text = "\n".join(options)
-    assert "environment: sokoban, frozenlake, bandit [sokoban]" in text and "[0.9]" in text and "[on]" in text
+    assert "environment: sokoban, frozenlake, bandit, countdown, wordproblems [sokoban]" in text and "[0.9]" in text and "[on]" in text
     shown = {line.split()[0]: line.rsplit("[", 1)[-1].rstrip("]") for line in options if line.endswith("]")}
     # numbers are numbers, even 0 and 1 (Python's 1 == True); on / off only for on/off flags
     assert (shown["--seed"], shown["--epochs"], shown["--success-rate"], shown["--kl-coef"]) == ("0", "1", "1.0", "0.0")
@@ -323,7 +323,8 @@ def test_every_logged_key_is_in_the_readmes_table_and_every_row_is_logged(tmp_pa
             for k in ("grounded", "flipped", "borrowed", "ungrounded")}
     real |= {k for k in documented if k.startswith("probe_work_")}  # reading coordinates only
     bf16 = {"rollout_logprob_diff", "sampling_precision_gap", "probe_sampling_precision_gap"}
-    assert set(documented) - logged == {"gpu_peak_gb", "probe_reasonings"} | bf16 | real
+    dapo = {"dynamic_draws", "dynamic_groups_drawn", "dynamic_groups_kept", "time_dynamic_sampling"}
+    assert set(documented) - logged == {"gpu_peak_gb", "probe_reasonings"} | bf16 | real | dapo
 
 
 def test_unusable_out_folders(tmp_path, capsys):

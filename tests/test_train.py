@@ -841,7 +841,10 @@ def test_a_dapo_run_refills_then_filters_and_logs_its_draws(tmp_path, monkeypatc
     out = str(tmp_path / "run")
     assert train.main(SMALL + ["--env", "countdown", "--algo", "dapo", "--filter", filt, "--steps", "2",
                                "--groups", "4", "--max-draws", "20", "--out", out]) == 0
+    documented = set(open(os.path.join(os.path.dirname(os.path.dirname(__file__)), "plumbing",
+                              "README.md")).read().split("### What is logged", 1)[1].split("###")[0].split("`"))
     for r in records(out)[1:]:
+        assert {k for k in r if k.startswith(("dynamic_", "time_dynamic"))} <= documented
         assert r["dynamic_groups_kept"] >= 4 and 1 <= r["dynamic_draws"] <= 20
         assert r["dynamic_groups_drawn"] == 4 * r["dynamic_draws"]
         assert r["num_zero_var"] == 0 and not r["skipped"] and r["grad_norm"] > 0
