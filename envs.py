@@ -1,6 +1,6 @@
-"""The worlds: Sokoban, FrozenLake and a two-armed Bandit as text games for an LLM agent (RAGEN-2,
-Sec. 4.1), and what sits above them: the registry that names them, the reader of a model's replies
-and the worlds' baselines.
+"""The worlds: Sokoban, FrozenLake, a two-armed Bandit, Countdown and arithmetic word problems as
+text games for an LLM agent (RAGEN-2, Sec. 4.1 and its main table), and what sits above them: the
+registry that names them, the reader of a model's replies and the worlds' baselines.
 
 Every world is a class with a Gymnasium-style API and no Gymnasium dependency:
 
@@ -22,12 +22,19 @@ Worlds (defaults as in the paper's main table), one file each:
   at the goal.
 - Bandit (bandit.py), two arms: one always pays 0.1, the other 1 with prob. 0.25; which is which is
   drawn from `seed` and stated in the prompt.
+- Countdown (countdown.py), 3 numbers of 1..9 and a target, one turn: the answer an arithmetic
+  expression over the numbers. Reward 1 correct, 0.1 well-formed with exactly the numbers, else 0.
+- Word problems (wordproblems.py), 2 steps of arithmetic, up to 3 answers: the math world that
+  stands in for MetaMathQA. Reward 1 / 2^k for a correct answer at attempt k.
+
+Countdown and the word problems are answer worlds (textenv.AnswerEnv): their action is the free
+text of the answer block, not a name from a list.
 
 Text the prompt uses: `env.rules` (one paragraph: goal, rules, reward), `env.legend` (the grid's
 symbols, listed in each world's file) and the observation `env.render()`.
 
 `parse_response` reads a model's reply `<think> ... </think> <answer> A || B </answer>` into
-actions and whether it keeps the format; `solve` (textenv.py) finds a shortest action list by
+actions (in an answer world: the answer) and whether it keeps the format; `solve` (textenv.py) finds a shortest action list by
 breadth-first search. Adding a new environment is one class (a `TextEnv` with `reset`, `render`,
 `state`, `next_state` and `_apply`: textenv.py) plus one entry in `ENVS`.
 """
@@ -37,14 +44,18 @@ import re
 from collections import Counter
 
 from worlds.bandit import Bandit
+from worlds.countdown import Countdown
 from worlds.frozenlake import FrozenLake
 from worlds.sokoban import Sokoban
-from worlds.textenv import TextEnv, as_int, check, solve
+from worlds.textenv import AnswerEnv, TextEnv, as_int, check, solve
+from worlds.wordproblems import WordProblems
 
 # ----------------------------------------------------------------------------------------- registry
 
-ENVS: dict[str, type[TextEnv]] = {"sokoban": Sokoban, "frozenlake": FrozenLake, "bandit": Bandit}
-ALL_ACTIONS = tuple(dict.fromkeys(a for cls in ENVS.values() for a in cls.actions))
+ENVS: dict[str, type[TextEnv]] = {"sokoban": Sokoban, "frozenlake": FrozenLake, "bandit": Bandit,
+                                  "countdown": Countdown, "wordproblems": WordProblems}
+# the named actions of every world that has them (answer worlds have none: their answer is text)
+ALL_ACTIONS = tuple(dict.fromkeys(a for cls in ENVS.values() for a in cls.actions or ()))
 
 
 def make_env(name, **kwargs):
@@ -162,6 +173,9 @@ _PUNCT = " \t\r\n.,;:!?'\"`*()[]{}<>"
 
 def parse_response(text, actions=ALL_ACTIONS, max_actions=None):
     """Reply -> (think, actions, valid), as RAGEN reads it; never raises on any `text`.
+    `actions=None` reads an answer world's reply: the answer block's whole text, stripped, is the
+    one action, and the reply is valid when it is not empty (RAGEN's worlds without an action list
+    take the raw pieces).
 
     think: the text before the first `</think>`, after the last `<think>` before it (the opening
     tag may be missing: the prompt can end with it). The answer is the first `<answer> ...
@@ -177,6 +191,8 @@ def parse_response(text, actions=ALL_ACTIONS, max_actions=None):
     ('box left of me', ['Right', 'Up'], False)
     >>> parse_response("<think>box</think> <answer>right || UP. || jump ||</answer>", max_actions=2)
     ('box', ['Right', 'Up'], True)
+    >>> parse_response("<think> 5 + 2 = 7 </think> <answer> 5 + 2 </answer>", actions=None)
+    ('5 + 2 = 7', ['5 + 2'], True)
     """
     cap = as_int(max_actions, "max_actions")
     check(cap is None or cap >= 1, f"max_actions must be None or an int >= 1, got {max_actions!r}")
@@ -193,6 +209,9 @@ def parse_response(text, actions=ALL_ACTIONS, max_actions=None):
     end = _TAG["</answer>"].search(rest, start.end()) if start else None
     if end is None:
         return think, [], False
+    if actions is None:  # an answer world: the whole block, one action
+        answer = rest[start.end():end.start()].strip()
+        return think, [answer] if answer else [], bool(answer)
     pieces = [piece for piece in rest[start.end():end.start()].split("||") if piece.strip()]
     kept = pieces[:cap]  # the cap comes first: an invalid piece past it is never seen
     lookup = {a.lower(): a for a in actions}
@@ -204,7 +223,9 @@ def parse_response(text, actions=ALL_ACTIONS, max_actions=None):
 
 def baselines(name, episodes=500, **kwargs):
     """Optimal solution lengths (from `solve`) and a uniformly random policy's success rate, with
-    its standard error, over seeds 0..episodes-1."""
+    its standard error, over seeds 0..episodes-1. The random policy takes env.random_action each
+    step: a uniformly random action name, or an answer world's random answer (its file says
+    which)."""
     env, lengths, wins = make_env(name, **kwargs), Counter(), 0
     for seed in range(episodes):
         env.reset(seed=seed)
@@ -213,10 +234,23 @@ def baselines(name, episodes=500, **kwargs):
         env.reset(seed=seed)
         pick = random.Random(10_000 + seed)
         while not env.done:
-            env.step(pick.randrange(len(env.actions)))
+            env.step(env.random_action(pick))
         wins += env.success
     rate = wins / episodes
     return lengths, rate, (rate * (1 - rate) / episodes) ** 0.5
+
+
+def solver_success(name, episodes=500, **kwargs):
+    """The share of seeds 0..episodes-1 that the solver's plan, played out, succeeds on (1 for
+    every world whose layouts are solvable by construction and deterministic)."""
+    env, wins = make_env(name, **kwargs), 0
+    for seed in range(episodes):
+        env.reset(seed=seed)
+        for action in solve(env) or []:
+            if not env.done:
+                env.step(action)
+        wins += env.success
+    return wins / episodes
 
 
 if __name__ == "__main__":
@@ -226,5 +260,6 @@ if __name__ == "__main__":
         lengths, rate, se = baselines(world)
         solved = {k: v for k, v in lengths.items() if k is not None}
         mean = sum(k * v for k, v in solved.items()) / max(1, sum(solved.values()))
-        print(f"{world:10s} lengths {dict(sorted(solved.items()))}, unsolvable {lengths[None]}, "
-              f"mean {mean:.2f}; random policy success {rate:.3f} +- {se:.3f}")
+        print(f"{world:12s} lengths {dict(sorted(solved.items()))}, unsolvable {lengths[None]}, "
+              f"mean {mean:.2f}; random policy success {rate:.3f} +- {se:.3f}; solver success "
+              f"{solver_success(world):.3f}")

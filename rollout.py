@@ -25,8 +25,11 @@ token the chat template's rendering of the conversation.
 Rewards. Each turn the reply is parsed as the official loop does (envs.parse_response: the answer's
 `||` pieces are capped at `max_actions_per_turn` first), the valid actions among them are stepped,
 and a turn whose answer is malformed -- no closed think and answer blocks, or a kept piece that is
-not an action -- earns the format penalty -0.1. The episode's total R = env rewards + penalties sits
-on its last policy token (collate's token_rewards), as in the reference's token-level PPO.
+not an action -- earns the format penalty -0.1. In an answer world (Countdown, the word problems)
+the answer block's whole text is the turn's one action, scored by the world: only a reply without
+closed blocks or with an empty answer earns the penalty. The episode's total R = env rewards +
+penalties (+ any shaping an algorithm adds: DAPO's overlong penalty) sits on its last policy token
+(collate's token_rewards), as in the reference's token-level PPO.
 
 The policy is any function policy(prompt_ids, envs) -> list[Generation]; sampler.py turns a Hugging
 Face causal LM into one.
@@ -48,10 +51,15 @@ _MARK = "\u2063MARK\u2063"  # a message text no template alters: rendered text i
 def system_prompt(env, max_actions_per_turn=2):
     """Rules, legend, action names and the answer format; for FrozenLake it ends with 'Answer as
     <think> ... </think> <answer> ... </answer>, up to 2 actions separated by ||, e.g. <answer> Up
-    || Down </answer>.'"""
+    || Down </answer>.' An answer world (Countdown, the word problems) names no actions: its
+    worked example of a whole reply instead."""
     lines = [f"You are playing {env.name}. {env.rules}"]
     if env.legend:
         lines.append(env.legend)
+    if env.actions is None:
+        lines.append(f"Answer as {ANSWER_FORMAT}, the answer alone in the answer block. For "
+                     f"example: {env.example}")
+        return "\n".join(lines)
     example = " || ".join(env.actions[:max(1, min(2, max_actions_per_turn, env.max_steps))])
     lines.append(f"Actions: {', '.join(env.actions)}.")
     lines.append(
@@ -233,10 +241,11 @@ class Episode:
     success: bool = False
     done: bool = False
     cut: bool = False  # the last turn hit the token limit
+    shaping: float = 0.0  # added to the reward by the algorithm (DAPO's overlong penalty)
 
     @property
     def total_reward(self):
-        return float(sum(self.turn_rewards))
+        return float(sum(self.turn_rewards)) + self.shaping
 
     @property
     def turns(self):
@@ -271,8 +280,9 @@ class Turns:
 
 
 def play(policy, tokenizer, env_name, seeds, group_size, noise_seeds=None, **turns):
-    """Play len(seeds) groups x group_size rollouts, as `turns` (Turns' fields) say; each turn one
-    policy call for all running episodes (episodes that ended are not generated for).
+    """Play len(seeds) groups x group_size rollouts, as `turns` (Turns' fields) say, for at most
+    max_turns turns (fewer where the world has a turn limit of its own: Countdown's one); each turn
+    one policy call for all running episodes (episodes that ended are not generated for).
     noise_seeds: one transition-noise seed per episode, in the order returned (default: seed * 1000
     + k for rollout k of a group; a caller holding only part of a group passes the numbers of the
     rollouts it holds). Returns the episodes group by group."""
@@ -301,7 +311,7 @@ def play(policy, tokenizer, env_name, seeds, group_size, noise_seeds=None, **tur
             )
         for e, gen in zip(running, generations):
             ended = act(e, gen, tokenizer, stop_ids, turn, how)
-            e.done = e.done or turn == how.max_turns
+            e.done = e.done or turn in (how.max_turns, e.env.turn_limit)  # the loop's or the world's
             if not e.done:  # the next observation: only the template tokens new since the reply
                 between = _encode(tokenizer, _after_assistant(tokenizer, how.user(
                     e.env.render(), e.turn_rewards[-1], e.env.max_steps - e.num_actions,

@@ -190,7 +190,7 @@ def group_scores(rewards, kind="std"):
     if r.dim() != 2 or r.shape[1] == 0:
         raise ValueError(f"rewards must be [G, K] with K >= 1; got shape {tuple(r.shape)}")
     constant = (r.max(1).values == r.min(1).values)                        # [G] no spread at all
-    if r.shape[1] == 1:
+    if r.shape[1] == 1 or r.shape[0] == 0:  # one rollout, or no group: no spread to measure
         var = torch.zeros(r.shape[0], dtype=torch.float64, device=r.device)  # [G]
     else:
         var = r.var(dim=1, correction=1)                                   # [G]

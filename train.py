@@ -1,5 +1,5 @@
-"""The experiment: multi-turn PPO / GRPO on a text world, with SNR-aware filtering and the MI
-diagnosis (RAGEN-2).
+"""The experiment: multi-turn PPO / GRPO / Dr.GRPO / DAPO on a text world, with SNR-aware filtering
+and the MI diagnosis (RAGEN-2).
 
     python train.py --env sokoban --filter topp   # tiny on a CPU, Qwen2.5-0.5B-Instruct on a GPU
 
@@ -10,12 +10,14 @@ One training step, as `train` runs it (the right column names the code that runs
                   prefill and step, tested equal token for token)
   2. diagnosis    step 1 and every 5 steps, before filtering: cross-score each        mi.diagnose
                   first-turn reasoning under every prompt (the batch, a probe set)    probe_set
-  3. filter       rank groups by reward std, keep Top-P / Top-K; dropped groups       snr_filter
+  3. filter       DAPO first refills the batch with groups that have spread;          dynamic_sampling
+                  rank groups by reward std, keep Top-P / Top-K; dropped groups       snr_filter
                   never reach the advantages; nothing kept -> no update
   4. old / ref    log-probs of the sampled tokens before the update: in float32 the   generate
                   sampler's own (the same definition), else a forward pass; the       logprobs
                   reference's (the KL term); the critic's values
-  5. advantages   PPO: GAE with the critic, whitened; GRPO / Dr.GRPO: group-relative  ppo.gae, grpo
+  5. advantages   PPO: GAE with the critic, whitened; GRPO / Dr.GRPO / DAPO: group-   ppo.gae, grpo
+                  relative
   6. update       clipped loss - entropy bonus (+ KL), micro-batches, grad clip 1.0   ppo.policy_loss
   7. bookkeeping  metrics.jsonl line, validation every 10 steps, checkpoint, figures
 
@@ -49,7 +51,7 @@ from plumbing.defaults import MAX_SKIPS, PROBE_SEED_BASE, VAL_SEED_BASE  # noqa:
 
 ANALYSIS_KL_COEF = 1e-3  # Fig. 4's KL coefficient without --kl-coef (the paper's analysis runs)
 AGGREGATION = {"ppo": "token-mean", "grpo": "seq-mean-token-mean",
-               "drgrpo": "seq-mean-token-sum-norm"}
+               "drgrpo": "seq-mean-token-sum-norm", "dapo": "token-mean"}
 
 
 # ----------------------------------------------------------------------------------------- the loop
@@ -65,8 +67,9 @@ def train(run):
         # 1. rollouts: G groups (env seeds) x K samples
         seeds = rng.integers(0, VAL_SEED_BASE, a.groups).tolist()
         episodes = collect_rollouts(run, seeds, a.group_size)
-        rewards = torch.tensor([e.total_reward for e in episodes]).view(a.groups, -1)   # [G, K]
+        rewards = episode_rewards(run, episodes)                                          # [G, K]
         m.update(rollout_stats(episodes, rewards), time_rollout=time.time() - t0)
+        m.update(snr_filter.zero_spread_split(rewards, [e.success for e in episodes]))
 
         # 2. diagnosis, before filtering: does the reasoning still depend on its prompt?
         t1 = time.time()
@@ -76,10 +79,12 @@ def train(run):
         if a.grad_decomp_every and step % a.grad_decomp_every == 0:
             m["grad_decomposition"] = decompose_gradients(run, episodes, rewards)
 
-        # 3. the filter: whole groups, before any advantage is computed
+        # 3. the filter: whole groups, before any advantage is computed (DAPO: refilled first)
+        if a.algo == "dapo":
+            episodes, rewards, drawn = dynamic_sampling(run, episodes, rewards, step)
+            m.update(drawn)
         keep, stats = snr_filter.select(rewards, runs.filter_of(a), a.seed, step)         # [G]
         m.update(stats, time_scoring=time.time() - t1, skipped=not keep.any())
-        m.update(snr_filter.zero_spread_split(rewards, [e.success for e in episodes]))
 
         # 4-6. the update, on the kept groups only
         t2 = time.time()
@@ -183,6 +188,48 @@ def collect_rollouts(run, seeds, group_size, temperature=None, top_p=None, max_t
             e.group += first
         episodes += played
     return episodes
+
+
+def episode_rewards(run, episodes):
+    """The episodes' total rewards as [G, K], group by group; under DAPO each reply first loses its
+    soft overlong penalty (grpo.overlong_penalty at --max-new-tokens and --overlong-buffer, summed
+    over the episode's turns) into the episode's reward shaping."""
+    a = run.args
+    if a.algo == "dapo":
+        buffer = flags.overlong_buffer(a)
+        for e in episodes:
+            e.shaping = sum(grpo.overlong_penalty(n, a.max_new_tokens, buffer)
+                            for n in e.response_lengths)
+    return torch.tensor([e.total_reward for e in episodes]).view(-1, a.group_size)   # [G, K]
+
+
+def dynamic_sampling(run, episodes, rewards, step):
+    """DAPO's dynamic sampling, as verl's filter_groups: drop the groups whose rewards have no
+    spread (grpo.has_spread), draw --groups more groups on fresh seeds and keep theirs that have
+    spread, until --groups are kept or --max-draws draws (the step's own included) are used; the
+    batch is the first --groups kept (verl aligns it so). At the bound the update trains on the
+    kept groups, however few (verl stops the run with an error instead); with none the step has
+    nothing to update. The extra draws' seeds come from their own stream of (seed, step) ->
+    (episodes renumbered group by group, rewards [G', K], what it drew)."""
+    a = run.args
+    more = np.random.default_rng([a.seed, step, 2])  # the step's other streams stay as they were
+    kept, draws, t0 = [], 1, time.time()
+    while True:
+        spread = grpo.has_spread(rewards)                                                # [G]
+        kept += [[e for e in episodes if e.group == g] for g in range(len(spread)) if spread[g]]
+        if len(kept) >= a.groups or draws >= a.max_draws:
+            break
+        episodes = collect_rollouts(run, more.integers(0, VAL_SEED_BASE, a.groups).tolist(),
+                                    a.group_size)
+        rewards, draws = episode_rewards(run, episodes), draws + 1
+    batch = kept[:a.groups]
+    for g, group in enumerate(batch):
+        for e in group:
+            e.group = g
+    out = [e for group in batch for e in group]
+    drawn = {"dynamic_draws": draws, "dynamic_groups_drawn": draws * a.groups,
+             "dynamic_groups_kept": len(kept), "time_dynamic_sampling": time.time() - t0}
+    return out, torch.tensor([e.total_reward for e in out]).view(-1, a.group_size), drawn
 
 
 def rollout_stats(episodes, rewards):
@@ -309,8 +356,8 @@ def before_update(run, episodes, rewards, reference=False):
         batch["old_values"] = over_batch(run, batch, critic_pass)                     # [B, T-1]
         batch["advantages"], batch["returns"] = ppo.gae(
             batch["token_rewards"][:, 1:], batch["old_values"], batch["mask"], a.gamma, a.lam)
-    else:  # GRPO / Dr.GRPO: each episode's group-relative advantage on all its tokens
-        per_episode = grpo.group_advantages(rewards, normalize_std=a.algo == "grpo").reshape(-1)
+    else:  # GRPO / Dr.GRPO / DAPO: each episode's group-relative advantage on all its tokens
+        per_episode = grpo.group_advantages(rewards, normalize_std=a.algo != "drgrpo").reshape(-1)
         batch["advantages"] = grpo.episode_advantages_to_tokens(
             per_episode.to(batch["mask"].device), batch["mask"])
     batch["checks"].update(value_stats(batch))

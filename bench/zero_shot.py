@@ -2,8 +2,9 @@
 its success, on each world, written as a per-world archive and a table regenerated from the
 archives.
 
-    python bench/zero_shot.py --model smollm2                  # FrozenLake, Sokoban, Bandit; about
-                                                               # an hour on 2 idle CPU cores
+    python bench/zero_shot.py --model smollm2                  # FrozenLake, Sokoban, Bandit,
+                                                               # Countdown, word problems; about
+                                                               # 20 minutes a world on 2 idle cores
     python bench/zero_shot.py --report                         # the table again, from the archives
     python bench/zero_shot.py --model smollm2 --warm-start     # after train.py's warm start
     python bench/zero_shot.py --model smollm2 --warm-start --observation coords --worlds frozenlake
@@ -14,7 +15,8 @@ Per world, all at sampling temperature 1 (the training temperature) and at most 
 turn:
 - validation: --val-seeds held-out seeds (train.py's), one whole episode each: success against the
   uniformly random policy's (envs.baselines), the share of replies in the required format
-  (envs.parse_response: closed think and answer blocks, every kept piece an action), reply length,
+  (envs.parse_response: closed think and answer blocks, every kept piece an action; in an answer
+  world a non-empty answer block), reply length,
   the share of replies cut at the token limit and of distinct first replies;
 - the in-batch diagnosis on G groups x K first turns (train.diagnose: MI estimate, retrieval
   accuracy, H(Z) and H(Z|X) per token) and the token entropy of the policy on those replies;
@@ -48,7 +50,7 @@ from plumbing.flags import UsageError, check_args  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 OUT = os.path.join(ROOT, "results", "zero-shot")
-WORLDS = ("frozenlake", "sokoban", "bandit")
+WORLDS = ("frozenlake", "sokoban", "bandit", "countdown", "wordproblems")
 GROUPS, GROUP_SIZE = 8, 8  # the in-batch diagnosis: 64 first turns cross-scored over 8 prompts
 
 

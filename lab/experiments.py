@@ -52,7 +52,7 @@ def run(name, jobs, only=None):
     `jobs` processes at a time; each run is archived when its process ends having finished; then
     the report. Ctrl-C stops the runs (each resumable) and says which were archived."""
     steps = GRIDS[name]["steps"]
-    selected = [r for r in runs_of(name) if (only or "") in r[0]]
+    selected = selected_runs(name, only)
     todo = [r for r in selected if not finished(r[2], steps)]
     print(f"{name}: {len(selected) - len(todo)} runs finished, {len(todo)} to go, {jobs} at "
           f"a time (estimate {estimate_hours(name, jobs):.1f} h for the whole grid)")
@@ -88,6 +88,18 @@ def run(name, jobs, only=None):
         if finished(folder, steps):
             archive(folder, name)
     write_report(name)
+
+
+def selected_runs(name, only=None, results=RESULTS):
+    """The grid's runs of the settings whose name holds `only`; a follow-up grid's only in the
+    cells its parent's rule selects (report.controlled_cells, from the parent's archives)."""
+    selected = [r for r in runs_of(name) if (only or "") in r[0]]
+    parent = GRIDS[name].get("followup_of")
+    if parent:
+        cells = report.controlled_cells(parent, results)
+        selected = [r for r in selected if GRIDS[name]["cell_of"][r[0]] in cells]
+        print(f"{name}: the cells {parent}'s rule selects: {', '.join(cells) or 'none'}")
+    return selected
 
 
 def write_report(name, results=RESULTS, with_figures=True, force=False):

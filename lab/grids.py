@@ -463,6 +463,120 @@ GRIDS["template-control"] = dict(
 # 50 of the main command's 100 steps. The earlier 3-seed grids (on the tiny policy before its
 # tokenizer changed, with no decision rules and no committed per-run logs) are not kept.
 
+# The paper's main table in miniature (the project page's results matrix), registered
+# 2026-12-01 before any of its runs: the four worlds of its columns -- Sokoban, FrozenLake, the
+# arithmetic word problems standing in for MetaMathQA, Countdown -- by the four algorithms of its
+# rows, without a filter and with Top-P 0.9 (linear, zero-spread groups excluded: the paper's
+# definition and this code's default; the official main-table runs use the softmax mode with
+# zero-spread groups included), 5 seeds paired, the tiny policy, every world at its defaults
+# (Countdown one turn, the word problems up to 3 answers). DAPO is verl's recipe (GRPO's
+# advantages, token-mean, clip-higher, no KL, dynamic sampling up to 3 draws, the overlong
+# penalty); its "no filter" is dynamic sampling alone, its Top-P ranks the refilled batch.
+# Size: the paper's batch (8 groups x 16 rollouts: the filter ranks 8 groups, each spread from 16
+# rewards; a smaller group estimates each spread worse) and the main command's 100 steps, which
+# the measured step times (MAIN_CPU below) fit into about 7.4 hours two at a time on the 2-core
+# machine (the follow-up at most 3.5 more, if every cell needs its control). Sokoban is most of
+# it (about 45%). The times are those of the first 10 steps: a policy whose replies grow, or
+# DAPO once most groups have no spread (up to 3 draws a step), can take longer.
+# The deciding comparison per cell: Top-P's gain in validation success at the last step over no
+# filter, paired by seed, its 95% t interval (16 intervals: about one may exclude 0 by chance);
+# the follow-up rule (lab/matrix.py): every cell whose interval excludes 0 gets a random subset of
+# Top-P's count as its control (main-table-control, registered with it, runs those cells only).
+MAIN_WORLDS = ("sokoban", "frozenlake", "wordproblems", "countdown")
+MAIN_ALGOS = ("ppo", "dapo", "grpo", "drgrpo")
+MAIN_STEPS = 100
+# CPU seconds a step (user + system, /usr/bin/time) of 10-step runs from the warm start at these
+# flags, less a 0-step run's start-up and first validation: the wall time of a run with a core of
+# its own (one thread, the 2-core Intel Xeon, seed 0, this commit's code). Dr.GRPO's are GRPO's
+# (the same work); GRPO's Top-P, not measured, is its no filter scaled as PPO's Top-P to no filter.
+MAIN_CPU = {"sokoban": {"ppo-none": 7.37, "ppo-topp": 6.53, "grpo-none": 5.73, "dapo-none": 6.29,
+                        "dapo-topp": 5.31},
+            "frozenlake": {"ppo-none": 2.38, "ppo-topp": 2.19, "grpo-none": 1.99,
+                           "dapo-none": 2.52, "dapo-topp": 3.34},
+            "wordproblems": {"ppo-none": 2.45, "ppo-topp": 2.06, "grpo-none": 0.98,
+                             "dapo-none": 2.25, "dapo-topp": 0.93},
+            "countdown": {"ppo-none": 0.95, "ppo-topp": 1.03, "grpo-none": 1.38, "dapo-none": 0.64,
+                          "dapo-topp": 0.90}}
+# wall over CPU time for two runs side by side on the 2 cores (shared caches and memory): the main
+# grid's archived Sokoban PPO steps (no filter 12.24 s, Top-P 5.51 s) were 1.66 and 0.84 times this
+# code's CPU time at its first 10 steps; their mean
+SIDE_BY_SIDE = 1.25
+
+
+def main_seconds(world, algo, filt):
+    """The registered wall seconds a step of a main-table setting, from MAIN_CPU (a random subset
+    of Top-P's count trains on as many groups as Top-P)."""
+    cpu, algo = MAIN_CPU[world], "grpo" if algo == "drgrpo" else algo
+    filt = "topp" if filt == "random" else filt
+    own = cpu.get(f"{algo}-{filt}") or cpu[f"{algo}-none"] * cpu["ppo-topp"] / cpu["ppo-none"]
+    return round(SIDE_BY_SIDE * own, 2)
+
+
+# the paper's cells (Qwen2.5-3B): no filter's validation success (%) and Top-P's change
+PAPER_MATRIX = {"ppo": ((12.9, 16.0), (67.0, 10.9), (92.6, 0.6), (97.9, 0.0)),
+                "dapo": ((16.2, 5.1), (66.8, 2.1), (90.8, 2.8), (95.7, 1.6)),
+                "grpo": ((12.1, 9.0), (70.9, 2.3), (91.2, 1.2), (95.7, 2.2)),
+                "drgrpo": ((12.1, -0.4), (23.2, 0.6), (91.2, 1.4), (96.5, 1.4))}
+
+
+def main_table_cells():
+    """{world-algo: its flags}, the table's cells in its order (rows, then columns)."""
+    return {f"{w}-{a}": ["--env", w, "--algo", a] for a in MAIN_ALGOS for w in MAIN_WORLDS}
+
+
+def main_table_rules():
+    """One paired rule a cell, Top-P minus no filter at the last step, and the follow-up rule."""
+    rules = [dict(kind="paired", metric="val_success", cell=cell, sign=1,
+                  a=(f"{cell}-topp", "step", MAIN_STEPS), b=(f"{cell}-none", "step", MAIN_STEPS),
+                  text=f"{cell}: Top-P's gain in validation success over no filter at step "
+                       f"{MAIN_STEPS}")
+             for cell in main_table_cells()]
+    return rules + [dict(kind="followup", grid="main-table-control", text=(
+        "follow-up: every cell whose interval excludes 0 gets a random subset of Top-P's count "
+        "as its control (main-table-control: Top-P minus the random subset at step "
+        f"{MAIN_STEPS}, paired by seed)"))]
+
+
+GRIDS["main-table"] = dict(
+    claim="The paper's main table in miniature: does Top-P 0.9 raise validation success over no "
+          "filter in each world (Sokoban, FrozenLake, word problems for MetaMathQA, Countdown) "
+          f"under each algorithm (PPO, DAPO, GRPO, Dr.GRPO)? The tiny policy, {MAIN_STEPS} steps "
+          "of 8 groups x 16 rollouts, 5 seeds paired; Top-P linear, zero-spread groups excluded "
+          "(the official main table: softmax, zero-spread included); DAPO verl's recipe. 16 "
+          "intervals at 95%: about one may exclude 0 by chance. A clear null in a cell is a "
+          "result.",
+    flags=[], world=None,
+    settings={f"{cell}-{f}": flags + FILTERS[f] for cell, flags in main_table_cells().items()
+              for f in ("none", "topp")},
+    seeds=SEEDS, steps=MAIN_STEPS, table_steps=[0, MAIN_STEPS // 2, MAIN_STEPS],
+    seconds={f"{cell}-{f}": main_seconds(*cell.split("-"), f) for cell in main_table_cells()
+             for f in ("none", "topp")},
+    decide=main_table_rules(),
+    matrix=dict(worlds=MAIN_WORLDS, paper=PAPER_MATRIX,
+                columns={"sokoban": "Sokoban", "frozenlake": "FrozenLake",
+                         "wordproblems": "word problems (paper: MetaMathQA)",
+                         "countdown": "Countdown"},
+                source="the project page's results matrix, Qwen2.5-3B, validation success at the "
+                       "checkpoint (paper/project-page.txt)"))
+GRIDS["main-table-control"] = dict(
+    claim="The main table's follow-up, registered with it: in every cell whose Top-P gain's "
+          "interval excludes 0, is it which groups Top-P keeps or only how few? A random subset "
+          "of Top-P's count (from all the groups, its own seeded stream) at the same step, paired "
+          "by seed; only the cells main-table's rule selects are run.",
+    flags=[], world=None, followup_of="main-table",
+    settings={f"{cell}-random": flags + ["--filter", "random", "--control-of", "topp"]
+              for cell, flags in main_table_cells().items()},
+    cell_of={f"{cell}-random": cell for cell in main_table_cells()},
+    seconds={f"{cell}-random": main_seconds(*cell.split("-"), "random")
+             for cell in main_table_cells()},
+    seeds=SEEDS, steps=MAIN_STEPS, table_steps=[0, MAIN_STEPS // 2, MAIN_STEPS],
+    decide=[dict(kind="paired", metric="val_success", sign=1,
+                 a=(f"main-table/{cell}-topp", "step", MAIN_STEPS),
+                 b=(f"{cell}-random", "step", MAIN_STEPS),
+                 text=f"{cell}: Top-P's gain over a random subset of its count at step "
+                      f"{MAIN_STEPS} (run only where main-table's interval excludes 0)")
+            for cell in main_table_cells()])
+
 # The grids on the real pretrained model (SmolLM2), registered as these are: lab/real_grids.py.
 GRIDS.update(REAL_GRIDS)
 

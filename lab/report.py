@@ -23,7 +23,7 @@ import random
 import shutil
 import zlib
 
-from lab import dials, reasonings, stats
+from lab import dials, matrix, reasonings, stats
 from lab.stats import fmt, span
 from plumbing import plots
 from plumbing.defaults import GROUP_SIZE
@@ -130,6 +130,9 @@ def decide(name, data, rule, results=RESULTS):
         return search(data, rule)
     if rule["kind"] == "incidence":
         return incidence(name, data, rule)
+    if rule["kind"] == "followup":  # which cells get a control: from the cells' own rules
+        rules = cell_rules(name)
+        return matrix.followup(rule, rules, [decide(name, data, r, results) for r in rules])
     if rule["kind"] == "gradients":
         values = {seed: stats.gradient_stat(records, rule["stat"])
                   for (setting, seed), records in sorted(data.items()) if setting == rule["setting"]}
@@ -154,6 +157,19 @@ def decide(name, data, rule, results=RESULTS):
     return {"rule": rule["text"], "estimate": m, "low": None if half is None else m - half,
             "high": None if half is None else m + half, "n": n, "verdict": verdict,
             "values": " ".join("-" if v is None else f"{v:.3f}" for v in values.values())}
+
+
+def cell_rules(name):
+    """The rules of a grid that decide a cell (a world and an algorithm: matrix.py)."""
+    return [rule for rule in GRIDS[name]["decide"] if rule.get("cell")]
+
+
+def controlled_cells(name, results=RESULTS):
+    """The cells of grid `name` whose deciding interval excludes 0 (matrix.selected), from its
+    archives: what its follow-up grid runs."""
+    data = load(name, results)
+    return matrix.selected(cell_rules(name), [decide(name, data, r, results)
+                                              for r in cell_rules(name)])
 
 
 def paired(data, rule, results=RESULTS):
@@ -393,6 +409,9 @@ def report(name, results=RESULTS, with_figures=True, force=False):
     constant = constant_dials(name, data)
     text = markdown(name, rows, decisions, within, world_rows, leads, gradients, searched,
                     replicated, constant)
+    if g.get("matrix"):  # the paper's main table: its layout, the paper's numbers beside ours
+        cells = [d for rule, d in zip(g["decide"], decisions) if rule.get("cell")]
+        text += "\n".join(matrix.section(g, cell_rules(name), cells, data)) + "\n"
     if said:  # a real model's runs: the dials against the grounded share and how each moved,
         moved = dials.changes(name, data)  # then what the reasoning says
         files.update({"correlations-grounded.csv": sum(grounded, []), "reasonings.csv": said,

@@ -111,11 +111,17 @@ class Args:
     lake_size: int = arg(4, "frozenlake: the map is lake_size x lake_size")
     success_rate: float = arg(1.0, "frozenlake: chance a move goes its way (Gymnasium's: 1/3)")
     high_prob: float = arg(0.25, "bandit: chance that the risky arm pays")
+    countdown_numbers: int = arg(3, "countdown: how many numbers (2..6) make the target")
+    attempts: int = arg(3, "wordproblems: answers an episode may give (a wrong one retries)")
     max_turns: int = arg(5, "turns per episode")
     max_actions_per_turn: int = arg(2, "actions the policy may take per turn")
     # the algorithm
-    algo: str = arg("ppo", "ppo: critic + GAE; grpo: group-normalised; drgrpo: no std division",
-                    choices=("ppo", "grpo", "drgrpo"))  # train.AGGREGATION's keys
+    algo: str = arg("ppo", "ppo: critic + GAE; grpo: group-normalised; drgrpo: no std division; "
+                    "dapo",
+                    choices=("ppo", "grpo", "drgrpo", "dapo"))  # train.AGGREGATION's keys
+    max_draws: int = arg(3, "dapo: most draws of --groups groups a step to fill the batch")
+    overlong_buffer: int = arg(None, "dapo: penalty ramp over the last N tokens of a turn (1/4 of "
+                               "the limit; 0: off)")
     filter: str = arg("topp", "filter (random / bottom: controls)", choices=MODES + CONTROLS)
     control_of: str = arg("topk", "random / bottom only: keep as many groups as this would keep",
                           choices=("topk", "topp"))
@@ -346,13 +352,18 @@ def check_ignored(a, given):
                  "top_k": (counted == "topk", sets.format("topk")),
                  "include_zero": (a.filter != "none", "--filter none keeps every group")}
     worlds = {"room_size": "sokoban", "num_boxes": "sokoban", "lake_size": "frozenlake",
-              "success_rate": "frozenlake", "high_prob": "bandit"}
+              "success_rate": "frozenlake", "high_prob": "bandit", "countdown_numbers": "countdown",
+              "attempts": "wordproblems"}
+    algorithms = {"max_draws": "dapo", "overlong_buffer": "dapo"}
+    algo = getattr(a, "algo", None)  # scaleout.trl_ragen has no --algo (nor DAPO's flags)
     for k in given:
-        world = worlds.get(k, a.env)
-        ok, why = filtering.get(k) or (world == a.env, f"it is --env {world}'s")
+        world, wanted = worlds.get(k, a.env), algorithms.get(k, algo)
+        ok, why = filtering.get(k) or ((False, f"it is --algo {wanted}'s") if wanted != algo
+                                       else (world == a.env, f"it is --env {world}'s"))
         if not ok:
             value = "" if isinstance(given[k], bool) else f" {given[k]}"
-            chosen = f"--filter {a.filter}" if k in filtering else f"--env {a.env}"
+            chosen = (f"--filter {a.filter}" if k in filtering else
+                      f"--algo {algo}" if k in algorithms else f"--env {a.env}")
             raise UsageError(f"--{k.replace('_', '-')}{value} is ignored with {chosen}: {why}")
 
 
@@ -414,6 +425,7 @@ def check_args(a):
          f"more, or --algo ppo --filter none)")
     need(a.max_turns >= 1 and a.max_actions_per_turn >= 1,
          "--max-turns and --max-actions-per-turn must be >= 1")
+    check_dapo(a, need)
     need(a.mini_batch_size >= 1, "--mini-batch-size must be >= 1")
     need(1 <= a.epochs <= MAX_EPOCHS, f"--epochs must be in 1..{MAX_EPOCHS}, got {a.epochs} (the "
          f"paper's runs make 1; each pass moves the policy further from its samples)")
@@ -464,6 +476,9 @@ def check_args(a):
     cores = os.cpu_count() or 1
     need(a.threads is None or 1 <= a.threads <= cores, f"--threads must be in 1..{cores}, the "
          f"machine's cores, got {a.threads} (more threads than cores only wait for each other)")
+    need(not (a.template_prior or a.kl_template_prior) or envs.ENVS[a.env].actions is not None,
+         f"--template-prior with --env {a.env}: the template pools are the action worlds' "
+         f"(sokoban, frozenlake, bandit)")
     need(0 <= a.template_prior <= 1 and a.warm_start_seed >= 0,
          "--template-prior must be in [0, 1] and --warm-start-seed >= 0")
     need(a.filler is None or 0 <= a.filler <= 0.75, "--filler must be in [0, 0.75] (0.75: the "
@@ -495,6 +510,17 @@ def check_args(a):
         raise UsageError(f"--env {a.env}: {e}") from None
 
 
+def check_dapo(a, need):
+    """DAPO's settings: its objective has no KL term, a draw is at least one, and the overlong
+    buffer lies inside the token limit."""
+    need(a.algo != "dapo" or a.kl_coef == 0, f"--kl-coef {a.kl_coef} with --algo dapo: DAPO's "
+         f"objective has no KL term (use --algo grpo for GRPO with one)")
+    need(a.max_draws >= 1, f"--max-draws must be >= 1 (the step's own draw), got {a.max_draws}")
+    limit, buffer = a.max_new_tokens, a.overlong_buffer
+    need(buffer is None or (buffer >= 0 and (limit is None or buffer < limit)),
+         f"--overlong-buffer must be >= 0 and below --max-new-tokens ({limit}), got {buffer}")
+
+
 def check_diagnosis(a, need):
     """The MI diagnosis' settings: an MI over one prompt is 0 by construction (log 1), and so is
     the action MI over one sample of a prompt; the probe set's episodes are held in memory at once,
@@ -523,7 +549,8 @@ def check_diagnosis(a, need):
 def env_kwargs(a):
     return {"sokoban": dict(dim_room=(a.room_size, a.room_size), num_boxes=a.num_boxes),
             "frozenlake": dict(size=a.lake_size, success_rate=a.success_rate),
-            "bandit": dict(high_prob=a.high_prob)}.get(a.env, {})
+            "bandit": dict(high_prob=a.high_prob), "countdown": dict(count=a.countdown_numbers),
+            "wordproblems": dict(attempts=a.attempts)}.get(a.env, {})
 
 
 def polite_threads():
@@ -556,3 +583,9 @@ def refuse_now(parse, *args):
 def response_budget(args):
     """The most tokens the policy can write in an episode: Dr.GRPO's constant normaliser."""
     return args.max_turns * args.max_new_tokens
+
+
+def overlong_buffer(args):
+    """DAPO's overlong buffer in tokens: --overlong-buffer, by default a quarter of the token
+    limit (verl's DAPO recipe: 4,096 of 20,480 tokens, a fifth)."""
+    return args.max_new_tokens // 4 if args.overlong_buffer is None else args.overlong_buffer

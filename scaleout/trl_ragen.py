@@ -50,7 +50,8 @@ from plumbing.flags import arg  # the same one-line flag declarations as train.p
 
 # train.py's flags that mean the same here, defined once in flags.Args; TRL's names for them are
 # in GRPOConfig below (group_size: num_generations, clip_low: epsilon, kl_coef: beta, ...)
-SHARED = ("env", "room_size", "num_boxes", "lake_size", "success_rate", "high_prob", "max_turns",
+SHARED = ("env", "room_size", "num_boxes", "lake_size", "success_rate", "high_prob",
+          "countdown_numbers", "attempts", "max_turns",
           "max_actions_per_turn", "filter", "control_of", "top_p", "top_k", "filter_prob_mode",
           "include_zero", "groups", "group_size", "steps", "lr", "clip_low", "clip_high", "kl_coef",
           "entropy_coef", "grad_clip", "temperature", "sample_top_p", "max_new_tokens", "model",

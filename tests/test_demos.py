@@ -3,6 +3,7 @@
 tokens, length-sorted batches, a resumable schedule, tested through tiny.load_tiny in
 test_tiny.py)."""
 import random
+import re
 
 import pytest
 import torch
@@ -46,6 +47,30 @@ def test_the_user_turn_is_the_grid_and_the_positions_line(tok):
     episode = demos.demonstrations(tok, "frozenlake", [3])[0]
     # demonstrations use the same prompts
     assert "Goal: 2 Down, 1 Right.<|im_end|>" in tok.decode(episode.ids)
+
+
+@pytest.mark.parametrize("world", ["countdown", "wordproblems"])
+def test_an_answer_worlds_reasoning_works_the_solvers_arithmetic_out_step_by_step(world):
+    """Every step "a op b = c" of the reasoning is right, each starts from the result before it,
+    the last result is the answer, and the answer is the solver's, which the world rewards with 1;
+    a noisy turn tries the world's random answer ("Try ..."), the reasoning still the task's."""
+    env, rng, noisy = envs.make_env(world), random.Random(0), 0
+    for seed in range(200):
+        env.reset(seed=seed)
+        (plan,) = envs.solve(env)
+        text = demos.demonstration(env, rng, noise=0.2)
+        think, (answer,), valid = envs.parse_response("<think>" + text, None)
+        steps = re.findall(r"(\d+) ([-+*]) (\d+) = (\d+)", think)
+        assert valid and len(steps) == (env.count - 1 if world == "countdown" else env.operations)
+        for k, (a, op, b, c) in enumerate(steps):
+            assert int(c) == {"+": int(a) + int(b), "-": int(a) - int(b), "*": int(a) * int(b)}[op]
+            assert k == 0 or a == steps[k - 1][3]
+        assert int(steps[-1][3]) == (env.target if world == "countdown" else env.answer)
+        if think.endswith(f"Try {answer}."):
+            noisy += 1
+        else:
+            assert answer == plan and env.step(answer)[1] == 1.0
+    assert 20 < noisy < 70  # 0.2 of 200 turns try a random answer
 
 
 def test_demonstrations_are_valid_and_imperfect(tok):

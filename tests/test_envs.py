@@ -1,23 +1,27 @@
 """Checks for the worlds (envs.py and the files it names: textenv.py, sokoban.py, frozenlake.py,
-bandit.py): exact rewards on hand-built rooms, the room generator's rules on hand-built rooms and
-against a plain recursion, invariants over many generated rooms, frequencies against their exact
-probabilities, the reply parser on any string, determinism and failure paths."""
+bandit.py, countdown.py, wordproblems.py): exact rewards on hand-built rooms, the room generator's
+rules on hand-built rooms and against a plain recursion, invariants over many generated rooms and
+puzzles, frequencies against their exact probabilities, the expression parser against expression
+trees evaluated directly, the reply parser on any string, determinism and failure paths."""
 import doctest
 import itertools
 import math
 import random
+import re
 from collections import Counter
+from fractions import Fraction
 
 import pytest
 from hypothesis import given, settings, strategies as st
 
 import envs
-from envs import Bandit, FrozenLake, Sokoban, make_env, parse_response, solve
-from worlds import textenv
+from envs import Bandit, Countdown, FrozenLake, Sokoban, WordProblems, make_env, parse_response, solve
+from worlds import countdown, textenv, wordproblems
 
 
 def test_docstring_examples():
-    assert doctest.testmod(envs).failed == 0
+    for module in (envs, countdown, wordproblems):
+        assert doctest.testmod(module).failed == 0
 
 
 # --------------------------------------------------------------------------- Sokoban: exact rewards
@@ -457,6 +461,208 @@ def test_bandit_payouts_and_success():
         Bandit(high_prob=2)
 
 
+# ---------------------------------------------------------------------------------------- Countdown
+
+def tree_text_and_value(tree):
+    """(text, exact value or None) of an expression tree built by `trees`, evaluated directly."""
+    if isinstance(tree, int):
+        return str(tree), Fraction(tree)
+    if tree[0] == "neg":
+        text, value = tree_text_and_value(tree[1])
+        return f"-({text})", None if value is None else -value
+    op, (lt, lv), (rt, rv) = tree[0], tree_text_and_value(tree[1]), tree_text_and_value(tree[2])
+    if lv is None or rv is None or (op == "/" and rv == 0):
+        value = None
+    else:
+        value = {"+": lv + rv, "-": lv - rv, "*": lv * rv, "/": lv / rv if rv else None}[op]
+    return f"({lt} {op} {rt})", value
+
+
+def numbers_of(tree):
+    return [tree] if isinstance(tree, int) else [n for t in tree[1:] for n in numbers_of(t)]
+
+
+trees = st.recursive(st.integers(0, 12), lambda sub: st.tuples(st.sampled_from("+-*/"), sub, sub)
+                     | st.tuples(st.just("neg"), sub), max_leaves=6)
+
+
+@settings(max_examples=300, deadline=None)
+@given(trees)
+def test_the_parser_computes_what_the_expression_tree_does(tree):
+    """Fully parenthesised trees, evaluated exactly by a plain recursion: the parser finds the same
+    value (None: a division by zero somewhere) and the numbers in their order."""
+    text, value = tree_text_and_value(tree)
+    assert countdown.evaluate(text) == (value, numbers_of(tree))
+    assert countdown.evaluate(text.replace(" ", "")) == (value, numbers_of(tree))
+
+
+@pytest.mark.parametrize("text, expected", [
+    ("2 + 3 * 4", 14), ("(2 + 3) * 4", 20), ("8 / 4 / 2", 1), ("8 - 4 - 2", 2), ("-3 + 5", 2),
+    ("7 / 2", Fraction(7, 2)), ("--3", 3), ("2 * -3", -6)])
+def test_precedence_and_associativity(text, expected):
+    assert countdown.evaluate(text)[0] == expected
+
+
+@pytest.mark.parametrize("text", ["", "   ", "2 +", "(2 + 3", "2 + 3)", "2 ** 3", "2 3", "2.5 + 1",
+                                  "x + 1", "2 = 2", "()", "+2", "2 + + 3", "(" * 30 + "1" + ")" * 30])
+def test_what_is_no_expression_parses_to_none(text):
+    assert countdown.evaluate(text) is None
+
+
+def test_countdown_rewards_as_the_official_env():
+    """1 correct, 0.1 well-formed with exactly the given numbers, else 0 -- a division by zero is
+    well-formed and wrong; a number used twice, left out or not given is not the numbers."""
+    nums, target = [5, 2, 3], 4
+    cases = {"5 + 2 - 3": 1.0, "(5 - 3) * 2": 1.0, "2 * (5 - 3)": 1.0, "5 - 3 + 2": 1.0,
+             "5 + 2 + 3": 0.1, "5 / (2 - 2) + 3": 0.0, "5 / 2 * 3": 0.1, "5 + 2": 0.0,
+             "5 + 2 - 3 + 3": 0.0, "5 + 2 - 4": 0.0, "5 +": 0.0, "": 0.0, "4": 0.0}
+    for answer, reward in cases.items():
+        assert countdown.score(answer, nums, target) == (reward, reward == 1.0), answer
+        env = Countdown()
+        env.reset(seed=0)
+        env.numbers, env.target = nums, target
+        _, got, terminated, truncated, info = env.step(answer)
+        assert (got, terminated, truncated, info["success"]) == (reward, True, False, reward == 1.0)
+    assert countdown.score("4 / (2 - 2)", [4, 2, 2], 4) == (0.1, False)  # no value: wrong
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.text(max_size=60) | st.lists(st.sampled_from(["5", "2", "3", "+", "-", "*", "/", "(",
+                                                          ")", " ", "--", "0"])).map("".join))
+def test_any_answer_is_scored_never_raised(answer):
+    reward, correct = countdown.score(answer, [5, 2, 3], 4)
+    assert reward in (0.0, 0.1, 1.0) and correct == (reward == 1.0)
+
+
+def official_rule(numbers, target):
+    """RAGEN's has_solution as a plain loop: some +/- before each number (padded to 4) hits it."""
+    padded = list(numbers) + [0] * (4 - len(numbers))
+    return any(sum(s * n for s, n in zip(signs, padded)) == target
+               for signs in itertools.product((1, -1), repeat=4))
+
+
+@pytest.mark.parametrize("count, max_number", [(3, 9), (2, 5), (4, 20)])
+def test_every_puzzle_is_solvable_by_the_official_rule_and_the_solver_solves_it(count, max_number):
+    env, targets = Countdown(count=count, max_number=max_number), Counter()
+    for seed in range(300):
+        obs, _ = env.reset(seed=seed)
+        assert obs == f"Target: {env.target}, nums: {env.numbers}"  # the official rendering
+        assert len(env.numbers) == count and all(1 <= n <= max_number for n in env.numbers)
+        assert env.target >= 1 and official_rule(env.numbers, env.target)
+        (plan,) = solve(env)
+        assert env.step(plan)[1] == 1.0 and env.success
+        targets[env.target] += 1
+    assert len(targets) > 5  # not one target for every seed
+
+
+def test_the_random_countdown_answer_matches_its_exact_probability():
+    """The random policy (the numbers in a random order, random operators) succeeds with
+    probability mean over seeds of (orders x operator lists that hit the target) / all of them,
+    enumerated exactly, against `baselines`."""
+    env, exact, n = Countdown(), [], 1500
+    for seed in range(n):
+        env.reset(seed=seed)
+        outcomes = [countdown.score(" ".join([str(p[0])] + [f"{o} {x}" for o, x in zip(ops, p[1:])]),
+                                    env.numbers, env.target)[1]
+                    for p in itertools.permutations(env.numbers)
+                    for ops in itertools.product(countdown.OPERATORS, repeat=len(p) - 1)]
+        exact.append(sum(outcomes) / len(outcomes))
+    p = sum(exact) / n
+    lengths, rate, _ = envs.baselines("countdown", episodes=n)
+    assert lengths == {1: n} and abs(rate - p) <= 4.5 * math.sqrt(p * (1 - p) / n)
+
+
+def test_countdown_checks_and_determinism():
+    for bad in (dict(count=1), dict(count=7), dict(max_number=0), dict(count=2.5)):
+        with pytest.raises(ValueError):
+            Countdown(**bad)
+    a, b = Countdown(), Countdown()
+    assert a.reset(seed=11) == b.reset(seed=11) and a.reset(seed=11) != a.reset(seed=12)
+    with pytest.raises(ValueError, match="answer is a string"):
+        a.step(3)
+    a.step("1 + 2 + 3")
+    with pytest.raises(ValueError, match="episode is over"):
+        a.step("1")
+
+
+# ------------------------------------------------------------------------------------ Word problems
+
+STEP = {r"(\w+) buys (\d+) more": "+", r"(\w+) finds (\d+) more": "+", r"\w+ gives (\w+) (\d+) more": "+",
+        r"(\w+) gives (\d+) to \w+": "-", r"(\w+) loses (\d+)": "-", r"(\w+) sells (\d+)": "-"}
+
+
+def answer_from_the_text(question):
+    """The answer worked out from the question's words alone, by a reader independent of the
+    generator: the start amount, then each sentence's step."""
+    sentences = [t.strip() for t in question.rstrip("?").split(".")]
+    total = int(re.fullmatch(r"\w+ has (\d+) \w+", sentences[0]).group(1))
+    for sentence in sentences[1:-1]:
+        sentence = sentence.removeprefix("Then ")
+        if sentence.endswith(("doubles them", "triples them")):
+            total *= 2 if sentence.endswith("doubles them") else 3
+            continue
+        (pattern, op), = [(p, o) for p, o in STEP.items() if re.fullmatch(p, sentence)]
+        n = int(re.fullmatch(pattern, sentence).group(2))
+        total = total + n if op == "+" else total - n
+        assert total >= 1  # never down to nothing
+    return total
+
+
+@pytest.mark.parametrize("operations", [1, 2, 3])
+def test_every_question_states_the_arithmetic_of_its_answer(operations):
+    env, answers = WordProblems(operations=operations), Counter()
+    for seed in range(300):
+        question, _ = env.reset(seed=seed)
+        assert question.endswith("have now?") and question.count(".") == operations + 1
+        assert answer_from_the_text(question) == env.answer
+        assert solve(env) == [str(env.answer)]
+        answers[env.answer] += 1
+    assert len(answers) > 10
+
+
+def test_retries_earn_half_as_much_each_and_the_question_stays_in_view():
+    env = WordProblems(attempts=3)
+    question, _ = env.reset(seed=2)
+    assert env.answer == 7
+    obs, reward, terminated, truncated, _ = env.step("6")
+    assert (reward, terminated, truncated) == (0.0, False, False)
+    assert obs == f"{wordproblems.INCORRECT}\n{question}"
+    assert env.step("seven")[1:4] == (0.0, False, False)
+    assert env.step(" 7.0 ")[1:4] == (0.25, True, False) and env.success  # third attempt: 1/4
+    env.reset(seed=2)
+    assert env.step("7")[1:4] == (1.0, True, False)
+    env.reset(seed=2)
+    for k in range(3):  # three wrong answers use the attempts up
+        assert env.step("0")[1:4] == (0.0, False, k == 2)
+    assert env.done and not env.success
+
+
+@pytest.mark.parametrize("answer, same", [("8", True), (" 8 ", True), ("8.", True), ("8.0", True),
+                                          ("08", True), ("16/2", True), ("8 apples", False),
+                                          ("eight", False), ("", False), ("-8", False)])
+def test_answers_are_compared_after_normalisation(answer, same):
+    assert (wordproblems.normalise(answer) == wordproblems.normalise(8)) == same
+
+
+def test_the_random_word_problem_answer_matches_its_exact_probability():
+    """The random policy answers one of the question's numbers, uniformly, at each attempt: with m
+    of the n numbers equal to the answer it succeeds within A attempts with 1 - (1 - m/n)^A."""
+    env, exact, n = WordProblems(), [], 1500
+    for seed in range(n):
+        env.reset(seed=seed)
+        stated = [env.start] + [x for op, x in env.ops if op != "*"]
+        exact.append(1 - (1 - stated.count(env.answer) / len(stated)) ** env.max_steps)
+    p = sum(exact) / n
+    _, rate, _ = envs.baselines("wordproblems", episodes=n)
+    assert abs(rate - p) <= 4.5 * math.sqrt(p * (1 - p) / n)
+
+
+def test_word_problem_checks():
+    for bad in (dict(operations=0), dict(attempts=0), dict(max_number=0), dict(attempts=1.5)):
+        with pytest.raises(ValueError):
+            WordProblems(**bad)
+
+
 # ------------------------------------------------------------------------------------------ parsing
 
 @pytest.mark.parametrize("text,expected", [
@@ -525,6 +731,28 @@ def test_parse_never_raises_and_the_cap_only_shortens(text, cap):
     assert capped_valid >= valid and (not capped_valid or capped == actions[:cap])
 
 
+@pytest.mark.parametrize("text, expected", [
+    ("<think> 5 + 2 = 7 </think> <answer> 5 + 2 || 3 </answer>", ("5 + 2 = 7", ["5 + 2 || 3"], True)),
+    ("<think>a</think><answer>  </answer>", ("a", [], False)),
+    ("<think>a</think> 8", ("a", [], False)),
+    ("<answer> 8 </answer>", ("", [], False)),
+    ("<think></think><answer>Up</answer>", ("", ["Up"], True))])
+def test_an_answer_world_reads_the_whole_answer_block(text, expected):
+    """actions=None: the block's text is one action whatever it holds (the world scores it); an
+    empty block or no closed blocks is a malformed reply."""
+    assert parse_response(text, actions=None) == expected
+    assert parse_response(text, actions=None, max_actions=1) == expected
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.sampled_from(["<think>", "</think>", "<answer>", "</answer>", "||", "5 + 2", " ",
+                                 "x", "\n"])).map("".join))
+def test_an_answer_reply_never_raises_and_is_valid_exactly_with_an_answer(text):
+    think, answer, valid = parse_response(text, actions=None)
+    assert isinstance(think, str) and len(answer) <= 1 and valid == bool(answer)
+    assert all(a == a.strip() and a for a in answer)
+
+
 def test_parse_huge_input():
     text = "<think>" + "a" * 1_000_000 + "</think><answer>" + "Up || " * 10_000 + "</answer>"
     think, actions, valid = parse_response(text)
@@ -537,7 +765,7 @@ def test_parse_huge_input():
 def test_make_env_and_errors():
     assert isinstance(make_env("SOKOBAN"), Sokoban)
     assert make_env("frozenlake", success_rate=1 / 3).success_rate == 1 / 3
-    with pytest.raises(ValueError, match="valid: bandit, frozenlake, sokoban"):
+    with pytest.raises(ValueError, match="valid: bandit, countdown, frozenlake, sokoban, wordproblems"):
         make_env("chess")
     with pytest.raises(ValueError, match="valid: size, p, success_rate, desc, max_steps"):
         make_env("frozenlake", slip=0.2)
@@ -545,7 +773,11 @@ def test_make_env_and_errors():
         env = make_env(name)
         obs, info = env.reset(seed=3)
         assert env.name == name and obs == env.render() and info["success"] is False and env.rules
-        assert isinstance(env.legend, str) and set(env.actions) <= set(envs.ALL_ACTIONS)
+        assert isinstance(env.legend, str)
+        if env.actions is None:  # an answer world: its worked example, no action names
+            assert isinstance(env, textenv.AnswerEnv) and "<answer>" in env.example
+        else:
+            assert set(env.actions) <= set(envs.ALL_ACTIONS)
 
 
 def test_a_new_world_is_one_class_and_one_entry(monkeypatch):

@@ -409,6 +409,73 @@ def test_smollm2_grow_2s_registered_rules_decide_by_rank_on_runs_whose_answer_is
     assert report.decide("smollm2-grow-2", {}, rules["incidence"])["verdict"] == "not run"
 
 
+def main_table_runs(gains, control=None):
+    """Made-up main-table runs: no filter's validation success at the last step 0.3 + 0.01 x seed
+    in every cell, Top-P's that plus gains[cell][seed] (0 where a cell is not named), and a random
+    control's Top-P's minus control[cell][seed]; archived as the runner archives them."""
+    steps = grids.MAIN_STEPS
+    for setting, seed, folder, _ in grids.runs_of("main-table") + grids.runs_of("main-table-control"):
+        cell, _, kind = setting.rpartition("-")
+        base = 0.3 + 0.01 * seed
+        end = {"none": base, "topp": base + gains.get(cell, [0.0] * 5)[seed],
+               "random": base + gains.get(cell, [0.0] * 5)[seed] - (control or {}).get(cell, [0.0] * 5)[seed]}
+        if kind == "random" and cell not in (control or {}):
+            continue  # a control not run
+        fake_run(folder, steps, 0.5, lambda s: 0.5, val=lambda s, v=end[kind]: v if s == steps else 0.2,
+                 decomposition=False)
+        experiments.archive(folder, "main-table-control" if kind == "random" else "main-table")
+
+
+def test_the_main_tables_rules_and_follow_up_decide_on_made_up_runs(tmp_path, monkeypatch, capsys):
+    """main-table as registered: one paired rule a cell (16: four worlds by four algorithms), Top-P
+    minus no filter at the last step; the follow-up names the cells whose interval excludes 0 --
+    a gain in every seed, a loss in every seed -- and not one whose seeds disagree; its control
+    grid runs those cells only and decides Top-P against the random subset of its count."""
+    monkeypatch.chdir(tmp_path)
+    g, steps = grids.GRIDS["main-table"], grids.MAIN_STEPS
+    cells = list(grids.main_table_cells())
+    assert len(cells) == 16 and len(g["settings"]) == 32 and g["seeds"] == [0, 1, 2, 3, 4]
+    assert {c.split("-")[0] for c in cells} == {"sokoban", "frozenlake", "wordproblems", "countdown"}
+    assert {c.split("-")[1] for c in cells} == {"ppo", "dapo", "grpo", "drgrpo"}
+    for setting, _, _, argv in grids.runs_of("main-table") + grids.runs_of("main-table-control"):
+        a = flags.parse_args(train.Args, argv)  # each run is what its name says
+        assert setting == f"{a.env}-{a.algo}-{a.filter}" and a.model == "tiny" and a.steps == steps
+        assert (a.groups, a.group_size, a.kl_coef, a.top_p) == (8, 16, 0.0, 0.9)
+        assert a.filter != "random" or a.control_of == "topp"
+    assert grids.estimate_hours("main-table") == pytest.approx(8, abs=1.5)  # the grid's size
+    gains = {"sokoban-ppo": [0.10, 0.12, 0.08, 0.11, 0.09],       # holds
+             "frozenlake-grpo": [-0.05, -0.06, -0.04, -0.05, -0.07],  # contradicted
+             "countdown-dapo": [0.2, -0.2, 0.1, -0.1, 0.05]}         # undecided
+    control = {"sokoban-ppo": [0.05, 0.06, 0.04, 0.05, 0.05],     # Top-P beats its random subset
+               "frozenlake-grpo": [0.0, 0.01, -0.01, 0.02, -0.02]}  # it does not
+    main_table_runs(gains, control)
+    data = report.load("main-table")
+    rows = {r.get("cell", r["kind"]): report.decide("main-table", data, r) for r in g["decide"]}
+    assert rows["sokoban-ppo"]["verdict"] == "holds" and rows["sokoban-ppo"]["estimate"] == pytest.approx(0.1)
+    assert rows["frozenlake-grpo"]["verdict"] == "contradicted" and rows["countdown-dapo"]["verdict"] == "undecided"
+    assert rows["countdown-ppo"]["estimate"] == pytest.approx(0.0) and rows["countdown-ppo"]["verdict"] == "undecided"
+    assert rows["followup"]["verdict"] == "control to run (main-table-control): sokoban-ppo, frozenlake-grpo"
+    assert report.controlled_cells("main-table") == ["sokoban-ppo", "frozenlake-grpo"]
+    chosen = experiments.selected_runs("main-table-control")
+    assert sorted((s, seed) for s, seed, _, _ in chosen) == sorted(
+        (f"{c}-random", seed) for c in ("frozenlake-grpo", "sokoban-ppo") for seed in range(5))
+    assert "the cells main-table's rule selects: sokoban-ppo, frozenlake-grpo" in capsys.readouterr().out
+    control_data = report.load("main-table-control")
+    verdicts = {r["b"][0]: report.decide("main-table-control", control_data, r)["verdict"]
+                for r in grids.GRIDS["main-table-control"]["decide"]}
+    assert verdicts["sokoban-ppo-random"] == "holds" and verdicts["frozenlake-grpo-random"] == "undecided"
+    assert verdicts["countdown-dapo-random"] == "not run"
+    empty = report.decide("main-table", {}, g["decide"][-1])
+    assert empty["verdict"] == "not run"
+    flat = {key: r for key, r in data.items() if key[0].startswith(("wordproblems", "countdown-ppo"))}
+    assert report.decide("main-table", flat, g["decide"][-1])["verdict"].startswith("no cell's interval")
+    report.report("main-table", with_figures=False)
+    table = open(os.path.join("results", "main-table", "table.md")).read()
+    assert "## The paper's matrix beside ours" in table
+    ppo_row = next(line for line in table.splitlines() if line.startswith("| ppo |"))
+    assert "32.0 (+10.0 ± " in ppo_row and "paper 12.9 (+16.0)" in ppo_row  # no filter 0.3 + 0.01 x 2
+
+
 def test_the_signed_rank_test_equals_scipys_exact_one_and_counts_ties_exactly():
     from scipy.stats import wilcoxon
     for d in ([0.3, -0.1, 0.2, 0.4, 0.5, -0.6, 0.7, 0.8], [1, 2, 3, -4, 5, 6], [0.1] * 3 + [-0.2]):

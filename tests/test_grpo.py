@@ -1,5 +1,6 @@
 """grpo.py: group-relative advantages, and ppo.policy_loss as GRPO and Dr.GRPO use it, against known
-values and exact expectations."""
+values and exact expectations; DAPO's group filter and overlong penalty against plain loops and
+their closed forms."""
 import itertools
 
 import numpy as np
@@ -7,7 +8,8 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from grpo import episode_advantages_to_tokens, group_advantages
+import snr_filter
+from grpo import episode_advantages_to_tokens, group_advantages, has_spread, overlong_penalty
 from logprobs import token_logprobs
 from ppo import Coefficients, aggregate, kl_estimate, policy_loss
 
@@ -127,3 +129,30 @@ def test_dr_grpo_group_gradient_exact_enumeration():
     eye = torch.eye(n, dtype=torch.float64)
     analytic = sum(pi[a] * (R[a] - rbar) * (eye[a] - pi) for a in range(n))
     torch.testing.assert_close(grad, (1 - 1 / K) * analytic)
+
+
+# --------------------------------------------------------------------------------------------- DAPO
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.lists(st.sampled_from([0.0, 0.1, 1.0, -0.1]), min_size=2, max_size=2), min_size=1,
+                max_size=8), st.integers(1, 6))
+def test_has_spread_equals_a_plain_loop(groups, repeat):
+    """A group is kept when its rewards are not all equal (verl's std > 0), as a loop over each
+    group's values says, and as the filter's exact spread does (snr_filter.group_scores) -- not a
+    float32 std, which eight times 0.1 leaves above 0."""
+    r = torch.tensor([row * repeat for row in groups])                                  # [G, K]
+    want = [len(set(row)) > 1 for row in groups]
+    assert has_spread(r).tolist() == want == (snr_filter.group_scores(r) > 0).tolist()
+    assert torch.tensor([0.1] * 8).std() > 0 and not has_spread(torch.tensor([[0.1] * 8]))
+    with pytest.raises(ValueError, match="groups, samples"):
+        has_spread(torch.zeros(4))
+
+
+def test_the_overlong_penalty_is_verls_linear_ramp():
+    """0 up to L - B tokens, -(n - (L - B)) / B x factor past it: -factor at the limit L."""
+    for length in range(0, 65):
+        want = min(-(length - 48) / 16, 0.0)
+        assert overlong_penalty(length, 64, 16) == pytest.approx(want, abs=1e-12)
+        assert overlong_penalty(length, 64, 16, factor=0.5) == pytest.approx(want / 2, abs=1e-12)
+        assert overlong_penalty(length, 64, 0) == 0.0  # no buffer: off
+    assert overlong_penalty(64, 64, 16) == -1.0 and overlong_penalty(48, 64, 16) == 0.0

@@ -267,3 +267,33 @@ def test_collate_right_pads(tokenizer):
     assert batch["total_reward"].tolist() == pytest.approx([-0.2, 0.0]) and batch["group"].tolist() == [0, 0]
     with pytest.raises(ValueError):
         rollout.collate([], 0)
+
+
+def test_an_answer_world_is_scored_by_the_world_and_penalised_only_for_the_format(tokenizer):
+    """Countdown, one turn: the answer block's text is the action, whatever it is; a correct
+    expression earns 1, right numbers 0.1, anything else in the block 0 -- and only a reply without
+    closed blocks the format penalty, once: the world has one turn."""
+    env = envs.make_env("countdown")
+    env.reset(seed=0)
+    (good,) = envs.solve(env)
+    assert "-" in good  # so that a + in its place misses the target
+    replies = [f"a</think><answer>{good}</answer>", f"a</think><answer>{good.replace('-', '+')}</answer>",
+               "a</think><answer>7 ++ 7</answer>", "a</think> 7"]
+    eps = rollout.play(scripted(tokenizer, [[r] for r in replies]), tokenizer, "countdown", [0], 4,
+                       system=SYSTEM)  # up to 5 turns, but Countdown's is one
+    assert [e.turn_rewards for e in eps] == [[1.0], [0.1], [0.0], [rollout.FORMAT_PENALTY]]
+    assert [e.actions for e in eps] == [[good], [good.replace("-", "+")], ["7 ++ 7"], []]
+    assert [e.success for e in eps] == [True, False, False, False] and all(e.done for e in eps)
+    assert "For example: Target: 9" in rollout.system_prompt(env) and "Actions:" not in rollout.system_prompt(env)
+
+
+def test_a_wrong_word_problem_answer_retries_for_half_the_reward(tokenizer):
+    """The word problems over turns: the wrong first answer is told so in the next user turn, the
+    second answer earns 1/2, and the transcript is the chat template's rendering."""
+    env = envs.make_env("wordproblems")
+    question, _ = env.reset(seed=2)
+    eps = rollout.play(scripted(tokenizer, [["a</think><answer>6</answer>", "b</think><answer>7</answer>"]]),
+                       tokenizer, "wordproblems", [2], 1, system=SYSTEM)
+    (e,) = eps
+    assert e.turn_rewards == [0.0, 0.5] and e.actions == ["6", "7"] and e.success and e.turns == 2
+    assert f"Incorrect. Please think again.\n{question}" in tokenizer.decode(e.ids)

@@ -93,7 +93,7 @@ def test_help_is_one_line_per_flag_with_its_default(capsys, monkeypatch):
     assert all(line.lstrip().startswith("-") for line in options)
     assert len(options) == len(dataclasses.fields(train.Args)) + 1  # every flag, and --help
     text = "\n".join(options)
-    assert "environment: sokoban, frozenlake, bandit [sokoban]" in text and "[0.9]" in text and "[on]" in text
+    assert "environment: sokoban, frozenlake, bandit, countdown, wordproblems [sokoban]" in text and "[0.9]" in text and "[on]" in text
     shown = {line.split()[0]: line.rsplit("[", 1)[-1].rstrip("]") for line in options if line.endswith("]")}
     # numbers are numbers, even 0 and 1 (Python's 1 == True); on / off only for on/off flags
     assert (shown["--seed"], shown["--epochs"], shown["--success-rate"], shown["--kl-coef"]) == ("0", "1", "1.0", "0.0")
@@ -179,6 +179,17 @@ def test_help_is_one_line_per_flag_with_its_default(capsys, monkeypatch):
     (["--lora", "100000"], "--lora 100000: no layer it adapts has a rank above 64"),
     (["--lora", "65", "--lora-targets", "q_proj"], "use --lora 64 or less"),
     (["--optimizer-steps", "1000000"], "--optimizer-steps must be in 0..128"),
+    # DAPO's own flags, and its objective without a KL term; the answer worlds' flags
+    (["--algo", "dapo", "--kl-coef", "0.001"], "DAPO's objective has no KL term"),
+    (["--algo", "dapo", "--max-draws", "0"], "--max-draws must be >= 1"),
+    (["--max-draws", "4"], "--max-draws 4 is ignored with --algo ppo: it is --algo dapo's"),
+    (["--algo", "grpo", "--overlong-buffer", "8"], "--overlong-buffer 8 is ignored with --algo grpo"),
+    (["--algo", "dapo", "--max-new-tokens", "16", "--overlong-buffer", "16"],
+     "--overlong-buffer must be >= 0 and below --max-new-tokens (16)"),
+    (["--env", "countdown", "--countdown-numbers", "9"], "count must be an int in 2..6"),
+    (["--env", "wordproblems", "--attempts", "0"], "attempts must be an int in 1..10"),
+    (["--env", "sokoban", "--attempts", "2"], "--attempts 2 is ignored with --env sokoban"),
+    (["--env", "countdown", "--template-prior", "0.5"], "the template pools are the action worlds'"),
 ])
 def test_bad_arguments_print_one_line_exit_2_and_leave_nothing(tmp_path, argv, words, capsys, monkeypatch):
     out = tmp_path / "never"
@@ -333,7 +344,8 @@ def test_every_logged_key_is_in_the_readmes_table_and_every_row_is_logged(tmp_pa
     real |= {k for k in documented if k.startswith("probe_work_")}  # reading coordinates only
     bf16 = {"rollout_logprob_diff", "sampling_precision_gap", "probe_sampling_precision_gap"}
     gpu = {"gpu_peak_gb", "capture_failures", "selfcheck_capture_diff"}  # a GPU's, or a failure's
-    assert set(documented) - logged == {"probe_reasonings"} | gpu | bf16 | real
+    dapo = {"dynamic_draws", "dynamic_groups_drawn", "dynamic_groups_kept", "time_dynamic_sampling"}
+    assert set(documented) - logged == {"probe_reasonings"} | gpu | bf16 | real | dapo
 
 
 def test_unusable_out_folders(tmp_path, capsys):

@@ -22,7 +22,8 @@ def tok():
 
 
 @pytest.mark.parametrize("name", sorted(envs.ENVS))
-def test_round_trip_on_prompts_and_demonstrations(tok, name):
+def test_round_trip_on_prompts_and_demonstrations(name):
+    tok = tiny.build_tokenizer(world=name)  # the world's policy's own
     episodes = demos.demonstrations(tok, name, range(5))
     texts = [tok.decode(e.ids) for e in episodes]
     env = envs.make_env(name)
@@ -45,20 +46,35 @@ def test_pieces_carry_their_leading_space(tok):
         assert tok.convert_ids_to_tokens(tok.encode(word)) == [word]
     assert tok.convert_ids_to_tokens(tok.encode("Up  Down\n Left")) == ["Up", " ", " Down", "\n", " Left"]
     for name in sorted(envs.ENVS):
-        for e in demos.demonstrations(tok, name, range(5)):
-            assert tok.convert_tokens_to_ids(" ") not in e.ids
+        own = tiny.build_tokenizer(world=name)
+        for e in demos.demonstrations(own, name, range(5)):
+            assert own.convert_tokens_to_ids(" ") not in e.ids
 
 
-def test_the_reasoning_cross_scored_is_the_reasoning_sampled(tok):
+def test_the_reasoning_cross_scored_is_the_reasoning_sampled():
     """On the demonstrations, Z re-tokenised alone (what --retokenize scores) gives exactly the tokens
     between <think> and the closing tag's token, as the split of the sampled ids does (text sampled at
     a high temperature need not come back: tests/test_train.py)."""
-    close = tok.convert_tokens_to_ids(" </think>")
     for name in sorted(envs.ENVS):
+        tok = tiny.build_tokenizer(world=name)
+        close = tok.convert_tokens_to_ids(" </think>")
         for e in demos.demonstrations(tok, name, range(5)):
             start = len(tok.encode(e.first.prompt, add_special_tokens=False))
             sampled = e.ids[start:e.ids.index(close, start)]
             assert tok.encode(e.first.reasoning, add_special_tokens=False) == sampled == e.first.reasoning_ids
+
+
+def test_an_answer_world_adds_its_words_and_the_other_worlds_keep_their_vocabulary(tok):
+    """The shared worlds' policies (and so their cached warm starts) keep the vocabulary they had;
+    an answer world's own tokenizer holds its words and numbers whole, the shared ones as before."""
+    for name in tiny.SHARED_WORLDS:
+        assert tiny.build_tokenizer(world=name).get_vocab() == tok.get_vocab()
+    for name, words in (("countdown", ["Target", " nums", " 15", " +", " *"]),
+                        ("wordproblems", ["Cara", " apples", " triples", " 42", "Incorrect"])):
+        own = tiny.build_tokenizer(world=name)
+        assert set(tok.get_vocab()) < set(own.get_vocab())
+        assert all(len(own.encode(w, add_special_tokens=False)) == 1 for w in words), name
+        assert tok.convert_ids_to_tokens(tok.encode(" Up")) == own.convert_ids_to_tokens(own.encode(" Up"))
 
 
 def test_unseen_text_falls_back_to_characters(tok):

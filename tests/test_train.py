@@ -78,8 +78,8 @@ def load_checkpoint(out):
 
 def make_run(tmp_path, **settings):
     """A runs.Run around the random tiny model, without a run folder: for calling train's steps directly."""
-    a = train.Args(model="tiny", warm_start=False, out=str(tmp_path / "run"), max_turns=2, max_new_tokens=8,
-                   **settings)
+    a = train.Args(**{"model": "tiny", "warm_start": False, "out": str(tmp_path / "run"), "max_turns": 2,
+                      "max_new_tokens": 8, **settings})
     runs.resolve_defaults(a, CPU)
     return runs.load_run(a, CPU, a.model)
 
@@ -722,3 +722,135 @@ def test_the_update_flops_are_the_stated_count():
         assert runs.update_flops(run, 10, 3) == (4 + 2 + 2 + 6) * n * 10 + (4 + 2 + 2) * h * 3
         run.critic = None
         assert runs.update_flops(run, 1, 1) == (4 + 2 + 2) * (n + h)
+
+
+# --------------------------------------------------------------------------------------------- DAPO
+
+def countdown_policy(tokenizer, spread=lambda env: env.target % 2 == 0, calls=None):
+    """A stand-in on Countdown with known spread: in a group whose puzzle `spread` picks, the even
+    rollouts answer the solver's expression (reward 1) and the odd ones write garbage (the format
+    penalty); every other group writes garbage only (no spread). `calls` counts the draws."""
+    end = rollout.end_of_turn_ids(tokenizer)[0]
+
+    def policy(prompt_ids, env_list):
+        if calls is not None:
+            calls.append(len(env_list))
+        seen, out = {}, []
+        for env in env_list:
+            key = (env.target, tuple(env.numbers))
+            k = seen[key] = seen.get(key, -1) + 1
+            good = spread(env) and k % 2 == 0
+            text = f" go </think> <answer> {envs.solve(env)[0]} </answer>" if good else " ?? </think>"
+            out.append(rollout.Generation(tokenizer.encode(text, add_special_tokens=False) + [end]))
+        return out
+    return policy
+
+
+def dapo_run(tmp_path, monkeypatch, calls=None, spread=lambda env: env.target % 2 == 0, **settings):
+    run = make_run(tmp_path, **{"env": "countdown", "algo": "dapo", "groups": 4, "group_size": 4,
+                                "max_new_tokens": 64, **settings})
+    monkeypatch.setattr(train.sampler, "hf_policy",
+                        lambda *args, **kw: countdown_policy(run.tokenizer, spread, calls))
+    return run
+
+
+def first_draw(run, step=1):
+    seeds = np.random.default_rng([run.args.seed, step]).integers(0, 2 ** 30, run.args.groups).tolist()
+    episodes = train.collect_rollouts(run, seeds, run.args.group_size)
+    return episodes, train.episode_rewards(run, episodes)
+
+
+def test_dynamic_sampling_refills_the_batch_with_groups_that_have_spread(tmp_path, monkeypatch):
+    """verl's filter_groups: the zero-spread groups are dropped, more draws of --groups groups follow
+    until --groups groups with spread are kept; the batch is the first of them in draw order,
+    renumbered, whole groups of one puzzle each, and the draws are counted as made."""
+    calls = []
+    run = dapo_run(tmp_path, monkeypatch, calls, max_draws=50)
+    episodes, rewards = first_draw(run)
+    before = [g for g in range(4) if grpo.has_spread(rewards)[g]]
+    assert len(before) < 4  # something to refill (the seeds of step 1 give odd targets)
+    calls.clear()
+    out, out_rewards, drawn = train.dynamic_sampling(run, episodes, rewards, step=1)
+    assert out_rewards.shape == (4, 4) and grpo.has_spread(out_rewards).all()
+    assert drawn["dynamic_draws"] == len(calls) + 1 <= 50
+    assert drawn["dynamic_groups_drawn"] == 4 * drawn["dynamic_draws"]
+    assert drawn["dynamic_groups_kept"] >= 4
+    assert [e.group for e in out] == [g for g in range(4) for _ in range(4)]
+    assert len({(e.env.target, tuple(e.env.numbers)) for e in out[:4]}) == 1
+    kept_first = [e for e in episodes if e.group in range(len(before))]  # renumbered from the front
+    assert out[:4 * len(before)] == kept_first
+    torch.testing.assert_close(out_rewards.view(-1), torch.tensor([e.total_reward for e in out]))
+
+
+def test_dynamic_sampling_respects_the_draw_bound(tmp_path, monkeypatch):
+    """No group ever has spread: exactly --max-draws draws are made and nothing is kept -- the
+    step has nothing to update (verl raises instead)."""
+    calls = []
+    run = dapo_run(tmp_path, monkeypatch, calls, spread=lambda env: False, max_draws=3)
+    episodes, rewards = first_draw(run)
+    calls.clear()
+    out, out_rewards, drawn = train.dynamic_sampling(run, episodes, rewards, step=1)
+    assert len(calls) == 2 and drawn["dynamic_draws"] == 3 and drawn["dynamic_groups_kept"] == 0
+    assert out == [] and out_rewards.shape == (0, 4)
+    keep, stats = snr_filter.select(out_rewards, runs.filter_of(run.args), run.args.seed, 1)
+    assert not keep.any() and stats["num_kept"] == 0
+
+
+def test_dynamic_sampling_draws_nothing_more_when_every_group_has_spread(tmp_path, monkeypatch):
+    calls = []
+    run = dapo_run(tmp_path, monkeypatch, calls, spread=lambda env: True)
+    episodes, rewards = first_draw(run)
+    calls.clear()
+    out, out_rewards, drawn = train.dynamic_sampling(run, episodes, rewards, step=1)
+    assert calls == [] and drawn["dynamic_draws"] == 1 and out == episodes
+    assert torch.equal(out_rewards, rewards)
+
+
+def test_dapos_loss_is_grpos_token_mean_loss_when_nothing_is_dropped(tmp_path, monkeypatch):
+    """DAPO = GRPO's advantages (std-normalised) under token-mean: at ratio 1 its policy loss is
+    -sum_b A_b n_b / sum_b n_b (n_b the episode's policy tokens), what ppo.policy_loss gives with
+    GRPO's advantages and token-mean, not GRPO's own sequence mean."""
+    run = dapo_run(tmp_path, monkeypatch, spread=lambda env: True, mini_batch_size=16, micro_batch=3,
+                   entropy_coef=0.0)
+    episodes, rewards = first_draw(run)
+    episodes, rewards, _ = train.dynamic_sampling(run, episodes, rewards, step=1)
+    stats = train.update_policy(run, episodes, rewards, torch.Generator().manual_seed(0))
+    adv = grpo.group_advantages(rewards).reshape(-1)
+    tokens = torch.tensor([sum(e.policy_mask) for e in episodes])
+    want = -(adv * tokens).sum() / tokens.sum()
+    assert stats["pg_loss"] == pytest.approx(want.item(), abs=1e-6)
+    seq_mean = -adv.mean()  # GRPO's aggregate would weigh each episode alike
+    assert abs(want - seq_mean) > 1e-3
+
+
+def test_the_overlong_penalty_lowers_a_dapo_episodes_reward_per_turn(tmp_path, monkeypatch):
+    """Under DAPO an episode's reward is its turns' rewards plus, per reply, the linear penalty past
+    --max-new-tokens - --overlong-buffer; other algorithms leave the reward as the world gave it."""
+    run = dapo_run(tmp_path, monkeypatch, spread=lambda env: True, max_new_tokens=16, overlong_buffer=8)
+    episodes, rewards = first_draw(run)
+    for e, r in zip(episodes, rewards.view(-1)):
+        (n,) = e.response_lengths
+        assert r.item() == pytest.approx(sum(e.turn_rewards) + min(-(n - 8) / 8, 0.0), abs=1e-6)
+    assert any(e.shaping < 0 for e in episodes) and any(e.shaping == 0 for e in episodes)
+    run.args.algo = "grpo"  # only DAPO shapes
+    episodes, rewards = first_draw(run)
+    assert rewards.view(-1).tolist() == pytest.approx([sum(e.turn_rewards) for e in episodes])
+    assert all(e.shaping == 0 for e in episodes)
+
+
+@pytest.mark.parametrize("filt", ["none", "topp"])
+def test_a_dapo_run_refills_then_filters_and_logs_its_draws(tmp_path, monkeypatch, filt):
+    """The paper's DAPO row: Top-P ranks the refilled batch (no zero-spread group reaches it)."""
+    monkeypatch.setattr(train.sampler, "hf_policy",
+                        lambda model, tokenizer, *args, **kw: countdown_policy(tokenizer))
+    out = str(tmp_path / "run")
+    assert train.main(SMALL + ["--env", "countdown", "--algo", "dapo", "--filter", filt, "--steps", "2",
+                               "--groups", "4", "--max-draws", "20", "--out", out]) == 0
+    documented = set(open(os.path.join(os.path.dirname(os.path.dirname(__file__)), "plumbing",
+                              "README.md")).read().split("### What is logged", 1)[1].split("###")[0].split("`"))
+    for r in records(out)[1:]:
+        assert {k for k in r if k.startswith(("dynamic_", "time_dynamic"))} <= documented
+        assert r["dynamic_groups_kept"] >= 4 and 1 <= r["dynamic_draws"] <= 20
+        assert r["dynamic_groups_drawn"] == 4 * r["dynamic_draws"]
+        assert r["num_zero_var"] == 0 and not r["skipped"] and r["grad_norm"] > 0
+        assert r["num_kept"] == 4 if filt == "none" else 1 <= r["num_kept"] <= 4

@@ -20,7 +20,10 @@ What it is taught to say (`describe`, `demonstration`). Its reasoning restates t
 or copies the ways to the box and target and then names the solver's next push and the way to the
 cell it is pushed from (Sokoban: "Box 1 Down, 1 Right. Target 0 Down, 1 Left. Push Left from 1 Down,
 2 Right."), so each number it works out sits a few tokens after the ones it is worked out from; the
-answer gives the solver's next moves. Demonstrations are imperfect on purpose -- with probability
+answer gives the solver's next moves. Countdown and the word problems have no grid and no line:
+the policy reads the puzzle or the question as it stands, and its reasoning works the solver's
+arithmetic out one step at a time, each result the next step's start ("5 + 8 = 13, 13 - 6 = 7."),
+the answer the solver's expression or number. Demonstrations are imperfect on purpose -- with probability
 `noise` a turn tries a random move, and a turn plays one or two moves (a fair coin) -- so the
 warm-started policy stays far from always succeeding and RL has room to improve. With a template
 prior (templates.py) a share of the turns reason with an input-agnostic sentence instead, the
@@ -78,7 +81,29 @@ def describe(env, plan):
     if env.name == "bandit":
         expected = env.high_reward * env.high_prob
         return f"{env.risky} expects {expected:g}, {env.safe} pays {env.low_reward:g}."
-    raise ValueError(f"no demonstrations for world {env.name!r}: sokoban, frozenlake or bandit")
+    if env.name == "countdown":  # the solver's expression, worked out left to right
+        if not plan:
+            return "Stuck."
+        terms = plan[0].split()
+        return chain(int(terms[0]), [(op, int(n)) for op, n in zip(terms[1::2], terms[2::2])])
+    if env.name == "wordproblems":  # the question's steps in order
+        return chain(env.start, env.ops)
+    raise ValueError(f"no demonstrations for world {env.name!r}: {', '.join(envs.ENVS)}")
+
+
+def chain(start, steps):
+    """Arithmetic worked out one step at a time, each result the next step's start (Countdown's
+    and the word problems' reasoning):
+
+    >>> chain(5, [("+", 2), ("-", 3), ("*", 2)])
+    '5 + 2 = 7, 7 - 3 = 4, 4 * 2 = 8.'
+    """
+    parts, total = [], start
+    for op, n in steps:
+        new = total + n if op == "+" else total - n if op == "-" else total * n
+        parts.append(f"{total} {op} {n} = {new}")
+        total = new
+    return ", ".join(parts) + "."
 
 
 def work_out(env, plan):
@@ -117,9 +142,9 @@ def demonstration(env, rng, noise=0.2, max_actions=2, template_prior=0.0, pool=(
     plan = envs.solve(env) or []
     if template_prior and rng.random() < template_prior:
         reasoning = pool(rng, env) if callable(pool) else rng.choice(pool)
-        moves = plan[:rng.choice((1, max_actions))] or [rng.choice(env.actions)]
+        moves = plan[:rng.choice((1, max_actions))] or [env.random_action(rng)]
     elif not plan or rng.random() < noise:
-        moves = [rng.choice(env.actions)]
+        moves = [env.random_action(rng)]
         reasoning = f"{reason(env, plan)} Try {moves[0]}."
     else:
         moves = plan[:rng.choice((1, max_actions))]

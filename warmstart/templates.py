@@ -97,7 +97,8 @@ def pool(env_name):
 
 @functools.lru_cache(maxsize=None)
 def _members(env_name):
-    return frozenset(pool(env_name))
+    """The world's pool as a set; a world without a pool (an answer world) has no templates."""
+    return frozenset(pool(env_name)) if env_name in POOL_SHAPE else frozenset()
 
 
 def is_template(reasoning, env_name):

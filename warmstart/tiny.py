@@ -74,16 +74,19 @@ CHAT_TEMPLATE = (
     "{%- endif %}{%- endfor %}"
     "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}")
 CHECKED_FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json")
+# the worlds whose words every tiny tokenizer holds; an answer world adds its own (world_texts)
+SHARED_WORLDS = ("sokoban", "frozenlake", "bandit")
 
 
 # ---------------------------------------------------------------------------------------- tokenizer
 
-def _sample_texts(seeds=range(8), with_templates=False):
+def _sample_texts(seeds=range(8), with_templates=False, world=None):
     """Every kind of text the rollout loop writes for tiny: system prompts, user turns,
-    demonstrations, numbers; and the template grammar's sentences when asked (templates.py)."""
+    demonstrations, numbers; and the template grammar's sentences when asked (templates.py); and
+    the texts of `world` when it is not one of SHARED_WORLDS (world_texts)."""
     texts = [rollout.TINY_SYSTEM, CHAT_TEMPLATE, "Try Push from none expects pays", "user assistant"]
     rng = random.Random(0)
-    for name in envs.ENVS:
+    for name in SHARED_WORLDS:
         for seed in seeds:
             env = envs.make_env(name)
             obs, _ = env.reset(seed=seed)
@@ -96,20 +99,39 @@ def _sample_texts(seeds=range(8), with_templates=False):
             texts.append(obs + "\n" + "\n".join(env.actions))
     # turn rewards (two decimals) and actions left
     texts += [f"{k / 10:.2f}" for k in range(-30, 121)] + [str(k) for k in range(101)]
+    if world is not None and world not in SHARED_WORLDS:
+        texts += world_texts(world)
     # a reasoning starts with the space after "<think>": " Let", as the demonstrations write it
     return texts + ([" " + t for t in templates.sentences()] if with_templates else [])
 
 
-def build_tokenizer(with_templates=False):
+def world_texts(name, seeds=range(200)):
+    """An answer world's texts (Countdown, the word problems): its prompts, demonstrations and
+    the turn after a wrong answer on `seeds` -- enough of them to meet every word of its lists --
+    and the numbers 0..200 with the space before them, as its arithmetic writes them."""
+    texts, rng, env = [], random.Random(0), envs.make_env(name)
+    for seed in seeds:
+        obs, _ = env.reset(seed=seed)
+        texts += [rollout.system_prompt(env), rollout.user_message(obs, 0.0, env.max_steps, 1), obs,
+                  demos.demonstration(env, rng, noise=0.5)]
+        env.reset(seed=seed)
+        env.step(env.random_action(rng))
+        texts.append(env.render())
+    return texts + [f" {k}" for k in range(201)]
+
+
+def build_tokenizer(with_templates=False, world=None):
     """Word-level tokenizer over the worlds' texts with a character fallback, ChatML chat template,
     Qwen's specials; with_templates adds the template grammar's words (a warm start with a template
-    prior writes them; without one the vocabulary, and so the cache folder, is unchanged).
+    prior writes them; without one the vocabulary, and so the cache folder, is unchanged); `world`
+    adds an answer world's words (world_texts) for its own policy: the worlds of SHARED_WORLDS, and
+    so their cached warm starts, keep the vocabulary they had before the answer worlds came.
 
     >>> tok = build_tokenizer(); tok.convert_ids_to_tokens(tok.encode("#_P\\n<think> Up"))
     ['#', '_', 'P', '\\n', '<think>', ' Up']
     """
     pieces = set(string.printable) | set(TAGS) | {" " + tag for tag in TAGS}
-    for text in _sample_texts(with_templates=with_templates):
+    for text in _sample_texts(with_templates=with_templates, world=world):
         pieces.update(text)  # every character, the grid symbols included
         pieces.update(re.findall(PIECE, text))
     pieces -= set(SPECIAL)
@@ -203,7 +225,8 @@ def load_tiny(env_name, env_kwargs=None, cache_dir=".cache/tiny", rebuild=False,
     steps = steps or WARM_START_STEPS
     if template_kind not in templates.TEMPLATE_KINDS:
         raise ValueError(f"template_kind must be one of {', '.join(templates.TEMPLATE_KINDS)}")
-    tokenizer = build_tokenizer(with_templates=template_prior > 0 and template_kind == "pool")
+    tokenizer = build_tokenizer(with_templates=template_prior > 0 and template_kind == "pool",
+                                world=env_name)
     if not warm_start:
         return build_model(tokenizer, seed=seed, **sizes), tokenizer
     settings = dict(steps=steps, seed=seed, **sizes)

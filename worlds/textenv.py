@@ -1,8 +1,8 @@
 """What every world shares: the TextEnv base class (a Gymnasium-style API), its two seeded random
 streams, and the breadth-first solver that plans in any world through the world's own next_state.
 
-Each world (sokoban.py, frozenlake.py, bandit.py) builds on it; envs.py, the registry that names the
-worlds, sits above them all.
+Each world (sokoban.py, frozenlake.py, bandit.py, countdown.py, wordproblems.py) builds on it;
+envs.py, the registry that names the worlds, sits above them all.
 
 A world sets `name`, `actions`, `rules`, `legend`, `max_steps` and implements five things:
 
@@ -17,6 +17,12 @@ action names in any case (or an index) and the episode's bookkeeping. The layout
 `seed`; the transition noise has its own generator seeded by `noise_seed` (rngs). `solve` searches
 breadth-first with next_state, so any world that implements it can be solved and can have its
 generated layouts checked for a solution.
+
+A world whose action is a free-text answer (an arithmetic expression, a number) is an `AnswerEnv`:
+its `actions` is None, the reply's whole answer block is the one action of a turn
+(envs.parse_response), it states a worked `example` of a reply for the system prompt, and it plans
+itself (`plan`: its own solver, where a search over named actions has nothing to enumerate).
+Every world draws a uniformly random action with `random_action` (the random baselines).
 """
 import operator
 import random
@@ -55,6 +61,8 @@ class TextEnv:
     (`step`); a world implements `reset`, `render`, `state`, `next_state` and `_apply` (the module
     docstring says what each returns)."""
     name, actions, rules, legend, max_steps = "", (), "", "", 1
+    example = ""  # a worked example of a reply, for the system prompt (answer worlds)
+    turn_limit = None  # the most turns an episode may take whatever the loop allows (None: no own)
 
     def _start(self):
         self.steps, self.done, self.success = 0, False, False
@@ -73,6 +81,15 @@ class TextEnv:
         raise ValueError(f"unknown action {action!r}; valid: {', '.join(self.actions)} "
                          f"or 0..{len(self.actions) - 1}")
 
+    def random_action(self, rng):
+        """One action drawn uniformly from `actions` with the random.Random `rng`."""
+        return rng.choice(self.actions)
+
+    def plan(self):
+        """A shortest list of actions from the current state to success, or None: breadth-first
+        search with next_state (an answer world has its own solver)."""
+        return search(self, self.state())
+
     def step(self, action):
         check(not self.done, "the episode is over; call reset()")
         reward, terminated, info = self._apply(self.action_name(action))
@@ -83,6 +100,17 @@ class TextEnv:
         return self.render(), reward, terminated, truncated, info
 
 
+class AnswerEnv(TextEnv):
+    """A world answered in free text: `actions` is None and any string is an action (its spaces
+    stripped), so a reply that is no answer at all is data the world scores, never an error; a
+    world implements `reset`, `render`, `_apply`, `plan` (its solver) and `random_action`."""
+    actions = None
+
+    def action_name(self, action):
+        check(isinstance(action, str), f"an answer is a string, got {action!r}")
+        return action.strip()
+
+
 # ------------------------------------------------------------------------------------------ solving
 
 def solve(env):
@@ -91,8 +119,8 @@ def solve(env):
 
     The search uses `env.next_state`, i.e. moves that go as intended: exact for Sokoban and for
     FrozenLake with success_rate=1; for a slippery lake it is the shortest plan if nothing slips;
-    for Bandit it is the better arm. Returns [] when the episode has already succeeded and None
-    when success cannot be reached.
+    for Bandit it is the better arm; an answer world (AnswerEnv) gives its solver's answer, [answer].
+    Returns [] when the episode has already succeeded and None when success cannot be reached.
     >>> from worlds.sokoban import Sokoban
     >>> env = Sokoban(room="#####\\n#PXO#\\n#####"); _ = env.reset(); solve(env)
     ['Right']
@@ -101,7 +129,7 @@ def solve(env):
         return []
     if env.done:
         return None
-    return search(env, env.state())
+    return env.plan()
 
 
 def search(env, start, limit=None):
